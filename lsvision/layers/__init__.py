@@ -1,0 +1,11 @@
+"""Attention math shared by the lsvision models. Layers know no model."""
+from .long_short import (
+    ConvDynamicProjection,
+    LinearDynamicProjection,
+    LinearQkv,
+    LongShortAttention2d,
+    SepConvQkv,
+    window_rel_pos_index,
+    window_rel_pos_table_size,
+    window_span,
+)

@@ -1,0 +1,331 @@
+"""2D long-short attention (Transformer-LS).
+
+Paper: `Long-Short Transformer: Efficient Transformers for Language and Vision` - https://arxiv.org/abs/2107.02192
+
+Each patch query attends, in one joint softmax, to
+  * r dynamic-projection keys per head: k_bar = LN_G(P @ LN_L(k)), P = softmax over tokens of learned logits,
+  * the keys of its segment-wise window: queries are cut into w x w blocks, and all queries of a block share the
+    keys of the (w + 2 * (w // 2))^2 span around it (zero padded at the border, padded keys masked),
+  * the prefix (cls) keys.
+Prefix queries then attend to their own keys and to the attention outputs of all patches ("post-cls" update).
+
+The math follows NVIDIA/transformer-ls `AttentionLS` exactly. Beyond it: any H x W (non-square, not divisible by
+w: queries and keys are padded and masked, the output cropped), any number of prefix tokens, and pure bf16/fp16
+without autocast. The attention itself runs through `F.scaled_dot_product_attention` with the windows batched.
+
+Hacked together by the lsvision authors. Apache-2.0.
+"""
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
+
+__all__ = [
+    'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
+    'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index',
+]
+
+
+def window_span(window_size: int) -> Tuple[int, int]:
+    """Key padding s and key span K = w + 2s of a segment of size w (s = max(w // 2, 1))."""
+    pad = max(window_size // 2, 1)
+    return pad, window_size + 2 * pad
+
+
+def window_rel_pos_table_size(window_size: int) -> int:
+    """Rows of the official window relative-position table: 2 (w + s' - 1)(w + 2s' + 1) + 1, s' = w // 2."""
+    sp = window_size // 2
+    return 2 * (window_size + sp - 1) * (window_size + 2 * sp + 1) + 1
+
+
+def window_rel_pos_index(window_size: int, device: torch.device) -> torch.Tensor:
+    """Official relative-position index of window queries (w^2) against window-span keys (K^2).
+
+    With delta = query coord - key coord per axis, idx = (drow + s' + w - 1) * (w + 2s') + (dcol + s' + w - 1).
+    The row multiplier is smaller than the number of column offsets, so distinct offsets can share a row of the
+    table (Transformer-LS bug B1); it is reproduced as is so official checkpoints keep their meaning.
+    """
+    pad, span = window_span(window_size)
+    sp = window_size // 2
+    q = torch.arange(window_size, device=device)
+    k = torch.arange(span, device=device) - pad  # key coords relative to the segment start
+    delta = q[:, None] - k[None, :]  # (w, K)
+    drow = delta[:, None, :, None]
+    dcol = delta[None, :, None, :]
+    idx = (drow + sp + window_size - 1) * (window_size + 2 * sp) + (dcol + sp + window_size - 1)
+    return idx.reshape(window_size * window_size, span * span)
+
+
+def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(B, H*W, C) -> (B, C, H, W)."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], feat_size[0], feat_size[1])
+
+
+class LinearQkv(nn.Linear):
+    """Fused q, k, v Linear over all tokens (ViL-LS). Output rows [0:C] = q, [C:2C] = k, [2C:3C] = v."""
+
+    def __init__(self, dim: int, bias: bool = True, device=None, dtype=None):
+        super().__init__(dim, 3 * dim, bias=bias, device=device, dtype=dtype)
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix_tokens: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = F.linear(x, self.weight, self.bias).chunk(3, dim=-1)
+        return q, k, v
+
+
+class SepConv2d(nn.Sequential):
+    """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base."""
+
+    def __init__(self, dim: int, device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, **dd)
+        self.bn = nn.BatchNorm2d(dim, **dd)
+        self.pw = nn.Conv2d(dim, dim, 1, **dd)
+
+
+class SepConvQkv(nn.Module):
+    """q, k, v from three depthwise-separable convs over the patch map (CvT-LS).
+
+    Prefix tokens have no conv projection: their q, k and v are the input tokens themselves.
+    """
+
+    def __init__(self, dim: int, device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.q = SepConv2d(dim, **dd)
+        self.k = SepConv2d(dim, **dd)
+        self.v = SepConv2d(dim, **dd)
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix_tokens: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        prefix, patches = x[:, :num_prefix_tokens], x[:, num_prefix_tokens:]
+        feat_map = _tokens_to_map(patches, feat_size)
+        q = torch.cat([prefix, self.q(feat_map).flatten(2).transpose(1, 2)], dim=1)
+        k = torch.cat([prefix, self.k(feat_map).flatten(2).transpose(1, 2)], dim=1)
+        v = torch.cat([prefix, self.v(feat_map).flatten(2).transpose(1, 2)], dim=1)
+        return q, k, v
+
+
+class LinearDynamicProjection(nn.Linear):
+    """Dynamic-projection logits from a Linear over the patch tokens (ViL-LS `to_dynamic_projection`)."""
+
+    def __init__(self, dim: int, num_proj: int, device=None, dtype=None):
+        super().__init__(dim, num_proj, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ConvDynamicProjection(nn.Module):
+    """Dynamic-projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (CvT-LS)."""
+
+    def __init__(self, dim: int, num_proj: int, device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
+        self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        x = self.pw(self.dw(_tokens_to_map(x, feat_size)))
+        return x.flatten(2).transpose(1, 2)
+
+
+_QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
+_DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
+
+
+@register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
+class LongShortAttention2d(nn.Module):
+    """Long-short attention over a 2D token map with optional prefix (cls) tokens.
+
+    Input tokens are (B, g + H * W, C): g prefix tokens first, then the map in row-major order. g is inferred
+    from the token count and `feat_size`, so any g >= 0 works.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            window_size: int = 7,
+            dp_rank: int = 8,
+            qkv_bias: bool = True,
+            qkv_layer: str = 'linear',
+            dp_layer: str = 'linear',
+            rel_pos_bias: bool = False,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            dual_ln_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            dim: Channels C.
+            num_heads: Attention heads h; head dim is C / h.
+            window_size: Segment size w; each w x w block of queries sees a (w + 2 * (w // 2))^2 key span.
+            dp_rank: Dynamic projections r per head.
+            qkv_bias: Bias in the fused qkv Linear (`qkv_layer='linear'` only).
+            qkv_layer: 'linear' (fused Linear, ViL-LS) or 'conv' (depthwise-separable convs, CvT-LS).
+            dp_layer: Projection-logit module: 'linear' (ViL-LS) or 'conv' (WS depthwise 3x3 + pointwise, CvT-LS).
+            rel_pos_bias: Add the official window relative-position bias to the window scores.
+            attn_drop: Dropout on the joint attention weights of the patch queries.
+            proj_drop: Dropout after the output projection.
+            dual_ln_eps: Epsilon of the DualLN pair.
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        assert dim % num_heads == 0, f'dim {dim} must be divisible by num_heads {num_heads}'
+        if qkv_layer not in _QKV_LAYERS or dp_layer not in _DP_LAYERS:
+            raise ValueError(
+                f'qkv_layer must be one of {sorted(_QKV_LAYERS)} and dp_layer one of {sorted(_DP_LAYERS)}, '
+                f'got {qkv_layer!r} and {dp_layer!r}')
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.window_size = window_size
+        self.dp_rank = dp_rank
+        self.attn_drop = attn_drop
+
+        if qkv_layer == 'linear':
+            self.qkv = LinearQkv(dim, bias=qkv_bias, **dd)
+        else:
+            self.qkv = SepConvQkv(dim, **dd)
+        self.dynamic_proj = _DP_LAYERS[dp_layer](dim, num_heads * dp_rank, **dd)
+        self.norm_local = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)  # LN_L on k and v
+        self.norm_global = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)  # LN_G on the projected k and v
+        if rel_pos_bias:
+            self.rel_pos_table = nn.Parameter(torch.zeros(window_rel_pos_table_size(window_size), num_heads, **dd))
+            trunc_normal_(self.rel_pos_table, std=.02)
+        else:
+            self.rel_pos_table = None
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        return x.reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def _window_mask(
+            self,
+            feat_size: Tuple[int, int],
+            grid: Tuple[int, int],
+            dtype: torch.dtype,
+            device: torch.device,
+    ) -> torch.Tensor:
+        """Additive mask (+ bias) of the window keys: (1 or h, Gy * Gx, 1 or w^2, K^2)."""
+        H, W = feat_size
+        ws = self.window_size
+        pad, span = window_span(ws)
+        valid = torch.zeros(grid[0] * ws + 2 * pad, grid[1] * ws + 2 * pad, dtype=torch.bool, device=device)
+        valid[pad:pad + H, pad:pad + W] = True
+        valid = valid.unfold(0, span, ws).unfold(1, span, ws)  # (Gy, Gx, K, K)
+        num_tiles = grid[0] * grid[1]
+        mask = torch.zeros(num_tiles, span * span, dtype=dtype, device=device)
+        mask = mask.masked_fill(~valid.reshape(num_tiles, span * span), float('-inf'))
+        mask = mask[None, :, None, :]
+        if self.rel_pos_table is not None:
+            idx = window_rel_pos_index(ws, device)
+            bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads)
+            mask = mask + bias.permute(2, 0, 1)[:, None].to(dtype)  # (h, G, w^2, K^2)
+        return mask
+
+    def _gather_keys(
+            self,
+            t: torch.Tensor,
+            t_bar: torch.Tensor,
+            prefix: torch.Tensor,
+            feat_size: Tuple[int, int],
+            grid: Tuple[int, int],
+    ) -> torch.Tensor:
+        """Keys (or values) of every tile: [projected (r) | window span (K^2) | prefix (g)] -> (B, h*G, L, d)."""
+        B, h, _, d = t.shape
+        H, W = feat_size
+        ws = self.window_size
+        pad, span = window_span(ws)
+        num_tiles = grid[0] * grid[1]
+        t = F.pad(t.reshape(B, h, H, W, d), (0, 0, pad, grid[1] * ws - W + pad, pad, grid[0] * ws - H + pad))
+        t = t.unfold(2, span, ws).unfold(3, span, ws)  # (B, h, gy, gx, d, K, K)
+        t = t.permute(0, 1, 2, 3, 5, 6, 4).reshape(B, h, num_tiles, span * span, d)
+        parts = [t_bar[:, :, None].expand(-1, -1, num_tiles, -1, -1), t]
+        if prefix.shape[2] > 0:
+            parts.append(prefix[:, :, None].expand(-1, -1, num_tiles, -1, -1))
+        return torch.cat(parts, dim=3).reshape(B, h * num_tiles, -1, d)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        """
+        Args:
+            x: Tokens (B, g + H * W, C).
+            feat_size: Map size (H, W).
+
+        Returns:
+            Tokens (B, g + H * W, C).
+        """
+        B, N, C = x.shape
+        H, W = feat_size
+        num_patches = H * W
+        num_prefix = N - num_patches
+        torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
+        h, d, r, ws = self.num_heads, self.head_dim, self.dp_rank, self.window_size
+
+        q, k, v = self.qkv(x, feat_size, num_prefix)
+        k = self.norm_local(k)
+        v = self.norm_local(v)
+
+        # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
+        logits = self.dynamic_proj(x[:, num_prefix:], feat_size)  # (B, Np, h * r)
+        proj = logits.transpose(1, 2).reshape(B, h, r, num_patches).float().softmax(dim=-1).to(x.dtype)
+        k_patch = self._split_heads(k[:, num_prefix:])  # (B, h, Np, d)
+        v_patch = self._split_heads(v[:, num_prefix:])
+        k_bar = self._split_heads(self.norm_global((proj @ k_patch).transpose(1, 2).reshape(B, r, C)))
+        v_bar = self._split_heads(self.norm_global((proj @ v_patch).transpose(1, 2).reshape(B, r, C)))
+
+        # segment-wise windows: pad the map to whole segments, queries in w x w tiles, keys in K x K spans
+        gy, gx = (H + ws - 1) // ws, (W + ws - 1) // ws
+        num_tiles = gy * gx
+        q_patch = self._split_heads(q[:, num_prefix:]).reshape(B, h, H, W, d)
+        q_patch = F.pad(q_patch, (0, 0, 0, gx * ws - W, 0, gy * ws - H))
+        q_tiles = q_patch.reshape(B, h, gy, ws, gx, ws, d).permute(0, 1, 2, 4, 3, 5, 6)
+        q_tiles = q_tiles.reshape(B, h * num_tiles, ws * ws, d)
+
+        k_prefix = self._split_heads(k[:, :num_prefix])
+        v_prefix = self._split_heads(v[:, :num_prefix])
+        keys = self._gather_keys(k_patch, k_bar, k_prefix, feat_size, (gy, gx))
+        values = self._gather_keys(v_patch, v_bar, v_prefix, feat_size, (gy, gx))
+
+        # additive mask over [dp (r) | window (K^2) | prefix (g)]: -inf on padded keys, window bias if any
+        win_mask = self._window_mask(feat_size, (gy, gx), q.dtype, q.device)
+        mh, mq = win_mask.shape[0], win_mask.shape[2]
+        mask = torch.cat([
+            win_mask.new_zeros(mh, num_tiles, mq, r),
+            win_mask,
+            win_mask.new_zeros(mh, num_tiles, mq, num_prefix),
+        ], dim=-1)
+        mask = mask.expand(h, -1, -1, -1).reshape(1, h * num_tiles, mq, -1)
+
+        out = F.scaled_dot_product_attention(
+            q_tiles, keys, values, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
+        out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 1, 2, 4, 3, 5, 6).reshape(B, h, gy * ws, gx * ws, d)
+        out = out[:, :, :H, :W].reshape(B, h, num_patches, d)
+
+        if num_prefix > 0:
+            # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs
+            q_prefix = self._split_heads(q[:, :num_prefix])
+            prefix_out = F.scaled_dot_product_attention(
+                q_prefix, torch.cat([k_prefix, out], dim=2), torch.cat([v_prefix, out], dim=2))
+            out = torch.cat([prefix_out, out], dim=2)
+
+        x = out.transpose(1, 2).reshape(B, N, C)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x

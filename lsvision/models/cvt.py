@@ -1,0 +1,536 @@
+"""CvT: Convolutional vision Transformer, and the model class CvT-LS builds on.
+
+Papers:
+    * `CvT: Introducing Convolutions to Vision Transformers` - https://arxiv.org/abs/2103.15808
+    * `Long-Short Transformer: Efficient Transformers for Language and Vision` - https://arxiv.org/abs/2107.02192
+
+Three stages, each a convolutional token embedding (Conv2d + LayerNorm) followed by pre-norm transformer blocks;
+a cls token joins the last stage only; no position embedding. The attention is pluggable:
+    * 'conv': Microsoft's official CvT attention (`cvt_13`, `cvt_21`): q, k, v from depthwise 3x3 conv + BN
+      (keys/values at stride 2) and a Linear each, scale C^-0.5 over the full stage width, QuickGELU MLPs.
+    * 'long_short': the 2D long-short attention of Transformer-LS (`cvt_ls_*`, registered in cvt_ls.py).
+
+The official CvT classifies from the stage-3 cls token. lsvision keeps that head as `global_pool='token'`; the
+default is `global_pool='avg'` (mean of the normed stage-3 map) so that `forward_features` can return the NCHW map
+that timm's standard contract and dense-prediction users expect, with `forward == forward_head(forward_features)`.
+
+Adapted from microsoft/CvT (MIT). Written for lsvision, Apache-2.0.
+"""
+from functools import partial
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, QuickGELU, _assert, get_device_dtype, register_notrace_module, trunc_normal_
+from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+
+from lsvision.layers import LongShortAttention2d
+
+__all__ = ['ConvVisionTransformer']
+
+
+class ConvEmbed(nn.Module):
+    """Overlapping conv token embedding: Conv2d (bias) then LayerNorm over channels. NCHW in and out."""
+
+    def __init__(
+            self,
+            in_chs: int,
+            dim: int,
+            patch_size: int,
+            stride: int,
+            padding: int,
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.proj = nn.Conv2d(in_chs, dim, patch_size, stride=stride, padding=padding, **dd)
+        self.norm = nn.LayerNorm(dim, eps=norm_eps, **dd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConvProjection(nn.Sequential):
+    """Depthwise 3x3 conv (no bias) then BatchNorm: Microsoft CvT's `conv_proj_{q,k,v}`."""
+
+    def __init__(self, dim: int, stride: int = 1, device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.conv = nn.Conv2d(dim, dim, 3, stride=stride, padding=1, groups=dim, bias=False, **dd)
+        self.bn = nn.BatchNorm2d(dim, **dd)
+
+
+@register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
+class ConvAttention(nn.Module):
+    """Microsoft CvT attention: conv projections (keys/values strided), Linear q/k/v, full softmax attention.
+
+    Prefix (cls) tokens skip the conv projection and join q, k and v before the Linear layers. The scale is
+    C^-0.5 with C the full stage width, a quirk of the official code that its trained weights depend on.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            qkv_bias: bool = True,
+            kv_stride: int = 2,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            device=None,
+            dtype=None,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.num_heads = num_heads
+        self.scale = dim ** -0.5
+        self.attn_drop = attn_drop
+        self.conv_proj_q = ConvProjection(dim, 1, **dd)
+        self.conv_proj_k = ConvProjection(dim, kv_stride, **dd)
+        self.conv_proj_v = ConvProjection(dim, kv_stride, **dd)
+        self.proj_q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.proj_k = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.proj_v = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], x.shape[1], self.num_heads, -1).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        num_prefix = N - feat_size[0] * feat_size[1]
+        prefix = x[:, :num_prefix]
+        feat_map = x[:, num_prefix:].transpose(1, 2).reshape(B, C, feat_size[0], feat_size[1])
+
+        q = torch.cat([prefix, self.conv_proj_q(feat_map).flatten(2).transpose(1, 2)], dim=1)
+        k = torch.cat([prefix, self.conv_proj_k(feat_map).flatten(2).transpose(1, 2)], dim=1)
+        v = torch.cat([prefix, self.conv_proj_v(feat_map).flatten(2).transpose(1, 2)], dim=1)
+        q = self._split_heads(self.proj_q(q))
+        k = self._split_heads(self.proj_k(k))
+        v = self._split_heads(self.proj_v(v))
+        x = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        x = self.proj(x.transpose(1, 2).reshape(B, N, C))
+        return self.proj_drop(x)
+
+
+class CvtBlock(nn.Module):
+    """Pre-norm transformer block on (B, g + H*W, C) tokens: attention and MLP, each with its own residual."""
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            mlp_ratio: float = 4.,
+            qkv_bias: bool = True,
+            attn_type: str = 'conv',
+            window_size: int = 8,
+            dp_rank: int = 16,
+            proj_drop: float = 0.,
+            attn_drop: float = 0.,
+            drop_path: float = 0.,
+            act_layer: type = nn.GELU,
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **dd)
+        if attn_type == 'long_short':
+            self.attn = LongShortAttention2d(
+                dim,
+                num_heads=num_heads,
+                window_size=window_size,
+                dp_rank=dp_rank,
+                qkv_layer='conv',
+                dp_layer='conv',
+                attn_drop=attn_drop,
+                proj_drop=proj_drop,
+                **dd,
+            )
+        elif attn_type == 'conv':
+            self.attn = ConvAttention(
+                dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
+        else:
+            raise ValueError(f"attn_type must be 'conv' or 'long_short', got {attn_type!r}")
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **dd)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x
+
+
+class CvtStage(nn.Module):
+    """Conv token embedding, optional cls token, then transformer blocks. NCHW in, NCHW out."""
+
+    def __init__(
+            self,
+            in_chs: int,
+            dim: int,
+            depth: int,
+            num_heads: int,
+            patch_size: int,
+            patch_stride: int,
+            patch_padding: int,
+            cls_token: bool = False,
+            drop_path: Sequence[float] = (),
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+            **block_kwargs: Any,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.grad_checkpointing = False
+        self.patch_embed = ConvEmbed(in_chs, dim, patch_size, patch_stride, patch_padding, norm_eps=norm_eps, **dd)
+        self.num_prefix_tokens = 1 if cls_token else 0
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **dd)) if cls_token else None
+        drop_path = list(drop_path) or [0.] * depth
+        self.blocks = nn.ModuleList([
+            CvtBlock(dim, num_heads, drop_path=drop_path[i], norm_eps=norm_eps, **block_kwargs, **dd)
+            for i in range(depth)
+        ])
+
+    def forward_with_prefix(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output map (B, C, H, W) and the prefix tokens (B, g, C), g = 0 without a cls token."""
+        x = self.patch_embed(x)
+        B, C, H, W = x.shape
+        feat_size = (H, W)
+        x = x.flatten(2).transpose(1, 2)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, feat_size)
+            else:
+                x = blk(x, feat_size)
+        prefix = x[:, :self.num_prefix_tokens]
+        x = x[:, self.num_prefix_tokens:].transpose(1, 2).reshape(B, C, H, W)
+        return x, prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_prefix(x)[0]
+
+
+class ConvVisionTransformer(nn.Module):
+    """CvT-style hierarchical transformer with pluggable attention (CvT, CvT-LS)."""
+
+    def __init__(
+            self,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            embed_dims: Tuple[int, ...] = (64, 192, 384),
+            depths: Tuple[int, ...] = (1, 2, 10),
+            num_heads: Tuple[int, ...] = (1, 3, 6),
+            patch_sizes: Tuple[int, ...] = (7, 3, 3),
+            patch_strides: Tuple[int, ...] = (4, 2, 2),
+            patch_paddings: Tuple[int, ...] = (2, 1, 1),
+            cls_token_stages: Tuple[bool, ...] = (False, False, True),
+            mlp_ratio: float = 4.,
+            qkv_bias: bool = True,
+            attn_type: str = 'conv',
+            window_sizes: Tuple[int, ...] = (8, 4, 2),
+            dp_ranks: Tuple[int, ...] = (64, 16, 4),
+            act_layer: str = 'quick_gelu',
+            norm_eps: float = 1e-5,
+            drop_rate: float = 0.,
+            proj_drop_rate: float = 0.,
+            attn_drop_rate: float = 0.,
+            drop_path_rate: float = 0.,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            in_chans: Input image channels.
+            num_classes: Classifier outputs (0 for no classifier).
+            global_pool: 'avg' (mean of the normed last map), 'token' (normed cls token, the official CvT head;
+                needs a cls token in the last stage) or '' (no pooling).
+            embed_dims: Channels per stage.
+            depths: Blocks per stage.
+            num_heads: Attention heads per stage.
+            patch_sizes: Conv embedding kernel per stage.
+            patch_strides: Conv embedding stride per stage.
+            patch_paddings: Conv embedding padding per stage.
+            cls_token_stages: Which stages prepend a cls token.
+            mlp_ratio: MLP hidden width over block width.
+            qkv_bias: Bias in the q/k/v Linear layers (attn_type 'conv').
+            attn_type: 'conv' (Microsoft CvT) or 'long_short' (Transformer-LS).
+            window_sizes: Long-short segment size w per stage.
+            dp_ranks: Long-short dynamic projections r per head, per stage.
+            act_layer: MLP activation, 'quick_gelu' (Microsoft CvT) or 'gelu'.
+            norm_eps: LayerNorm epsilon.
+            drop_rate: Dropout before the classifier.
+            proj_drop_rate: Dropout after the attention projection and in the MLP.
+            attn_drop_rate: Dropout on the attention weights.
+            drop_path_rate: Stochastic depth of the last stage, rising linearly from 0 over its blocks (the CvT
+                recipe; the other stages have none).
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        num_stages = len(depths)
+        assert global_pool in ('avg', 'token', ''), f"global_pool must be 'avg', 'token' or '', got {global_pool!r}"
+        assert global_pool != 'token' or cls_token_stages[-1], "global_pool='token' needs a cls token in the last stage"
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.drop_rate = drop_rate
+        self.min_input_size = 2 ** (num_stages + 1)  # one token in the last stage
+        act = {'quick_gelu': QuickGELU, 'gelu': nn.GELU}[act_layer]
+
+        last_dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depths[-1], device='cpu')]
+        stages = []
+        in_chs = in_chans
+        self.feature_info = []
+        reduction = 1
+        for i in range(num_stages):
+            reduction *= patch_strides[i]
+            stages.append(CvtStage(
+                in_chs,
+                embed_dims[i],
+                depth=depths[i],
+                num_heads=num_heads[i],
+                patch_size=patch_sizes[i],
+                patch_stride=patch_strides[i],
+                patch_padding=patch_paddings[i],
+                cls_token=cls_token_stages[i],
+                drop_path=last_dpr if i == num_stages - 1 else (),
+                norm_eps=norm_eps,
+                mlp_ratio=mlp_ratio,
+                qkv_bias=qkv_bias,
+                attn_type=attn_type,
+                window_size=window_sizes[i],
+                dp_rank=dp_ranks[i],
+                proj_drop=proj_drop_rate,
+                attn_drop=attn_drop_rate,
+                act_layer=act,
+                **dd,
+            ))
+            in_chs = embed_dims[i]
+            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
+        self.stages = nn.Sequential(*stages)
+
+        self.norm = nn.LayerNorm(self.num_features, eps=norm_eps, **dd)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+
+        self.apply(self._init_weights)
+        for stage in self.stages:
+            if stage.cls_token is not None:
+                trunc_normal_(stage.cls_token, std=.02)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return {n for n, _ in self.named_parameters() if n.endswith('cls_token')}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r'^stages\.0\.patch_embed',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.(?:patch_embed|cls_token)', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                (r'^norm', (99999,)),
+            ]
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for s in self.stages:
+            s.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            assert global_pool in ('avg', 'token', ''), f"global_pool must be 'avg', 'token' or '', got {global_pool!r}"
+            self.global_pool = global_pool
+        dd = get_device_dtype(self)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        _assert(x.ndim == 4, f'expected an image batch (B, {self.in_chans}, H, W), got {x.ndim} dims')
+        _assert(
+            x.shape[1] == self.in_chans,
+            f'expected {self.in_chans} input channels, got {x.shape[1]}; '
+            f'create the model with in_chans={x.shape[1]} to change it',
+        )
+        _assert(
+            x.shape[2] >= self.min_input_size and x.shape[3] >= self.min_input_size,
+            f'input {x.shape[2]}x{x.shape[3]} is smaller than the smallest this model takes '
+            f'({self.min_input_size}x{self.min_input_size})',
+        )
+
+    def _norm_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward that also returns the stage outputs.
+
+        Args:
+            x: Input images.
+            indices: Take the last n stages if an int, all if None, the listed stages if a sequence.
+            norm: Apply the final norm to the last stage's tap.
+            stop_early: Stop after the last stage needed.
+            output_fmt: Only 'NCHW'.
+            intermediates_only: Return only the taps.
+
+        Returns:
+            The taps, or (final features as forward_features returns them, taps).
+        """
+        assert output_fmt == 'NCHW', 'Output format must be NCHW.'
+        self._check_input(x)
+        intermediates = []
+        num_stages = len(self.stages)
+        take_indices, max_index = feature_take_indices(num_stages, indices)
+        if torch.jit.is_scripting() or not stop_early:  # can't slice stages in torchscript
+            stages = self.stages
+        else:
+            stages = self.stages[:max_index + 1]
+        last_idx = 0
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            last_idx = i
+            if i in take_indices:
+                intermediates.append(self._norm_map(x) if norm and i == num_stages - 1 else x)
+        if intermediates_only:
+            return intermediates
+        if last_idx == num_stages - 1:
+            x = self._norm_map(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages after the last needed tap (and the final norm and head as asked)."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_end:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed last-stage map (B, C, H/16, W/16); the cls token is dropped."""
+        self._check_input(x)
+        x = self.stages(x)
+        return self._norm_map(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Classify the map from forward_features ('avg' or '' pooling) or a normed cls token (B, C) ('token')."""
+        if self.global_pool == 'avg':
+            x = x.mean(dim=(2, 3))
+        elif self.global_pool == 'token':
+            _assert(x.ndim == 2, "global_pool='token' classifies the cls token: call forward(), not "
+                    'forward_head(forward_features(x)), which returns the map without it')
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.global_pool == 'token':
+            self._check_input(x)
+            prefix = x
+            for stage in self.stages:
+                x, prefix = stage.forward_with_prefix(x)
+            return self.forward_head(self.norm(prefix[:, 0]))
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Map a Microsoft CvT checkpoint (`stage{i}.blocks.{j}...`) to lsvision names; lsvision ones pass through."""
+    if 'state_dict' in state_dict:
+        state_dict = state_dict['state_dict']
+    if any(k.startswith('stages.') for k in state_dict):
+        return state_dict
+    import re
+    out = {}
+    for k, v in state_dict.items():
+        k = re.sub(r'^module\.', '', k)
+        k = re.sub(r'^stage(\d+)\.', lambda m: f'stages.{m.group(1)}.', k)
+        out[k] = v
+    return out
+
+
+def _create_cvt(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    out_indices = kwargs.pop('out_indices', (0, 1, 2))
+    return build_model_with_cfg(
+        ConvVisionTransformer,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(feature_cls='getter', out_indices=out_indices),
+        **kwargs,
+    )
+
+
+def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
+    return {
+        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (14, 14),
+        'crop_pct': 0.875, 'interpolation': 'bicubic', 'fixed_input_size': False,
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'stages.0.patch_embed.proj', 'classifier': 'head',
+        'license': 'mit', 'paper_ids': 'arXiv:2103.15808', 'paper_name': 'CvT: Introducing Convolutions to Vision '
+        'Transformers', 'origin_url': 'https://github.com/microsoft/CvT',
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    'cvt_13.untrained': _cfg(),
+    'cvt_21.untrained': _cfg(),
+})
+
+_cvt_ms = partial(dict, attn_type='conv', act_layer='quick_gelu')
+
+
+@register_model
+def cvt_13(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    """CvT-13, Microsoft's official design (19.997M params, 4.585 GFLOPs at 224)."""
+    model_args = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 2, 10))
+    return _create_cvt('cvt_13', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def cvt_21(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    """CvT-21, Microsoft's official design (31.623M params, 7.206 GFLOPs at 224)."""
+    model_args = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 4, 16))
+    return _create_cvt('cvt_21', pretrained=pretrained, **dict(model_args, **kwargs))
