@@ -1,9 +1,9 @@
 """The 2D long-short attention fast path against its dense reference, and its edge cases."""
 import pytest
 import torch
+from reference_attention import dense_long_short_attention_2d
 
 from lsvision.layers import LongShortAttention2d, window_rel_pos_index, window_rel_pos_table_size, window_span
-from reference_attention import dense_long_short_attention_2d
 
 # (H, W), w, r, heads, prefix tokens, batch, qkv layer, dp layer, window RPE
 SWEEP = [

@@ -24,13 +24,37 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, QuickGELU, _assert, get_device_dtype, register_notrace_module, trunc_normal_
+from timm.layers import (
+    DropPath,
+    Mlp,
+    QuickGELU,
+    _assert,
+    get_device_dtype,
+    register_notrace_function,
+    register_notrace_module,
+    trunc_normal_,
+)
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 
 from lsvision.layers import LongShortAttention2d
 
 __all__ = ['ConvVisionTransformer']
+
+
+@register_notrace_function  # asserts on the input shape: a leaf for torch.fx
+def check_image_input(x: torch.Tensor, in_chans: int, min_size: int) -> None:
+    """Raise an error that says what was expected when `x` is not an image batch the model can take."""
+    _assert(x.ndim == 4, f'expected an image batch (B, {in_chans}, H, W), got a tensor of {x.ndim} dims')
+    _assert(
+        x.shape[1] == in_chans,
+        f'expected {in_chans} input channels, got {x.shape[1]}; create the model with in_chans={x.shape[1]} '
+        'to change it',
+    )
+    _assert(
+        x.shape[2] >= min_size and x.shape[3] >= min_size,
+        f'input {x.shape[2]}x{x.shape[3]} is smaller than the smallest this model takes ({min_size}x{min_size})',
+    )
 
 
 class ConvEmbed(nn.Module):
@@ -372,19 +396,6 @@ class ConvVisionTransformer(nn.Module):
         self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
         self.head.train(self.training)
 
-    def _check_input(self, x: torch.Tensor) -> None:
-        _assert(x.ndim == 4, f'expected an image batch (B, {self.in_chans}, H, W), got {x.ndim} dims')
-        _assert(
-            x.shape[1] == self.in_chans,
-            f'expected {self.in_chans} input channels, got {x.shape[1]}; '
-            f'create the model with in_chans={x.shape[1]} to change it',
-        )
-        _assert(
-            x.shape[2] >= self.min_input_size and x.shape[3] >= self.min_input_size,
-            f'input {x.shape[2]}x{x.shape[3]} is smaller than the smallest this model takes '
-            f'({self.min_input_size}x{self.min_input_size})',
-        )
-
     def _norm_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
@@ -411,7 +422,7 @@ class ConvVisionTransformer(nn.Module):
             The taps, or (final features as forward_features returns them, taps).
         """
         assert output_fmt == 'NCHW', 'Output format must be NCHW.'
-        self._check_input(x)
+        check_image_input(x, self.in_chans, self.min_input_size)
         intermediates = []
         num_stages = len(self.stages)
         take_indices, max_index = feature_take_indices(num_stages, indices)
@@ -451,7 +462,7 @@ class ConvVisionTransformer(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Normed last-stage map (B, C, H/16, W/16); the cls token is dropped."""
-        self._check_input(x)
+        check_image_input(x, self.in_chans, self.min_input_size)
         x = self.stages(x)
         return self._norm_map(x)
 
@@ -467,7 +478,7 @@ class ConvVisionTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.global_pool == 'token':
-            self._check_input(x)
+            check_image_input(x, self.in_chans, self.min_input_size)
             prefix = x
             for stage in self.stages:
                 x, prefix = stage.forward_with_prefix(x)

@@ -1,0 +1,178 @@
+"""CvT and CvT-LS: registration, exact sizes, FLOPs, training behaviour and input errors."""
+import pytest
+import torch
+
+import timm
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.flops import count_flops
+
+# spec long_short.md §3.4/§3.5/§5: exact parameter counts (BN buffers excluded) and fvcore GFLOPs (1 MAC = 1 FLOP)
+PARAMS = {
+    'cvt_ls_13': 20_185_464,
+    'cvt_ls_17': 23_555_544,
+    'cvt_ls_21': 31_930_344,
+    'cvt_ls_21s': 30_767_160,
+    'cvt_ls_13_384': 20_185_464,
+    'cvt_ls_21_384': 31_930_344,
+    'cvt_ls_13_448': 20_300_552,
+    'cvt_ls_17_448': 23_763_272,
+    'cvt_ls_21_448': 32_119_400,
+    'cvt_ls_21s_448': 31_011_848,
+    'cvt_13': 19_997_480,
+    'cvt_21': 31_622_696,
+}
+GFLOPS = {
+    'cvt_ls_13': 4.953,
+    'cvt_ls_17': 9.778,
+    'cvt_ls_21': 7.888,
+    'cvt_ls_21s': 11.212,
+    'cvt_ls_21_384': 23.864,
+    'cvt_13': 4.585,
+    'cvt_21': 7.206,
+}
+TINY_LS = dict(
+    embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2), window_sizes=(4, 2, 2), dp_ranks=(4, 2, 2))
+TINY_CONV = dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2))
+
+
+def test_registered_names():
+    names = set(timm.list_models(['cvt_*']))
+    for size in ('13', '17', '21', '21s'):
+        for res in ('', '_384', '_448'):
+            assert f'cvt_ls_{size}{res}' in names
+    assert {'cvt_13', 'cvt_21'} <= names
+
+
+@pytest.mark.parametrize('name', sorted(PARAMS))
+def test_parameter_count(name):
+    model = timm.create_model(name)
+    assert sum(p.numel() for p in model.parameters()) == PARAMS[name]
+
+
+@pytest.mark.parametrize('name', sorted(GFLOPS))
+def test_flops_match_spec(name):
+    model = timm.create_model(name)
+    size = model.pretrained_cfg['input_size']
+    gflops = count_flops(model, size).total / 1e9
+    assert gflops == pytest.approx(GFLOPS[name], rel=0.02)
+
+
+def test_window_and_rank_follow_resolution():
+    for name, ws, rs in (('cvt_ls_13', (8, 4, 2), (64, 16, 4)), ('cvt_ls_13_384', (12, 6, 3), (64, 16, 4)),
+                         ('cvt_ls_13_448', (16, 8, 4), (128, 32, 8))):
+        model = timm.create_model(name)
+        assert tuple(s.blocks[0].attn.window_size for s in model.stages) == ws
+        assert tuple(s.blocks[0].attn.dp_rank for s in model.stages) == rs
+
+
+@pytest.mark.parametrize('name', ['cvt_ls_13', 'cvt_13'])
+def test_full_model_forward_at_native_size(name):
+    model = timm.create_model(name).eval()
+    with torch.no_grad():
+        feats = model.forward_intermediates(torch.randn(1, 3, 224, 224), intermediates_only=True)
+    assert [tuple(f.shape) for f in feats] == [(1, 64, 56, 56), (1, 192, 28, 28), (1, 384, 14, 14)]
+
+
+@pytest.mark.parametrize('name,kwargs', [('cvt_ls_13', TINY_LS), ('cvt_13', TINY_CONV)])
+def test_train_step_with_drop_path(name, kwargs):
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, drop_path_rate=0.1, **kwargs).train()
+    assert any(type(m).__name__ == 'DropPath' for m in model.modules())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(3, 3, 64, 80), torch.tensor([0, 3, 4])
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize('name,kwargs', [('cvt_ls_13', TINY_LS), ('cvt_13', TINY_CONV)])
+def test_pure_bf16_forward(name, kwargs):
+    model = timm.create_model(name, **kwargs).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, 96, 112, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_full_size_bf16_forward():
+    model = timm.create_model('cvt_ls_13').eval().to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 224, 224, dtype=torch.bfloat16))
+    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize('size', [(32, 32), (100, 76), (130, 200)])
+def test_any_input_size(size):
+    model = timm.create_model('cvt_ls_13', **TINY_LS).eval()
+    with torch.no_grad():
+        out = model.forward_features(torch.randn(1, 3, *size))
+    expected = []
+    for s in size:
+        for k, st, p in ((7, 4, 2), (3, 2, 1), (3, 2, 1)):  # the conv embeddings
+            s = (s + 2 * p - k) // st + 1
+        expected.append(s)
+    assert tuple(out.shape[-2:]) == tuple(expected)
+
+
+def test_wrong_input_is_explained():
+    model = timm.create_model('cvt_ls_13', **TINY_LS).eval()
+    with pytest.raises(AssertionError, match='expected 3 input channels, got 1'):
+        model(torch.randn(1, 1, 64, 64))
+    with pytest.raises(AssertionError, match='smaller than the smallest this model takes \\(16x16\\)'):
+        model(torch.randn(1, 3, 8, 64))
+    with pytest.raises(AssertionError, match='expected an image batch'):
+        model(torch.randn(3, 64, 64))
+
+
+def test_token_head_uses_cls_token():
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', global_pool='token', num_classes=7, **TINY_LS).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        out = model(x)
+        _, prefix = model.stages[0].forward_with_prefix(x)
+        assert prefix.shape[1] == 0
+        y = x
+        for stage in model.stages:
+            y, prefix = stage.forward_with_prefix(y)
+        expected = model.head(model.norm(prefix[:, 0]))
+    torch.testing.assert_close(out, expected)
+    with pytest.raises(AssertionError, match='call forward'):
+        model.forward_head(model.forward_features(x))
+    with pytest.raises(AssertionError, match='needs a cls token'):
+        timm.create_model('cvt_ls_13', global_pool='token', cls_token_stages=(False, False, False), **TINY_LS)
+
+
+def test_grad_checkpointing_keeps_outputs_and_grads():
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', num_classes=3, **TINY_LS)
+    x = torch.randn(2, 3, 64, 64)
+    model(x).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_grad_checkpointing(True)
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_features_only():
+    model = timm.create_model('cvt_ls_13', features_only=True, **TINY_LS).eval()
+    assert model.feature_info.reduction() == [4, 8, 16]
+    assert model.feature_info.channels() == [16, 32, 64]
+    with torch.no_grad():
+        feats = model(torch.randn(1, 3, 96, 128))
+    assert [tuple(f.shape[1:]) for f in feats] == [(16, 24, 32), (32, 12, 16), (64, 6, 8)]
+
+
+def test_meta_device_and_factory_kwargs():
+    model = timm.create_model('cvt_ls_13', device='meta')
+    assert all(p.device.type == 'meta' for p in model.parameters())
+    out = model(torch.empty(1, 3, 224, 224, device='meta'))
+    assert out.shape == (1, 1000)
+    model = timm.create_model('cvt_13', dtype=torch.float64, **TINY_CONV)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
