@@ -60,8 +60,8 @@ def window_rel_pos_index(window_size: int, device: torch.device) -> torch.Tensor
 
 
 def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-    """(B, H*W, C) -> (B, C, H, W)."""
-    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], feat_size[0], feat_size[1])
+    """(B, H*W, C) -> (B, C, H, W) as a channels-last view: no copy, and the layout oneDNN convs prefer."""
+    return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
 
 
 class LinearQkv(nn.Linear):

@@ -1,3 +1,13 @@
 """timm-registered lsvision models, one file per family. Importing this package registers them all."""
+from typing import List, Union
+
+from timm.models import list_models as _timm_list_models
+from timm.models import model_entrypoint as _model_entrypoint
+
 from .cvt import *  # noqa: F401,F403
 from .cvt_ls import *  # noqa: F401,F403
+
+
+def list_models(filter: Union[str, List[str]] = '') -> List[str]:
+    """Names of the models lsvision registers with timm (fnmatch wildcards, as `timm.list_models`)."""
+    return [n for n in _timm_list_models(filter) if _model_entrypoint(n).__module__.startswith('lsvision.')]

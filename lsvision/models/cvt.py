@@ -131,7 +131,7 @@ class ConvAttention(nn.Module):
         B, N, C = x.shape
         num_prefix = N - feat_size[0] * feat_size[1]
         prefix = x[:, :num_prefix]
-        feat_map = x[:, num_prefix:].transpose(1, 2).reshape(B, C, feat_size[0], feat_size[1])
+        feat_map = x[:, num_prefix:].reshape(B, feat_size[0], feat_size[1], C).permute(0, 3, 1, 2)  # channels-last
 
         q = torch.cat([prefix, self.conv_proj_q(feat_map).flatten(2).transpose(1, 2)], dim=1)
         k = torch.cat([prefix, self.conv_proj_k(feat_map).flatten(2).transpose(1, 2)], dim=1)
@@ -241,7 +241,7 @@ class CvtStage(nn.Module):
             else:
                 x = blk(x, feat_size)
         prefix = x[:, :self.num_prefix_tokens]
-        x = x[:, self.num_prefix_tokens:].transpose(1, 2).reshape(B, C, H, W)
+        x = x[:, self.num_prefix_tokens:].reshape(B, H, W, C).permute(0, 3, 1, 2)  # NCHW, channels-last memory
         return x, prefix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
