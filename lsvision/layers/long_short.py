@@ -212,10 +212,6 @@ class LongShortAttention2d(nn.Module):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, N, _ = x.shape
-        return x.reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
-
     def _window_mask(
             self,
             feat_size: Tuple[int, int],
@@ -242,25 +238,36 @@ class LongShortAttention2d(nn.Module):
 
     def _gather_keys(
             self,
-            t: torch.Tensor,
-            t_bar: torch.Tensor,
-            prefix: torch.Tensor,
+            kv_patch: torch.Tensor,
+            kv_bar: torch.Tensor,
+            kv_prefix: torch.Tensor,
             feat_size: Tuple[int, int],
             grid: Tuple[int, int],
     ) -> torch.Tensor:
-        """Keys (or values) of every tile: [projected (r) | window span (K^2) | prefix (g)] -> (B, h*G, L, d)."""
-        B, h, _, d = t.shape
+        """Keys and values of every segment, [projected (r) | window span (K^2) | prefix (g)]: (2, B, h*G, L, d).
+
+        Args:
+            kv_patch: Patch keys and values (2, B, h, H*W, d).
+            kv_bar: Projected keys and values (2, B, h, r, d).
+            kv_prefix: Prefix keys and values (2, B, h, g, d).
+        """
+        _, B, h, _, d = kv_patch.shape
         H, W = feat_size
+        gy, gx = grid
         ws = self.window_size
         pad, span = window_span(ws)
-        num_tiles = grid[0] * grid[1]
-        t = F.pad(t.reshape(B, h, H, W, d), (0, 0, pad, grid[1] * ws - W + pad, pad, grid[0] * ws - H + pad))
-        t = t.unfold(2, span, ws).unfold(3, span, ws)  # (B, h, gy, gx, d, K, K)
-        t = t.permute(0, 1, 2, 3, 5, 6, 4).reshape(B, h, num_tiles, span * span, d)
-        parts = [t_bar[:, :, None].expand(-1, -1, num_tiles, -1, -1), t]
-        if prefix.shape[2] > 0:
-            parts.append(prefix[:, :, None].expand(-1, -1, num_tiles, -1, -1))
-        return torch.cat(parts, dim=3).reshape(B, h * num_tiles, -1, d)
+        r, g = kv_bar.shape[3], kv_prefix.shape[3]
+        # zero padding: s around the map, plus the rows/cols that complete the last segments
+        padded = kv_patch.new_zeros(2, B, h, gy * ws + 2 * pad, gx * ws + 2 * pad, d)
+        padded[:, :, :, pad:pad + H, pad:pad + W] = kv_patch.reshape(2, B, h, H, W, d)
+        tiles = padded.unfold(3, span, ws).unfold(4, span, ws)  # (2, B, h, gy, gx, d, K, K)
+        # one buffer, each part written once (no concatenation copies)
+        out = kv_patch.new_empty(2, B, h, gy, gx, r + span * span + g, d)
+        out[:, :, :, :, :, :r] = kv_bar[:, :, :, None, None]
+        out[:, :, :, :, :, r:r + span * span].unflatten(5, (span, span)).copy_(tiles.permute(0, 1, 2, 3, 4, 6, 7, 5))
+        if g > 0:
+            out[:, :, :, :, :, r + span * span:] = kv_prefix[:, :, :, None, None]
+        return out.reshape(2, B, h * gy * gx, r + span * span + g, d)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
@@ -279,29 +286,25 @@ class LongShortAttention2d(nn.Module):
         h, d, r, ws = self.num_heads, self.head_dim, self.dp_rank, self.window_size
 
         q, k, v = self.qkv(x, feat_size, num_prefix)
-        k = self.norm_local(k)
-        v = self.norm_local(v)
+        kv = self.norm_local(torch.stack([k, v]))  # (2, B, N, C): LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
         logits = self.dynamic_proj(x[:, num_prefix:], feat_size)  # (B, Np, h * r)
         proj = logits.transpose(1, 2).reshape(B, h, r, num_patches).float().softmax(dim=-1).to(x.dtype)
-        k_patch = self._split_heads(k[:, num_prefix:])  # (B, h, Np, d)
-        v_patch = self._split_heads(v[:, num_prefix:])
-        k_bar = self._split_heads(self.norm_global((proj @ k_patch).transpose(1, 2).reshape(B, r, C)))
-        v_bar = self._split_heads(self.norm_global((proj @ v_patch).transpose(1, 2).reshape(B, r, C)))
+        kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3)  # (2, B, h, Np, d)
+        kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
+        kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
+        kv_prefix = kv[:, :, :num_prefix].reshape(2, B, num_prefix, h, d).transpose(2, 3)
 
-        # segment-wise windows: pad the map to whole segments, queries in w x w tiles, keys in K x K spans
+        # segment-wise windows: queries in w x w tiles (map padded to whole segments), keys in K x K spans
         gy, gx = (H + ws - 1) // ws, (W + ws - 1) // ws
         num_tiles = gy * gx
-        q_patch = self._split_heads(q[:, num_prefix:]).reshape(B, h, H, W, d)
-        q_patch = F.pad(q_patch, (0, 0, 0, gx * ws - W, 0, gy * ws - H))
-        q_tiles = q_patch.reshape(B, h, gy, ws, gx, ws, d).permute(0, 1, 2, 4, 3, 5, 6)
+        q_patch = q[:, num_prefix:].reshape(B, H, W, h, d)
+        if H != gy * ws or W != gx * ws:
+            q_patch = F.pad(q_patch, (0, 0, 0, 0, 0, gx * ws - W, 0, gy * ws - H))
+        q_tiles = q_patch.reshape(B, gy, ws, gx, ws, h, d).permute(0, 5, 1, 3, 2, 4, 6)
         q_tiles = q_tiles.reshape(B, h * num_tiles, ws * ws, d)
-
-        k_prefix = self._split_heads(k[:, :num_prefix])
-        v_prefix = self._split_heads(v[:, :num_prefix])
-        keys = self._gather_keys(k_patch, k_bar, k_prefix, feat_size, (gy, gx))
-        values = self._gather_keys(v_patch, v_bar, v_prefix, feat_size, (gy, gx))
+        keys_values = self._gather_keys(kv_patch, kv_bar, kv_prefix, feat_size, (gy, gx))
 
         # additive mask over [dp (r) | window (K^2) | prefix (g)]: -inf on padded keys, window bias if any
         win_mask = self._window_mask(feat_size, (gy, gx), q.dtype, q.device)
@@ -314,18 +317,25 @@ class LongShortAttention2d(nn.Module):
         mask = mask.expand(h, -1, -1, -1).reshape(1, h * num_tiles, mq, -1)
 
         out = F.scaled_dot_product_attention(
-            q_tiles, keys, values, attn_mask=mask, dropout_p=self.attn_drop if self.training else 0.)
-        out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 1, 2, 4, 3, 5, 6).reshape(B, h, gy * ws, gx * ws, d)
-        out = out[:, :, :H, :W].reshape(B, h, num_patches, d)
+            q_tiles, keys_values[0], keys_values[1], attn_mask=mask,
+            dropout_p=self.attn_drop if self.training else 0.)
+        # back to tokens (B, N, h, d), written once into the output buffer
+        out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
+        tokens = x.new_empty(B, N, h, d)
+        patches = tokens[:, num_prefix:].unflatten(1, (H, W))
+        if H == gy * ws and W == gx * ws:
+            patches.unflatten(1, (gy, ws)).unflatten(3, (gx, ws)).copy_(out)
+        else:
+            patches.copy_(out.reshape(B, gy * ws, gx * ws, h, d)[:, :H, :W])
 
         if num_prefix > 0:
             # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs
-            q_prefix = self._split_heads(q[:, :num_prefix])
+            out = tokens[:, num_prefix:].transpose(1, 2)  # (B, h, Np, d)
+            q_prefix = q[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2)
             prefix_out = F.scaled_dot_product_attention(
-                q_prefix, torch.cat([k_prefix, out], dim=2), torch.cat([v_prefix, out], dim=2))
-            out = torch.cat([prefix_out, out], dim=2)
+                q_prefix, torch.cat([kv_prefix[0], out], dim=2), torch.cat([kv_prefix[1], out], dim=2))
+            tokens[:, :num_prefix] = prefix_out.transpose(1, 2)
 
-        x = out.transpose(1, 2).reshape(B, N, C)
-        x = self.proj(x)
+        x = self.proj(tokens.reshape(B, N, C))
         x = self.proj_drop(x)
         return x
