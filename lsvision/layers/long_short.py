@@ -70,17 +70,13 @@ class LinearQkv(nn.Linear):
     def __init__(self, dim: int, bias: bool = True, device=None, dtype=None):
         super().__init__(dim, 3 * dim, bias=bias, device=device, dtype=dtype)
 
-    def forward(
-            self,
-            x: torch.Tensor,
-            feat_size: Tuple[int, int],
-            num_prefix_tokens: int,
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = F.linear(x, self.weight, self.bias).chunk(3, dim=-1)
-        return q, k, v
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+        """Returns q, k, v stacked: (3, B, N, C)."""
+        B, N, C = x.shape
+        return F.linear(x, self.weight, self.bias).reshape(B, N, 3, C).permute(2, 0, 1, 3)
 
 
-class SepConv2d(nn.Sequential):
+class SepConv2d(nn.Module):
     """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base."""
 
     def __init__(self, dim: int, device=None, dtype=None):
@@ -89,6 +85,12 @@ class SepConv2d(nn.Sequential):
         self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, **dd)
         self.bn = nn.BatchNorm2d(dim, **dd)
         self.pw = nn.Conv2d(dim, dim, 1, **dd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
+        x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
+        # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
+        return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
 
 
 class SepConvQkv(nn.Module):
@@ -104,18 +106,15 @@ class SepConvQkv(nn.Module):
         self.k = SepConv2d(dim, **dd)
         self.v = SepConv2d(dim, **dd)
 
-    def forward(
-            self,
-            x: torch.Tensor,
-            feat_size: Tuple[int, int],
-            num_prefix_tokens: int,
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        prefix, patches = x[:, :num_prefix_tokens], x[:, num_prefix_tokens:]
-        feat_map = _tokens_to_map(patches, feat_size)
-        q = torch.cat([prefix, self.q(feat_map).flatten(2).transpose(1, 2)], dim=1)
-        k = torch.cat([prefix, self.k(feat_map).flatten(2).transpose(1, 2)], dim=1)
-        v = torch.cat([prefix, self.v(feat_map).flatten(2).transpose(1, 2)], dim=1)
-        return q, k, v
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+        """Returns q, k, v stacked: (3, B, N, C)."""
+        feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
+        qkv = x.new_empty((3,) + x.shape)
+        qkv[:, :, :num_prefix_tokens] = x[:, :num_prefix_tokens]
+        qkv[0, :, num_prefix_tokens:] = self.q(feat_map)
+        qkv[1, :, num_prefix_tokens:] = self.k(feat_map)
+        qkv[2, :, num_prefix_tokens:] = self.v(feat_map)
+        return qkv
 
 
 class LinearDynamicProjection(nn.Linear):
@@ -138,8 +137,8 @@ class ConvDynamicProjection(nn.Module):
         self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = self.pw(self.dw(_tokens_to_map(x, feat_size)))
-        return x.flatten(2).transpose(1, 2)
+        x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
+        return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
 
 
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
@@ -285,8 +284,9 @@ class LongShortAttention2d(nn.Module):
         torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
         h, d, r, ws = self.num_heads, self.head_dim, self.dp_rank, self.window_size
 
-        q, k, v = self.qkv(x, feat_size, num_prefix)
-        kv = self.norm_local(torch.stack([k, v]))  # (2, B, N, C): LN_L on keys and values
+        qkv = self.qkv(x, feat_size, num_prefix)  # (3, B, N, C)
+        q = qkv[0]
+        kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
         logits = self.dynamic_proj(x[:, num_prefix:], feat_size)  # (B, Np, h * r)

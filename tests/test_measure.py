@@ -1,0 +1,139 @@
+"""Tests for lsvision.measure: timing statistics, time budgets, real peak memory and the machine description."""
+
+import json
+import time
+from typing import List
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lsvision.measure import (
+    TimingResult,
+    _peak_cpu,  # the sampling fallback, forced below
+    machine_description,
+    machine_info,
+    peak_memory_forward,
+    time_forward,
+)
+
+MB = 10 ** 6
+BIG_ELEMENTS = 50_000_000  # 200 MB of float32
+
+
+class Recorder(nn.Module):
+    """A tiny linear layer that records the mode and grad state its forward runs in."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.seen: List[tuple] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.training, torch.is_inference_mode_enabled()))
+        return self.fc(x)
+
+
+class Sleeper(nn.Module):
+    """Takes a fixed time per forward."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+class BigAlloc(nn.Module):
+    """Creates (and writes) a 200 MB temporary tensor in its forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        big = torch.ones(BIG_ELEMENTS)
+        return x + big[:1].sum()
+
+
+class NoAlloc(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_timing_result_fields():
+    model = Recorder().train()
+    result = time_forward(model, (8,), batch_size=4, warmup=2, iters=5)
+    assert isinstance(result, TimingResult)
+    assert result.iters == len(result.times_s) == 5
+    assert result.warmup == 2
+    assert result.batch_size == 4
+    assert result.device == 'cpu'
+    assert all(t > 0 for t in result.times_s)
+    assert 0 < result.min_s <= result.p10_s <= result.median_s <= result.p90_s <= result.max_s
+    assert result.min_s <= result.mean_s <= result.max_s
+    assert result.std_s >= 0
+    assert result.per_image_s == pytest.approx(result.median_s / 4)
+    assert result.images_per_s == pytest.approx(4 / result.median_s)
+    assert result.peak_bytes is None
+    # 2 warm-up + 5 timed passes, all in eval and inference mode; the training mode is restored afterwards
+    assert model.seen == [(False, True)] * 7
+    assert model.training and model.fc.training
+    json.dumps(result.to_dict())
+
+
+def test_timing_statistics():
+    result = TimingResult(times_s=[3.0, 1.0, 2.0, 4.0, 5.0], batch_size=2, warmup=0, device='cpu')
+    assert (result.median_s, result.min_s, result.max_s, result.mean_s) == (3.0, 1.0, 5.0, 3.0)
+    assert result.p10_s == pytest.approx(1.4)
+    assert result.p90_s == pytest.approx(4.6)
+    assert result.per_image_s == 1.5
+    with pytest.raises(ValueError):
+        TimingResult(times_s=[], batch_size=1, warmup=0, device='cpu')
+
+
+def test_tensor_input_sets_batch_size():
+    result = time_forward(NoAlloc(), torch.zeros(3, 8), batch_size=99, warmup=0, iters=2)
+    assert result.batch_size == 3 and result.iters == 2 and result.warmup == 0
+
+
+def test_min_time_adds_iterations():
+    result = time_forward(Sleeper(0.01), (1,), warmup=0, iters=1, min_time_s=0.05)
+    assert result.iters >= 5
+    assert sum(result.times_s) >= 0.05
+    assert result.min_s >= 0.01
+
+
+def test_max_time_budget_cuts_short():
+    result = time_forward(Sleeper(0.02), (1,), warmup=10, iters=100, max_time_s=0.1)
+    assert 1 <= result.warmup < 10  # warm-up may use a quarter of the budget
+    assert 1 <= result.iters < 100
+    # even a budget smaller than one pass runs one warm-up and one timed pass
+    result = time_forward(Sleeper(0.02), (1,), warmup=3, iters=5, max_time_s=0.001)
+    assert (result.warmup, result.iters) == (1, 1)
+
+
+def test_peak_memory_cpu():
+    big = peak_memory_forward(BigAlloc(), (8,))
+    small = peak_memory_forward(NoAlloc(), (8,))
+    assert big is not None and small is not None
+    assert 150 * MB < big < 400 * MB
+    assert small < 20 * MB
+    # the same through time_forward
+    result = time_forward(BigAlloc(), (8,), warmup=1, iters=1, measure_memory=True)
+    assert result.peak_bytes is not None and result.peak_bytes > 150 * MB
+
+
+def test_peak_memory_cpu_sampling_fallback():
+    x = torch.zeros(8)
+    big = _peak_cpu(lambda: BigAlloc()(x), reset_peak=False)
+    small = _peak_cpu(lambda: NoAlloc()(x), reset_peak=False)
+    assert big is not None and small is not None
+    assert big > 150 * MB
+    assert small < 20 * MB
+
+
+def test_machine_description():
+    text = machine_description()
+    assert text and torch.__version__ in text
+    info = machine_info()
+    assert info['cores'] >= 1 and info['torch_threads'] == torch.get_num_threads()
+    json.dumps(info)

@@ -1,0 +1,229 @@
+"""Benchmarks CvT-LS (linear long-short attention) against CvT (quadratic full attention) as the input grows.
+
+From one run on one machine it prints markdown tables to stdout (progress goes to stderr) and writes the same results
+to a JSON file:
+
+(a) For each model (default ``cvt_ls_13`` and ``cvt_13``) at each input size (the same model, only bigger inputs):
+    the median time per image, GFLOPs (lsvision's fvcore-based counter, multiply-adds), peak memory of a forward pass,
+    and the time ratio of the second model to the first per size; plus the fitted exponent of time and of FLOPs
+    against the pixel count (log-log least-squares slope over the sizes ``>= --fit-min``): 1 is linear, 2 quadratic.
+(b) Achieved GFLOP/s (FLOPs / median time) at 224 of the models beside timm baselines (Swin-T, PVTv2-b2), created
+    with ``timm.create_model`` without weights.
+
+Example (a few minutes on 2 CPU cores)::
+
+    python tools/bench_cvt_ls.py
+    python tools/bench_cvt_ls.py --sizes 224 384 --iters 2 --out /tmp/bench.json   # quick check
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+import timm
+
+import lsvision  # noqa: F401  (registers the lsvision models with timm)
+from lsvision.flops import count_flops
+from lsvision.measure import machine_description, machine_info, time_forward
+
+DEFAULT_OUT = Path('output') / 'bench_cvt_ls' / 'results.json'
+MIB = 2 ** 20
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parses the command line."""
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13'],
+                        help='models for the size sweep; ratios are of each model to the first')
+    parser.add_argument('--sizes', nargs='+', type=int, default=[224, 384, 512, 768, 1024],
+                        help='square input sizes for the size sweep')
+    parser.add_argument('--baselines', nargs='*', default=['swin_tiny_patch4_window7_224', 'pvt_v2_b2'],
+                        help='timm models compared at 224 in the GFLOP/s table (none to skip)')
+    parser.add_argument('--throughput-size', type=int, default=224, help='input size of the GFLOP/s table')
+    parser.add_argument('--batch-sizes', nargs='+', type=int, default=[1],
+                        help='batch sizes of the GFLOP/s table, e.g. 1 8 (the size sweep uses batch 1)')
+    parser.add_argument('--threads', type=int, default=None, help='torch threads (default: all usable cores)')
+    parser.add_argument('--warmup', type=int, default=3, help='warm-up passes per measurement')
+    parser.add_argument('--iters', type=int, default=8, help='timed passes per measurement (fewer if over budget)')
+    parser.add_argument('--budget', type=float, default=20.0,
+                        help='seconds per measurement for warm-up plus timing; at least 1 warm-up and 1 timed pass '
+                             'always run')
+    parser.add_argument('--fit-min', type=int, default=512, help='smallest size used to fit the scaling exponents')
+    parser.add_argument('--no-memory', action='store_true', help='skip peak memory (saves one pass per size)')
+    parser.add_argument('--device', default='cpu', help='device to run on, e.g. cpu or cuda')
+    parser.add_argument('--out', type=Path, default=DEFAULT_OUT, help=f'JSON output file (default: {DEFAULT_OUT})')
+    return parser.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    """Prints a progress line to stderr."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Least-squares slope of log(y) against log(x); None with fewer than two distinct points."""
+    if len(xs) < 2 or len(set(xs)) < 2:
+        return None
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def measure(model: torch.nn.Module, name: str, size: int, batch_size: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """Counts FLOPs, times and (optionally) measures peak memory of one model at one input size and batch size."""
+    input_size = (3, size, size)
+    t0 = time.perf_counter()
+    flops = count_flops(model, input_size, batch_size=1, warn_unsupported=False)
+    timing = time_forward(
+        model, input_size, batch_size=batch_size, warmup=args.warmup, iters=args.iters, max_time_s=args.budget,
+        measure_memory=not args.no_memory,
+    )
+    flops_total = flops.total * batch_size
+    row = {
+        'model': name,
+        'size': size,
+        'pixels': size * size,
+        'batch_size': batch_size,
+        'flops': flops_total,
+        'gflops_per_image': flops.gflops,
+        'unsupported_ops': flops.unsupported,
+        'time_per_image_s': timing.per_image_s,
+        'images_per_s': timing.images_per_s,
+        'achieved_gflop_per_s': flops_total / timing.median_s / 1e9,
+        'peak_mib': None if timing.peak_bytes is None else timing.peak_bytes / MIB,
+        'timing': timing.to_dict(),
+    }
+    peak = '' if row['peak_mib'] is None else f", peak {row['peak_mib']:.0f} MiB"
+    log(
+        f'  {name} {size}x{size} b{batch_size}: {timing.per_image_s * 1e3:.1f} ms/img '
+        f'(median of {timing.iters}, p10-p90 {timing.p10_s * 1e3:.1f}-{timing.p90_s * 1e3:.1f} ms/pass), '
+        f'{flops.gflops:.2f} GFLOPs/img{peak}; {time.perf_counter() - t0:.0f} s'
+    )
+    return row
+
+
+def fmt(value: Optional[float], spec: str) -> str:
+    """Formats a number, or '-' for None."""
+    return '-' if value is None else format(value, spec)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Renders a markdown table with right-aligned columns after the first."""
+    align = ['---'] + ['---:'] * (len(header) - 1)
+    lines = [header, align, *rows]
+    return '\n'.join('| ' + ' | '.join(line) + ' |' for line in lines)
+
+
+def scaling_report(rows: List[Dict[str, Any]], models: Sequence[str], sizes: Sequence[int], fit_min: int) -> Dict:
+    """Builds the per-size ratios and the fitted exponents of the size sweep."""
+    by_key = {(r['model'], r['size']): r for r in rows}
+    ratios: Dict[str, Dict[int, float]] = {}
+    for other in models[1:]:
+        ratios[other] = {
+            s: by_key[(other, s)]['time_per_image_s'] / by_key[(models[0], s)]['time_per_image_s'] for s in sizes
+        }
+    exponents = {}
+    for name in models:
+        fit = [by_key[(name, s)] for s in sizes if s >= fit_min]
+        exponents[name] = {
+            'fit_sizes': [r['size'] for r in fit],
+            'time_vs_pixels': loglog_slope([r['pixels'] for r in fit], [r['time_per_image_s'] for r in fit]),
+            'flops_vs_pixels': loglog_slope([r['pixels'] for r in fit], [r['flops'] for r in fit]),
+        }
+    return {'ratios': ratios, 'exponents': exponents}
+
+
+def print_scaling(rows: List[Dict[str, Any]], report: Dict, models: Sequence[str], sizes: Sequence[int]) -> None:
+    """Prints the size-sweep tables."""
+    by_key = {(r['model'], r['size']): r for r in rows}
+    header = ['size']
+    for name in models:
+        header += [f'{name} ms/img', f'{name} GFLOPs', f'{name} peak MiB']
+    header += [f'{other} / {models[0]} time' for other in models[1:]]
+    table = []
+    for s in sizes:
+        line = [f'{s}x{s}']
+        for name in models:
+            r = by_key[(name, s)]
+            line += [f"{r['time_per_image_s'] * 1e3:.1f}", f"{r['gflops_per_image']:.2f}", fmt(r['peak_mib'], '.0f')]
+        line += [f"{report['ratios'][other][s]:.2f}x" for other in models[1:]]
+        table.append(line)
+    print('### Time, FLOPs and peak memory vs input size (batch 1)\n')
+    print(markdown_table(header, table))
+    exp_rows = []
+    for name in models:
+        e = report['exponents'][name]
+        fit = ', '.join(str(s) for s in e['fit_sizes']) or 'none'
+        exp_rows.append([name, fmt(e['time_vs_pixels'], '.2f'), fmt(e['flops_vs_pixels'], '.2f'), fit])
+    print('\n### Fitted exponent vs pixel count (log-log slope; 1 = linear, 2 = quadratic)\n')
+    print(markdown_table(['model', 'time exponent', 'FLOPs exponent', 'sizes fitted'], exp_rows))
+
+
+def print_throughput(rows: List[Dict[str, Any]], size: int) -> None:
+    """Prints the achieved GFLOP/s table."""
+    table = [
+        [r['model'], str(r['batch_size']), f"{r['gflops_per_image']:.2f}", f"{r['time_per_image_s'] * 1e3:.1f}",
+         f"{r['images_per_s']:.1f}", f"{r['achieved_gflop_per_s']:.1f}"]
+        for r in rows
+    ]
+    print(f'\n### Achieved GFLOP/s at {size}x{size} (FLOPs / median time)\n')
+    print(markdown_table(['model', 'batch', 'GFLOPs/img', 'ms/img', 'img/s', 'GFLOP/s'], table))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Runs the benchmark."""
+    args = parse_args(argv)
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())
+    torch.set_num_threads(threads)
+    device = torch.device(args.device)
+    sizes = sorted(set(args.sizes))
+    machine = machine_description(device)
+    log(f'Machine: {machine}')
+    start = time.perf_counter()
+
+    models = {}
+    for name in dict.fromkeys([*args.models, *args.baselines]):
+        models[name] = timm.create_model(name, pretrained=False).to(device)
+
+    log(f'(a) size sweep: {", ".join(args.models)} at {sizes}')
+    sweep = [measure(models[name], name, s, 1, args) for name in args.models for s in sizes]
+    report = scaling_report(sweep, args.models, sizes, args.fit_min)
+
+    through_names = list(dict.fromkeys([*args.models, *args.baselines]))
+    log(f'(b) GFLOP/s at {args.throughput_size}: {", ".join(through_names)}, batch {args.batch_sizes}')
+    throughput = [
+        measure(models[name], name, args.throughput_size, b, args) for b in args.batch_sizes for name in through_names
+    ]
+
+    print(f'## CvT-LS vs CvT benchmark\n\nMeasured on: {machine}\n')
+    print(f'Settings: warm-up {args.warmup}, up to {args.iters} timed passes within {args.budget:g} s per measurement; '
+          'median times; FLOPs are multiply-adds (lsvision.flops); peak memory is the extra resident memory of one '
+          'forward pass (lsvision.measure).\n')
+    print_scaling(sweep, report, args.models, sizes)
+    print_throughput(throughput, args.throughput_size)
+
+    results = {
+        'machine': machine,
+        'machine_info': machine_info(device),
+        'settings': {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, 'threads': threads},
+        'size_sweep': sweep,
+        'ratios_to_first_model': report['ratios'],
+        'exponents': report['exponents'],
+        'throughput': throughput,
+        'wall_time_s': time.perf_counter() - start,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + '\n')
+    log(f'Wrote {args.out} ({results["wall_time_s"]:.0f} s in all)')
+
+
+if __name__ == '__main__':
+    main()
