@@ -152,9 +152,37 @@ def baddbmm_flop_jit(inputs: List[Any], outputs: List[Any]) -> int:
     return int(b * n * m * p)
 
 
+def matmul_flop_jit(inputs: List[Any], outputs: List[Any]) -> int:
+    """Counts FLOPs (multiply-adds) of ``aten::matmul`` with numpy broadcasting of the batch dims.
+
+    fvcore's own handle counts ``prod(a.shape) * b.shape[-1]``, which misses the batch dims that only ``b`` has
+    (e.g. ``(B, h, r, N) @ (2, B, h, N, d)``). Here the count is ``prod(out batch) * n * m * p``.
+
+    Args:
+        inputs: The jit inputs of the op: a, b.
+        outputs: The jit outputs of the op.
+
+    Returns:
+        The number of multiply-adds.
+    """
+    a = _shape(inputs[0], 'matmul input')
+    b = _shape(inputs[1], 'matmul other')
+    if len(b) == 1:  # matrix-vector: (..., n, m) @ (m,)
+        return int(prod(a))
+    if len(a) == 1:  # vector-matrix: (m,) @ (..., m, p)
+        return int(prod(b))
+    n, m = a[-2:]
+    p = b[-1]
+    ndim = max(len(a), len(b)) - 2
+    batch_a = [1] * (ndim - len(a) + 2) + a[:-2]
+    batch_b = [1] * (ndim - len(b) + 2) + b[:-2]
+    return int(prod(max(x, y) for x, y in zip(batch_a, batch_b)) * n * m * p)
+
+
 EXTRA_FLOP_HANDLES: Dict[str, Handle] = {
     SDPA_OP: sdpa_flop_jit,
     'aten::baddbmm': baddbmm_flop_jit,
+    'aten::matmul': matmul_flop_jit,
 }
 """FLOP handles applied on top of fvcore's defaults by every count made through this module (op name -> handle).
 

@@ -295,3 +295,22 @@ def test_training_mode_restored_and_eval_used():
     model.eval()
     count_flops(model, (3, 8, 8))
     assert not any(m.training for m in model.modules())
+
+
+class _BroadcastMatmul(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+
+@pytest.mark.parametrize('a_shape,b_shape', [
+    ((2, 3, 4, 5), (7, 2, 3, 5, 6)),  # batch dims only on the right operand
+    ((7, 2, 3, 4, 5), (3, 5, 6)),
+    ((4, 5), (5, 6)),
+    ((4, 5), (5,)),
+])
+def test_matmul_counts_broadcast_batch_dims(a_shape, b_shape):
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    out = a @ b
+    m = a_shape[-1]
+    expected = out.numel() * m
+    assert count_flops(_BroadcastMatmul(), (a, b)).total == expected
