@@ -1,0 +1,290 @@
+"""ViL-LS: official-checkpoint equivalence (golden data), converter, key coverage, sizes, FLOPs and behaviour."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import timm
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.flops import count_flops
+from lsvision.models.vil_ls import (
+    RelPosAttention,
+    checkpoint_filter_fn,
+    full_rel_pos_index,
+    official_key_to_lsvision,
+    parse_official_arch,
+    resize_rel_pos_table,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# spec long_short.md §2/§5: exact official parameter counts, and official fvcore GFLOPs at the native size
+PARAMS = {'vil_ls_medium': 39_799_423, 'vil_ls_base': 55_834_363, 'vil_ls_medium_384': 39_947_653}
+GFLOPS = {'vil_ls_medium': (224, 8.722), 'vil_ls_base': (224, 13.395), 'vil_ls_medium_384': (384, 28.743)}
+# the golden tiny224 layout (8/16/32/64 wide, head dim 8), for behaviour tests
+TINY = dict(embed_dims=(8, 16, 32, 64), num_heads=(1, 2, 4, 8), depths=(1, 2, 2, 1))
+ATOL = 1e-4  # the golden README's acceptance bound
+
+
+def _golden(golden_dir: Path, name: str):
+    io = torch.load(golden_dir / f'{name}_io.pt', weights_only=True)
+    kwargs = dict(parse_official_arch(io['arch']), img_size=io['img_size'], num_classes=10)
+    return io, kwargs
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location('convert_vil_ls', ROOT / 'tools' / 'convert_vil_ls.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_reproduces(model: nn.Module, io: dict) -> None:
+    model.eval()
+    with torch.no_grad():
+        logits = model(io['input'])
+        taps = model.forward_intermediates(io['input'], intermediates_only=True)
+        x, prefixes = io['input'], []
+        for stage in model.stages:
+            x, prefix = stage.forward_with_prefix(x)
+            prefixes.append(prefix)
+    torch.testing.assert_close(logits, io['logits'], rtol=0, atol=ATOL)
+    for i, expected in enumerate(io['features']):
+        torch.testing.assert_close(taps[i], expected, rtol=0, atol=ATOL, msg=f'stage {i + 1} features')
+    for i, expected in enumerate(io['cls_tokens']):
+        torch.testing.assert_close(prefixes[i], expected, rtol=0, atol=ATOL, msg=f'stage {i + 1} cls tokens')
+    assert prefixes[3].shape[1] == 0
+
+
+@pytest.mark.parametrize('name', ['tiny224', 'tiny384'])
+def test_official_checkpoint_through_timm_reproduces_official_outputs(golden_dir, name):
+    io, kwargs = _golden(golden_dir, name)
+    overlay = dict(file=str(golden_dir / f'{name}.pth'), num_classes=10)
+    model = timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    _assert_reproduces(model, io)
+
+
+def test_converter_writes_safetensors_that_reproduce_official_outputs(golden_dir, tmp_path, capsys):
+    tool = _load_tool()
+    io, kwargs = _golden(golden_dir, 'tiny384')
+    out = tmp_path / 'tiny384.safetensors'
+    assert tool.main([str(golden_dir / 'tiny384.pth'), str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert 'dropped 4 relative_position_index buffers' in printed and 'optimizer' in printed
+    overlay = dict(file=str(out), num_classes=10)
+    model = timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    _assert_reproduces(model, io)
+
+
+def test_converter_explains_a_mismatched_checkpoint(golden_dir, tmp_path, capsys):
+    tool = _load_tool()
+    assert tool.main([str(golden_dir / 'tiny224.pth'), str(tmp_path / 'x.safetensors'), '--model', 'vil_ls_base']) == 2
+    err = capsys.readouterr().err
+    assert 'missing' in err and 'mis-shaped' in err and 'What to do: leave --model out' in err
+    assert tool.main([str(golden_dir / 'tiny224_io.pt'), str(tmp_path / 'x.safetensors')]) == 2
+    assert 'not an official MsViT state_dict' in capsys.readouterr().err
+
+    # a full-size 224 checkpoint (shapes only) in the w=8 384 model: the window tables cannot be resized
+    shapes = json.loads((golden_dir / 'full_key_shapes.json').read_text())['vil_ls_medium_224']
+    net = {'module.' + k: torch.empty(s, device='meta') for k, s in shapes.items()}
+    with pytest.raises(tool.ConversionError, match='window tables') as e:
+        tool.convert({'net': net}, 'vil_ls_medium_384')
+    assert 'pass --model vil_ls_medium' in str(e.value) and 'stages.0.blocks.0.attn.rel_pos_table' in str(e.value)
+    del net['module.layer3.5.attn.qkv.weight']
+    net['module.layer3.5.attn.foo'] = torch.empty(3, device='meta')
+    with pytest.raises(tool.ConversionError) as e:
+        tool.convert({'net': net})
+    assert 'stages.2.blocks.2.attn.qkv.weight' in str(e.value) and 'layer3.5.attn.foo' in str(e.value)
+
+
+@pytest.mark.parametrize('official,name', [('vil_ls_medium_224', 'vil_ls_medium'), ('vil_ls_base_224', 'vil_ls_base')])
+def test_full_size_key_coverage(golden_dir, official, name):
+    shapes = json.loads((golden_dir / 'full_key_shapes.json').read_text())[official]
+    model = timm.create_model(name, device='meta')
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+    dropped = [k for k in shapes if official_key_to_lsvision(k) is None]
+    assert all(k.endswith('.attn.relative_position_index') for k in dropped)
+    assert len(dropped) == sum(len(s.blocks) for s in model.stages)  # one buffer per attention layer
+    mapped = [official_key_to_lsvision(k) for k in shapes if k not in dropped]
+    assert len(set(mapped)) == len(mapped)  # one to one
+
+    checkpoint = {
+        'net': {'module.' + k: torch.empty(s, device='meta') for k, s in shapes.items()},
+        'arch': 'msvit', 'epoch': 300, 'best_acc': 83.8, 'optimizer': {'state': {}}, 'scheduler': None,
+    }
+    converted = checkpoint_filter_fn(checkpoint, model)
+    assert {k: tuple(v.shape) for k, v in converted.items()} == expected
+
+    with pytest.raises(ValueError, match='not ViL-LS'):
+        checkpoint_filter_fn({'net': {**checkpoint['net'], 'module.layer1.0.pos_embed': torch.zeros(1)}}, model)
+
+
+def test_layernorm_eps_match_official():
+    model = timm.create_model('vil_ls_medium', device='meta')
+    dual = 0
+    for n, m in model.named_modules():
+        if isinstance(m, nn.LayerNorm):
+            is_dual = n.endswith(('attn.norm_local', 'attn.norm_global'))
+            dual += is_dual
+            assert m.eps == (1e-5 if is_dual else 1e-6), n
+    assert dual == 2 * (1 + 4)  # one DualLN pair per long-short layer (stages 1-2)
+
+
+@pytest.mark.parametrize('name', sorted(PARAMS))
+def test_parameter_count_and_flops(name):
+    # FLOPs depend on shapes only: skip the (slow) weight init with an uninitialized model
+    model = timm.create_model(name, device='meta').to_empty(device='cpu')
+    assert sum(p.numel() for p in model.parameters()) == PARAMS[name]
+    size, gflops = GFLOPS[name]
+    assert count_flops(model, (3, size, size)).total / 1e9 == pytest.approx(gflops, rel=0.01)
+
+
+def test_full_model_forward():
+    model = timm.create_model('vil_ls_medium', device='meta').to_empty(device='cpu').eval()
+    for p in model.parameters():  # a quick stand-in for the (slow) trunc-normal init
+        nn.init.normal_(p, std=.02)
+    with torch.no_grad():
+        final, taps = model.forward_intermediates(torch.randn(1, 3, 224, 224))
+        logits = model.forward_head(final)
+    assert [tuple(t.shape) for t in taps] == [(1, 96, 56, 56), (1, 192, 28, 28), (1, 384, 14, 14), (1, 768, 7, 7)]
+    assert final.shape == (1, 768, 7, 7) and logits.shape == (1, 1000) and torch.isfinite(logits).all()
+    assert model.feature_info[-1]['reduction'] == 32
+
+
+def test_variants_follow_resolution():
+    for name, w, tables in (('vil_ls_medium', 7, (729, 169)), ('vil_ls_medium_384', 8, (2209, 529))):
+        model = timm.create_model(name, device='meta')
+        assert [s.blocks[0].attn.window_size for s in model.stages[:2]] == [w, w]
+        assert tuple(s.blocks[0].attn.rel_pos_table.shape[0] for s in model.stages[2:]) == tables
+        assert model.pretrained_cfg['pool_size'] == (model.img_size[0] // 32,) * 2
+
+
+@pytest.mark.parametrize('feat_size,g', [((1, 1), 1), ((3, 7), 1), ((6, 6), 0), ((5, 2), 2)])
+def test_full_attention_matches_explicit_official_form(feat_size, g):
+    """The window-view bias equals table[relative_position_index] (+ g2g/g2l), and forward the explicit softmax."""
+    torch.manual_seed(0)
+    attn = RelPosAttention(16, 2, feat_size=feat_size, num_prefix_tokens=g).eval()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_()
+    n = feat_size[0] * feat_size[1]
+    bias = attn.rel_pos_bias(feat_size)
+    expected = attn.rel_pos_table[full_rel_pos_index(feat_size, torch.device('cpu')).reshape(-1)]
+    assert torch.equal(bias[:, g:, g:], expected.reshape(n, n, 2).permute(2, 0, 1))
+    if g:
+        assert torch.equal(bias[:, :g, :g], attn.rel_pos_g2g)
+        assert torch.equal(bias[:, :g, g:], attn.rel_pos_g2l[0, :, :, None].expand(-1, -1, n))
+        assert torch.equal(bias[:, g:, :g], attn.rel_pos_g2l[1, :, None, :].expand(-1, n, -1))
+    x = torch.randn(2, g + n, 16)
+    with torch.no_grad():
+        q, k, v = attn.qkv(x).reshape(2, g + n, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2)) * 8 ** -0.5 + bias
+        expected = attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, g + n, 16))
+        torch.testing.assert_close(attn(x, feat_size), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('size', [(32, 32), (100, 76), (130, 200), (97, 225)])
+def test_any_input_size(size):
+    model = timm.create_model('vil_ls_medium', **TINY).eval()
+    with torch.no_grad():
+        feats = model.forward_intermediates(torch.randn(1, 3, *size), intermediates_only=True)
+    for f, r in zip(feats, (4, 8, 16, 32)):
+        assert tuple(f.shape[-2:]) == (size[0] // r, size[1] // r)
+
+
+def test_rel_pos_tables_exact_at_native_size_interpolated_elsewhere(golden_dir):
+    attn = RelPosAttention(16, 2, feat_size=(14, 14))
+    assert resize_rel_pos_table(attn.rel_pos_table, (14, 14), (14, 14)) is attn.rel_pos_table
+    assert attn.rel_pos_bias((5, 9)).shape == (2, 1 + 45, 1 + 45)
+
+    # a 224 checkpoint run at 384: interpolating at run time, in set_input_size and in checkpoint_filter_fn agree
+    io, kwargs = _golden(golden_dir, 'tiny224')
+    checkpoint = torch.load(golden_dir / 'tiny224.pth', weights_only=True)
+    x = torch.randn(1, 3, 384, 320)
+    native = timm.create_model('vil_ls_medium', **kwargs).eval()
+    native.load_state_dict(checkpoint_filter_fn(checkpoint, native))
+    with torch.no_grad():
+        expected = native(x)
+        native.set_input_size(img_size=(384, 320))
+        resized = native(x)
+    at384 = timm.create_model('vil_ls_medium', **dict(kwargs, img_size=(384, 320))).eval()
+    at384.load_state_dict(checkpoint_filter_fn(checkpoint, at384))
+    assert at384.stages[2].blocks[0].attn.rel_pos_table.shape == (47 * 39, 4)
+    with torch.no_grad():
+        loaded = at384(x)
+    torch.testing.assert_close(resized, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(loaded, expected, rtol=0, atol=1e-5)
+
+    # set_input_size keeps frozen tables frozen; w=8 windows cannot take w=7 tables
+    native.requires_grad_(False)
+    native.set_input_size(img_size=224)
+    assert not any(p.requires_grad for p in native.parameters())
+    with pytest.raises(ValueError, match='window_sizes'):
+        checkpoint_filter_fn(checkpoint, timm.create_model('vil_ls_medium', **dict(kwargs, window_sizes=(8,) * 4)))
+
+
+def test_train_step_with_drop_path():
+    torch.manual_seed(0)
+    model = timm.create_model('vil_ls_medium', num_classes=5, drop_path_rate=0.1, **TINY).train()
+    rates = [(b.drop_path1, b.drop_path2) for s in model.stages for b in s.blocks]
+    assert isinstance(rates[0][0], nn.Identity)  # linspace from 0 over all 6 layers
+    assert [round(d1.drop_prob, 6) for d1, _ in rates[1:]] == [0.02, 0.04, 0.06, 0.08, 0.1]
+    assert all(d1.drop_prob == d2.drop_prob for d1, d2 in rates[1:])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(3, 3, 80, 112), torch.tensor([0, 3, 4])
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.grad.any()}
+    assert len(before) > 0.95 * len(list(model.parameters()))  # e.g. the last stage-3 g2g bias only moves cls
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters() if n in before)
+
+
+def test_pure_bf16_forward():
+    model = timm.create_model('vil_ls_medium', **TINY).eval().to(torch.bfloat16)
+    with torch.no_grad():
+        out = model(torch.randn(2, 3, 96, 144, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_wrong_input_is_explained():
+    model = timm.create_model('vil_ls_medium', **TINY).eval()
+    with pytest.raises(AssertionError, match='expected 3 input channels, got 1'):
+        model(torch.randn(1, 1, 64, 64))
+    with pytest.raises(AssertionError, match='smaller than the smallest this model takes \\(32x32\\)'):
+        model(torch.randn(1, 3, 31, 64))
+    with pytest.raises(AssertionError, match='expected an image batch'):
+        model(torch.randn(3, 64, 64))
+
+
+def test_full_attention_everywhere_switch():
+    model = timm.create_model('vil_ls_medium', attn_types=('full',) * 4, **TINY).eval()
+    attns = [b.attn for s in model.stages for b in s.blocks]
+    assert all(isinstance(a, RelPosAttention) for a in attns)
+    assert attns[0].rel_pos_table.shape == (111 * 111, 1) and attns[0].rel_pos_g2g is not None
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 96, 64)).shape == (1, 1000)
+
+
+def test_features_only():
+    model = timm.create_model('vil_ls_medium', features_only=True, **TINY).eval()
+    assert model.feature_info.reduction() == [4, 8, 16, 32]
+    assert model.feature_info.channels() == [8, 16, 32, 64]
+    with torch.no_grad():
+        feats = model(torch.randn(1, 3, 96, 128))
+    assert [tuple(f.shape[1:]) for f in feats] == [(8, 24, 32), (16, 12, 16), (32, 6, 8), (64, 3, 4)]
+
+
+def test_parse_official_arch():
+    arch = 'l1,h2,d16,n1,s1,g1,p4,f7,a0,r8_l2,h2,d16,n1,s0,g1,p2,f7,a0,r4_l3,h2,d16,n1,s1,g0,p2,f7,a0,r8'
+    kwargs = parse_official_arch(arch)
+    assert kwargs['attn_types'] == ('long_short', 'full', 'full')  # s0 is sticky, as in the official code
+    assert kwargs['num_cls_tokens'] == (1, 1, 0) and kwargs['dp_ranks'] == (8, 4, 8)
+    with pytest.raises(ValueError, match='absolute position'):
+        parse_official_arch(arch.replace('a0', 'a1', 1))
