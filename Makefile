@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt 2>/dev/null | cksum | cut -d' ' -f1)
 CONTRACT := ../shared/tools/timm_contract/run.sh
-CONTRACT_MODELS ?= cvt_ls_13,cvt_13
+CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
 
 .PHONY: install demo test lint unit contract clean
 
