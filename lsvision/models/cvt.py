@@ -30,7 +30,6 @@ from timm.layers import (
     QuickGELU,
     _assert,
     get_device_dtype,
-    register_notrace_function,
     register_notrace_module,
     trunc_normal_,
 )
@@ -39,22 +38,9 @@ from timm.models._features import feature_take_indices
 
 from lsvision.layers import LongShortAttention2d
 
+from ._helpers import check_image_input
+
 __all__ = ['ConvVisionTransformer']
-
-
-@register_notrace_function  # asserts on the input shape: a leaf for torch.fx
-def check_image_input(x: torch.Tensor, in_chans: int, min_size: int) -> None:
-    """Raise an error that says what was expected when `x` is not an image batch the model can take."""
-    _assert(x.ndim == 4, f'expected an image batch (B, {in_chans}, H, W), got a tensor of {x.ndim} dims')
-    _assert(
-        x.shape[1] == in_chans,
-        f'expected {in_chans} input channels, got {x.shape[1]}; create the model with in_chans={x.shape[1]} '
-        'to change it',
-    )
-    _assert(
-        x.shape[2] >= min_size and x.shape[3] >= min_size,
-        f'input {x.shape[2]}x{x.shape[3]} is smaller than the smallest this model takes ({min_size}x{min_size})',
-    )
 
 
 class ConvEmbed(nn.Module):

@@ -41,7 +41,7 @@ from timm.models._features import feature_take_indices
 
 from lsvision.layers import LongShortAttention2d, window_rel_pos_table_size
 
-from .cvt import check_image_input
+from ._helpers import check_image_input
 
 __all__ = ['VisionLongShortTransformer']
 
