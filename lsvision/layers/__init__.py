@@ -1,4 +1,5 @@
 """Attention math shared by the lsvision models. Layers know no model."""
+from .grc import GatedRecurrentCache, GrcAttention, GrcMemoryAttention, grc_dims
 from .long_short import (
     ConvDynamicProjection,
     LinearDynamicProjection,

@@ -6,7 +6,11 @@ from timm.models import model_entrypoint as _model_entrypoint
 
 from .cvt import *  # noqa: F401,F403
 from .cvt_ls import *  # noqa: F401,F403
+from .pvt import *  # noqa: F401,F403
+from .pvt_v2_grc import *  # noqa: F401,F403
+from .swin_grc import *  # noqa: F401,F403
 from .vil_ls import *  # noqa: F401,F403
+from .vit_grc import *  # noqa: F401,F403
 
 
 def list_models(filter: Union[str, List[str]] = '') -> List[str]:

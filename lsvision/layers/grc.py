@@ -1,0 +1,383 @@
+"""GRC-Attention: the Gated Recurrent Cache of `Cached Transformers`.
+
+Paper: `Cached Transformers: Improving Transformers with Differentiable Memory Cache` (AAAI 2024,
+https://arxiv.org/abs/2312.12742). Authors' code: annosubmission/GRC-Cache (`core/GRC_Attention.py`).
+
+A GRC block keeps a cache C (a persistent buffer, 1 x T_m x D_m, D_m = r * D) beside a self-attention. With X the
+attention input and o_self = SelfAttn(X) (run unchanged, projection included):
+
+    S   = o_self[..., :D_m]                  (summary; 'input' takes X[..., :D_m]), resized to T_m tokens if T != T_m
+    P   = C broadcast over the batch
+    g_r = sigmoid(W_r [P, S]),  g_u = sigmoid(W_u [P, S])
+    C~  = LN(GELU(W_c [g_r * P, S]))
+    C_t = g_u * C~ + (1 - g_u) * P            (per sample; in train mode the batch mean is stored, detached)
+    o_mem = MemAttn(q = X[..., :D_m], kv = C_t)   (same attention kind as the self branch, width D_m)
+    O   = sigmoid(lam_h) * [o_mem^h, 0] + (1 - sigmoid(lam_h)) * o_self^h   (per head, o_mem zero-padded)
+    O  += PE(X)                              (grouped 3x3 conv on the patch tokens, groups = D_m)
+
+`GatedRecurrentCache` is everything after the self branch: it takes (X, o_self) and so wraps any self-attention.
+Backbone attention classes keep their own parameter names and hold one `grc` child (`attn.grc.*`), so baseline
+weights load with only GRC keys missing. `GrcAttention` is a generic wrapper for user code (self branch under
+`attn.attn`). `GrcMemoryAttention` is the memory branch (plain MHSA, PVT spatial reduction or linear SRA on the
+cache grid, Swin relative position bias over the window slots).
+
+Written for lsvision, Apache-2.0.
+"""
+import math
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.layers import register_notrace_module, trunc_normal_
+
+__all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
+
+
+def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
+    """Cache width D_m = int(ratio * dim); raises unless D_m % num_heads == 0 and dim % D_m == 0."""
+    cache_dim = int(ratio * dim)
+    if cache_dim <= 0 or cache_dim % num_heads or dim % cache_dim:
+        raise ValueError(
+            f'GRC cache width int({ratio} * {dim}) = {cache_dim} must be > 0, divisible by num_heads={num_heads} '
+            f'and divide dim={dim}; pick another grc_ratio')
+    return cache_dim
+
+
+class GrcMemoryAttention(nn.Module):
+    """Memory branch: queries from the input slice, keys/values from the (per-sample) cache.
+
+    The same attention kind as the self branch at width D_m: q (D_m->D_m), kv (D_m->2 D_m), proj (D_m->D_m), plus
+    PVT's spatial reduction (conv k=s=sr + LN) or linear SRA (pool 7, 1x1 conv, LN, GELU) applied to the cache
+    grid, or a Swin relative-position-bias table over the window slots. Prefix (cls) cache slots skip the reduction.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            cache_hw: Optional[Tuple[int, int]] = None,
+            num_prefix_tokens: int = 0,
+            qkv_bias: bool = True,
+            sr_ratio: int = 1,
+            linear_attn: bool = False,
+            window_size: Optional[Tuple[int, int]] = None,
+            norm_eps: float = 1e-5,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            device=None,
+            dtype=None,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        assert dim % num_heads == 0, f'dim {dim} must be divisible by num_heads {num_heads}'
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.cache_hw = tuple(cache_hw) if cache_hw is not None else None
+        self.num_prefix_tokens = num_prefix_tokens
+        self.attn_drop = attn_drop
+        self.q = nn.Linear(dim, dim, bias=qkv_bias, **dd)
+        self.kv = nn.Linear(dim, dim * 2, bias=qkv_bias, **dd)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.pool = None
+        self.sr = None
+        self.norm = None
+        self.act = None
+        if linear_attn:
+            self.pool = nn.AdaptiveAvgPool2d(7)
+            self.sr = nn.Conv2d(dim, dim, kernel_size=1, stride=1, **dd)
+            self.norm = nn.LayerNorm(dim, eps=norm_eps, **dd)
+            self.act = nn.GELU()
+        elif sr_ratio > 1:
+            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio, **dd)
+            self.norm = nn.LayerNorm(dim, eps=norm_eps, **dd)
+        if (self.sr is not None) and self.cache_hw is None:
+            raise ValueError('spatial reduction on the cache needs cache_hw')
+        self.window_size = tuple(window_size) if window_size is not None else None
+        if self.window_size is not None:
+            wh, ww = self.window_size
+            self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads, **dd))
+            trunc_normal_(self.relative_position_bias_table, std=.02)
+            self.register_buffer('relative_position_index', self._rel_index(device), persistent=False)
+        else:
+            self.relative_position_bias_table = None
+            self.relative_position_index = None
+
+    def _rel_index(self, device=None) -> torch.Tensor:
+        wh, ww = self.window_size
+        coords = torch.stack(torch.meshgrid(
+            torch.arange(wh, device=device), torch.arange(ww, device=device), indexing='ij')).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0)
+        rel[:, :, 0] += wh - 1
+        rel[:, :, 1] += ww - 1
+        return rel[:, :, 0] * (2 * ww - 1) + rel[:, :, 1]
+
+    def _reduce(self, kv: torch.Tensor) -> torch.Tensor:
+        if self.sr is None:
+            return kv
+        B, _, C = kv.shape
+        hw = self.cache_hw
+        assert hw is not None
+        prefix, grid = kv[:, :self.num_prefix_tokens], kv[:, self.num_prefix_tokens:]
+        grid = grid.transpose(1, 2).reshape(B, C, hw[0], hw[1])
+        if self.pool is not None:
+            grid = self.pool(grid)
+        grid = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        if self.act is not None:
+            grid = self.act(grid)
+        return torch.cat([prefix, grid], dim=1)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, D_m) queries' source, cache: (B, T_m, D_m). Returns (B, T, D_m)."""
+        B, N, C = x.shape
+        q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        kv = self.kv(self._reduce(cache)).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = kv.unbind(0)
+        bias: Optional[torch.Tensor] = None
+        ws = self.window_size
+        if self.relative_position_bias_table is not None and self.relative_position_index is not None \
+                and ws is not None:
+            n = ws[0] * ws[1]
+            if N != n or k.shape[2] != n:
+                raise ValueError(f'window memory attention expects {n} queries and cache slots, got {N} and '
+                                 f'{k.shape[2]}')
+            bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+            bias = bias.permute(2, 0, 1).unsqueeze(0).to(q.dtype)
+        x = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        x = self.proj(x.transpose(1, 2).reshape(B, N, C))
+        return self.proj_drop(x)
+
+
+@register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
+class GatedRecurrentCache(nn.Module):
+    """The GRC part of a GRC-Attention block (spec steps 2-10): cache, gates, memory attention, mixing, PE.
+
+    Call it with the attention input X (B, T, D) and the self-attention output o_self (B, T, D); it returns the
+    mixed output (B, T, D). The cache update is stored (batch mean, detached) only in train mode; in eval the
+    per-sample update is computed from the frozen cache and never stored (`eval_update=False` skips it and
+    attends to the frozen cache directly, the paper's "used directly" reading).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            cache_len: int,
+            cache_hw: Optional[Tuple[int, int]] = None,
+            num_prefix_tokens: int = 0,
+            ratio: float = 0.5,
+            lam_init: float = 0.0,
+            summary_src: str = 'self',
+            eval_update: bool = True,
+            interp_mode: str = 'nearest1d',
+            sync_cache: bool = False,
+            mem_attn_layer: Optional[Callable[..., nn.Module]] = None,
+            mem_attn_kwargs: Optional[dict] = None,
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            dim: Width D of the wrapped attention.
+            num_heads: Heads H of the wrapped attention (the memory branch uses the same number).
+            cache_len: Cache length T_m (tokens at the training resolution, prefix tokens included).
+            cache_hw: Patch grid of the cache (T_m = num_prefix_tokens + h * w); needed by spatial reduction and the
+                '2d' interpolation.
+            num_prefix_tokens: Prefix (cls) tokens at the front of the sequence and of the cache.
+            ratio: Caching ratio r, D_m = int(r * D).
+            lam_init: Initial mixing logits (paper 0.0 -> sigmoid 0.5; the authors' code -1.0).
+            summary_src: Source of the cache update, 'self' (self-attention output, authors' code) or 'input'
+                (the attention input, the paper's text).
+            eval_update: In eval, compute the per-sample update from the frozen cache (authors' code); False
+                attends to the frozen cache as is.
+            interp_mode: How the summary is resized when T != T_m: 'nearest1d' (authors' code: nearest over the
+                flattened token sequence) or '2d' (bilinear on the patch grid, prefix tokens kept).
+            sync_cache: All-reduce (mean) the stored update over the default process group, so every rank stores
+                the global-batch mean. False keeps DDP's default buffer broadcast from rank 0.
+            mem_attn_layer: Memory attention class (default GrcMemoryAttention), built with width D_m.
+            mem_attn_kwargs: Extra kwargs for the memory attention (qkv_bias, sr_ratio, linear_attn, window_size...).
+            norm_eps: Epsilon of the candidate LayerNorm.
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        if summary_src not in ('self', 'input'):
+            raise ValueError(f"summary_src must be 'self' or 'input', got {summary_src!r}")
+        if interp_mode not in ('nearest1d', '2d'):
+            raise ValueError(f"interp_mode must be 'nearest1d' or '2d', got {interp_mode!r}")
+        cache_dim = grc_dims(dim, num_heads, ratio)
+        if cache_hw is not None and num_prefix_tokens + cache_hw[0] * cache_hw[1] != cache_len:
+            raise ValueError(f'cache_len {cache_len} != num_prefix_tokens {num_prefix_tokens} + grid {cache_hw}')
+        if interp_mode == '2d' and cache_hw is None:
+            raise ValueError("interp_mode='2d' needs cache_hw")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.cache_dim = cache_dim
+        self.cache_len = cache_len
+        self.cache_hw = tuple(cache_hw) if cache_hw is not None else None
+        self.num_prefix_tokens = num_prefix_tokens
+        self.summary_src = summary_src
+        self.eval_update = eval_update
+        self.interp_mode = interp_mode
+        self.sync_cache = sync_cache
+
+        self.linear_reset = nn.Linear(2 * cache_dim, cache_dim, **dd)
+        self.linear_update = nn.Linear(2 * cache_dim, cache_dim, **dd)
+        self.linear_candidate = nn.Linear(2 * cache_dim, cache_dim, **dd)
+        self.norm_candidate = nn.LayerNorm(cache_dim, eps=norm_eps, **dd)
+        self.act = nn.GELU()
+        mem_attn_layer = mem_attn_layer or GrcMemoryAttention
+        self.mem_attn = mem_attn_layer(
+            cache_dim,
+            num_heads,
+            cache_hw=cache_hw,
+            num_prefix_tokens=num_prefix_tokens,
+            **(mem_attn_kwargs or {}),
+            **dd,
+        )
+        self.lam = nn.Parameter(torch.full((num_heads,), float(lam_init), **dd))
+        self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
+        self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
+
+    def extra_repr(self) -> str:
+        return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
+                f'eval_update={self.eval_update}, interp_mode={self.interp_mode!r}, sync_cache={self.sync_cache}')
+
+    @torch.no_grad()
+    def reset_cache(self) -> None:
+        """Zero the cache (e.g. before fine-tuning on a new task, as the paper does for COCO)."""
+        self.cache.zero_()
+
+    @torch.no_grad()
+    def resize_cache(self, new_hw: Tuple[int, int]) -> None:
+        """Resize the cache to a new patch grid: bilinear over the grid, prefix slots kept. Updates T_m and cache_hw.
+
+        Only for layers whose cache is a patch grid (PVT); the memory attention's reduction must fit the new grid.
+        """
+        if self.cache_hw is None:
+            raise ValueError('resize_cache needs a layer built with cache_hw')
+        new_hw = (int(new_hw[0]), int(new_hw[1]))
+        sr = getattr(self.mem_attn, 'sr', None)
+        if isinstance(sr, nn.Conv2d) and sr.stride[0] > 1 and min(new_hw) < sr.stride[0]:
+            raise ValueError(f'cache grid {new_hw} is smaller than the spatial reduction {sr.stride[0]}')
+        if new_hw == self.cache_hw:
+            return
+        cache = self.cache
+        p = self.num_prefix_tokens
+        grid = cache[:, p:].transpose(1, 2).reshape(1, self.cache_dim, *self.cache_hw)
+        grid = F.interpolate(grid.float(), size=new_hw, mode='bilinear', align_corners=False)
+        new = torch.cat([cache[:, :p].float(), grid.flatten(2).transpose(1, 2)], dim=1).to(cache.dtype)
+        self.cache = new.contiguous()  # a new tensor of a new shape: re-registers the buffer
+        self.cache_hw = new_hw
+        self.cache_len = new.shape[1]
+        if hasattr(self.mem_attn, 'cache_hw'):
+            self.mem_attn.cache_hw = new_hw
+
+    def _resize_summary(self, s: torch.Tensor, feat_size: Optional[List[int]]) -> torch.Tensor:
+        if s.shape[1] == self.cache_len:
+            return s
+        hw = self.cache_hw
+        if self.interp_mode == 'nearest1d' or feat_size is None or hw is None:
+            return F.interpolate(s.transpose(1, 2), size=self.cache_len).transpose(1, 2)
+        p = self.num_prefix_tokens
+        B, _, C = s.shape
+        grid = s[:, s.shape[1] - feat_size[0] * feat_size[1]:].transpose(1, 2).reshape(B, C, feat_size[0],
+                                                                                        feat_size[1])
+        grid = F.interpolate(grid, size=hw, mode='bilinear', align_corners=False)
+        return torch.cat([s[:, :p], grid.flatten(2).transpose(1, 2)], dim=1)
+
+    def update(self, cache: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+        """Per-sample GRU-style update: cache (B, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m)."""
+        cs = torch.cat([cache, summary], dim=-1)
+        g_r = torch.sigmoid(self.linear_reset(cs))
+        g_u = torch.sigmoid(self.linear_update(cs))
+        cand = self.norm_candidate(self.act(self.linear_candidate(torch.cat([g_r * cache, summary], dim=-1))))
+        return g_u * cand + (1. - g_u) * cache
+
+    @torch.jit.unused
+    def _all_reduce_mean(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            x = x.clone()
+            dist.all_reduce(x)
+            x = x / dist.get_world_size()
+        return x
+
+    @torch.no_grad()
+    def _store(self, new_cache: torch.Tensor) -> None:
+        new = new_cache.detach().float().mean(0, keepdim=True)
+        if self.sync_cache:
+            new = self._all_reduce_mean(new)
+        self.cache.copy_(new)
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            o_self: torch.Tensor,
+            feat_size: Optional[List[int]] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            x: Attention input (B, T, D), T = num_prefix_tokens + H * W.
+            o_self: Self-attention output (B, T, D).
+            feat_size: (H, W) of the patch tokens; inferred as square when None.
+        """
+        B, T, D = x.shape
+        if o_self.shape != x.shape:
+            raise ValueError(f'self-attention output {o_self.shape} must match its input {x.shape}')
+        if D != self.dim:
+            raise ValueError(f'GRC layer built for width {self.dim}, got input of width {D}')
+        p = self.num_prefix_tokens
+        if feat_size is None:
+            side = int(math.sqrt(T - p))
+            if side * side != T - p:
+                raise ValueError(f'pass feat_size: {T - p} patch tokens are not a square grid')
+            feat_size = [side, side]
+        if p + feat_size[0] * feat_size[1] != T:
+            raise ValueError(f'{T} tokens != {p} prefix + {feat_size[0]}x{feat_size[1]} patches')
+        dm = self.cache_dim
+        src = o_self if self.summary_src == 'self' else x
+        summary = self._resize_summary(src[..., :dm], feat_size)
+
+        # clone: the buffer is written in place below while this step's graph still uses its value
+        cache = self.cache.to(dtype=summary.dtype, copy=True).expand(B, -1, -1)
+        if self.training or self.eval_update:
+            cache = self.update(cache, summary)
+            if self.training:
+                self._store(cache)
+        o_mem = self.mem_attn(x[..., :dm], cache)
+
+        H = self.num_heads
+        w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
+        o_mem = F.pad(o_mem.reshape(B, T, H, dm // H), (0, (D - dm) // H))
+        out = (w * o_mem + (1. - w) * o_self.reshape(B, T, H, D // H)).reshape(B, T, D)
+
+        patches = x[:, p:].transpose(1, 2).reshape(B, D, feat_size[0], feat_size[1])
+        pe = self.pe(patches).flatten(2).transpose(1, 2)
+        if p > 0:
+            pe = F.pad(pe, (0, 0, p, 0))
+        return out + pe
+
+
+class GrcAttention(nn.Module):
+    """Generic GRC wrapper around any self-attention `attn(x, *args) -> (B, T, D)`.
+
+    The self branch lives under `attn`, so its keys gain an `attn.` prefix; the lsvision backbones instead
+    subclass their attention and keep the original keys (see `lsvision.models.pvt_v2_grc`).
+    """
+
+    def __init__(self, attn: nn.Module, dim: int, num_heads: int, cache_len: int, **grc_kwargs):
+        super().__init__()
+        self.attn = attn
+        self.grc = GatedRecurrentCache(dim, num_heads, cache_len, **grc_kwargs)
+
+    def forward(self, x: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        if feat_size is None:
+            o_self = self.attn(x)
+        else:
+            o_self = self.attn(x, feat_size)
+        return self.grc(x, o_self, feat_size)

@@ -1,0 +1,353 @@
+"""PVT v2 with GRC-Attention (Cached Transformers), built on timm's PVT v2.
+
+Papers:
+    * `PVT v2: Improved Baselines with Pyramid Vision Transformer` - https://arxiv.org/abs/2106.13797
+    * `Cached Transformers: Improving Transformers with Differentiable Memory Cache` - https://arxiv.org/abs/2312.12742
+
+timm's `PyramidVisionTransformerV2` is built unchanged, then every block's attention is replaced by
+`PvtV2GrcAttention`, a subclass of timm's `pvt_v2.Attention` that keeps its parameter names (`attn.q/kv/proj/sr/
+norm`) and adds one `grc` child (`attn.grc.*`: cache buffer, gates, memory SRA on the cache grid, mixing logits,
+PE conv). timm `pvt_v2_*` weights therefore load with only `attn.grc.*` keys missing:
+`timm.create_model('pvt_v2_b2_grc', pretrained=True, pretrained_cfg_overlay=dict(file='pvt_v2_b2.pth'))`.
+The authors published no PVT v2 integration; the memory branch reuses the stage's sr ratio (or linear SRA for
+`_li`) on the cache grid, as their PVT v1 code does. GRC models do not support gradient checkpointing.
+
+Written for lsvision, Apache-2.0.
+"""
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import LayerNorm
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.pvt_v2 import Attention as PvtV2Attention
+from timm.models.pvt_v2 import PyramidVisionTransformerV2
+from timm.models.pvt_v2 import checkpoint_filter_fn as _pvt_v2_filter_fn
+
+from lsvision.layers import GatedRecurrentCache
+
+from ._helpers import check_image_input
+
+__all__ = ['PvtV2GrcAttention', 'PyramidVisionTransformerV2Grc']
+
+
+class PvtV2GrcAttention(PvtV2Attention):
+    """timm PVT v2 (linear) SRA with a GRC cache over the stage's patch grid under `grc`."""
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            sr_ratio: int = 1,
+            linear_attn: bool = False,
+            qkv_bias: bool = True,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            cache_hw: Tuple[int, int] = (56, 56),
+            grc_cfg: Optional[Dict[str, Any]] = None,
+            device=None,
+            dtype=None,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__(
+            dim,
+            num_heads=num_heads,
+            sr_ratio=sr_ratio,
+            linear_attn=linear_attn,
+            qkv_bias=qkv_bias,
+            attn_drop=attn_drop,
+            proj_drop=proj_drop,
+            **dd,
+        )
+        self.grc = GatedRecurrentCache(
+            dim,
+            num_heads,
+            cache_len=cache_hw[0] * cache_hw[1],
+            cache_hw=cache_hw,
+            mem_attn_kwargs=dict(qkv_bias=qkv_bias, sr_ratio=sr_ratio, linear_attn=linear_attn),
+            **(grc_cfg or {}),
+            **dd,
+        )
+
+    def forward_self(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+        """timm's `pvt_v2.Attention.forward`, restated because TorchScript can't call super()."""
+        B, N, C = x.shape
+        H, W = feat_size
+        q = self.q(x).reshape(B, N, self.num_heads, -1).permute(0, 2, 1, 3)
+        if self.pool is not None:
+            x = x.permute(0, 2, 1).reshape(B, C, H, W)
+            x = self.act(self.norm(self.sr(self.pool(x)).reshape(B, C, -1).permute(0, 2, 1)))
+        elif self.sr is not None:
+            x = x.permute(0, 2, 1).reshape(B, C, H, W)
+            x = self.norm(self.sr(x).reshape(B, C, -1).permute(0, 2, 1))
+        kv = self.kv(x).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        k, v = kv.unbind(0)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.)
+        else:
+            attn = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1))
+            x = attn @ v
+        x = x.transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+    def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+        return self.grc(x, self.forward_self(x, feat_size), feat_size)
+
+
+def _grid_sizes(img_size: Tuple[int, int], num_stages: int) -> List[Tuple[int, int]]:
+    """Patch grid of each stage: overlapping embeds k7/s4/p3, then k3/s2/p1."""
+    h, w = (img_size[0] + 6 - 7) // 4 + 1, (img_size[1] + 6 - 7) // 4 + 1
+    sizes = [(h, w)]
+    for _ in range(num_stages - 1):
+        h, w = (h + 2 - 3) // 2 + 1, (w + 2 - 3) // 2 + 1
+        sizes.append((h, w))
+    return sizes
+
+
+class PyramidVisionTransformerV2Grc(PyramidVisionTransformerV2):
+    """timm PVT v2 with GRC-Attention in every block."""
+
+    def __init__(
+            self,
+            img_size: Union[int, Tuple[int, int]] = 224,
+            in_chans: int = 3,
+            num_classes: int = 1000,
+            global_pool: str = 'avg',
+            depths: Tuple[int, ...] = (3, 4, 6, 3),
+            embed_dims: Tuple[int, ...] = (64, 128, 256, 512),
+            num_heads: Tuple[int, ...] = (1, 2, 4, 8),
+            sr_ratios: Tuple[int, ...] = (8, 4, 2, 1),
+            mlp_ratios: Tuple[float, ...] = (8., 8., 4., 4.),
+            qkv_bias: bool = True,
+            linear: bool = False,
+            drop_rate: float = 0.,
+            proj_drop_rate: float = 0.,
+            attn_drop_rate: float = 0.,
+            drop_path_rate: float = 0.,
+            norm_layer: Type[nn.Module] = LayerNorm,
+            grc_ratio: float = 0.5,
+            grc_lam_init: float = 0.0,
+            grc_summary_src: str = 'self',
+            grc_eval_update: bool = True,
+            grc_interp_mode: str = 'nearest1d',
+            grc_sync_cache: bool = False,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            img_size: Training resolution: sizes the GRC caches (stage grids 56/28/14/7 at 224).
+            grc_ratio: Caching ratio r (cache width r * dim).
+            grc_lam_init: Initial mixing logit (0.0 paper, -1.0 authors' code).
+            grc_summary_src: Cache update from the self-attention output ('self') or the block input ('input').
+            grc_eval_update: In eval, compute the per-sample update from the frozen cache (not stored).
+            grc_interp_mode: Summary resizing when the token count differs from the cache: 'nearest1d' or '2d'.
+            grc_sync_cache: All-reduce the stored cache update over the process group (DDP).
+
+        The other arguments are timm's `PyramidVisionTransformerV2`'s.
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__(
+            in_chans=in_chans,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            depths=depths,
+            embed_dims=embed_dims,
+            num_heads=num_heads,
+            sr_ratios=sr_ratios,
+            mlp_ratios=mlp_ratios,
+            qkv_bias=qkv_bias,
+            linear=linear,
+            drop_rate=drop_rate,
+            proj_drop_rate=proj_drop_rate,
+            attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate,
+            norm_layer=norm_layer,
+            **dd,
+        )
+        img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        self.min_input_size = 32
+        grc_cfg = dict(
+            ratio=grc_ratio,
+            lam_init=grc_lam_init,
+            summary_src=grc_summary_src,
+            eval_update=grc_eval_update,
+            interp_mode=grc_interp_mode,
+            sync_cache=grc_sync_cache,
+        )
+        grids = _grid_sizes(img_size, len(depths))
+        for i, stage in enumerate(self.stages):
+            for blk in stage.blocks:
+                old = blk.attn
+                blk.attn = PvtV2GrcAttention(
+                    embed_dims[i],
+                    num_heads=old.num_heads,
+                    sr_ratio=old.sr.stride[0] if old.sr is not None and old.pool is None else 1,
+                    linear_attn=old.pool is not None,
+                    qkv_bias=old.q.bias is not None,
+                    attn_drop=old.attn_drop.p,
+                    proj_drop=old.proj_drop.p,
+                    cache_hw=grids[i],
+                    grc_cfg=grc_cfg,
+                    **dd,
+                )
+                blk.attn.apply(self._init_weights)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        if enable:
+            raise RuntimeError(
+                'gradient checkpointing is not supported with GRC: the recompute in backward would update the '
+                'cache a second time and use the new cache (wrong gradients)')
+        super().set_grad_checkpointing(False)
+
+    @torch.jit.ignore
+    def reset_cache(self) -> None:
+        """Zero every GRC cache."""
+        for m in self.modules():
+            if isinstance(m, GatedRecurrentCache):
+                m.reset_cache()
+
+    @torch.jit.ignore
+    def resize_cache(self, img_size: Union[int, Tuple[int, int]]) -> None:
+        """Resize every cache (bilinear over its grid) to the stage grids of a new training resolution."""
+        img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        grids = _grid_sizes(img_size, len(self.stages))
+        for i, stage in enumerate(self.stages):
+            for blk in stage.blocks:
+                blk.attn.grc.resize_cache(grids[i])
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """timm's PVT v2 forward_intermediates, with an input check."""
+        check_image_input(x, self.in_chans, self.min_input_size)
+        return super().forward_intermediates(
+            x,
+            indices=indices,
+            norm=norm,
+            stop_early=stop_early,
+            output_fmt=output_fmt,
+            intermediates_only=intermediates_only,
+        )
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        check_image_input(x, self.in_chans, self.min_input_size)
+        x = self.patch_embed(x)
+        return self.stages(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """timm's PVT v2 filter (official or timm layout); then every key except `attn.grc.*` must be present.
+
+    GRC keys absent from a baseline checkpoint stay fresh (zero caches); timm reports them as missing.
+    """
+    for key in ('model', 'state_dict'):
+        if key in state_dict and isinstance(state_dict[key], dict):
+            state_dict = state_dict[key]
+    state_dict = _pvt_v2_filter_fn(state_dict, model)
+    missing = [k for k in model.state_dict() if k not in state_dict and '.grc.' not in k]
+    if missing:
+        raise KeyError(f'checkpoint lacks non-GRC keys of {type(model).__name__}: {missing[:8]}')
+    return state_dict
+
+
+def _create_pvt2_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    out_indices = kwargs.pop('out_indices', (0, 1, 2, 3))
+    return build_model_with_cfg(
+        PyramidVisionTransformerV2Grc,
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        pretrained_strict=False,  # baseline weights: only attn.grc.* missing (checked in checkpoint_filter_fn)
+        feature_cfg=dict(flatten_sequential=True, out_indices=out_indices),
+        **kwargs,
+    )
+
+
+def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
+    return {
+        'url': url, 'num_classes': 1000, 'input_size': (3, 224, 224), 'pool_size': (7, 7),
+        'crop_pct': 0.9, 'interpolation': 'bicubic', 'fixed_input_size': False,
+        'mean': IMAGENET_DEFAULT_MEAN, 'std': IMAGENET_DEFAULT_STD,
+        'first_conv': 'patch_embed.proj', 'classifier': 'head',
+        'license': 'apache-2.0', 'paper_ids': 'arXiv:2312.12742',
+        'paper_name': 'Cached Transformers: Improving Transformers with Differentiable Memory Cache',
+        'origin_url': 'https://github.com/annosubmission/GRC-Cache',
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    'pvt_v2_b0_grc.untrained': _cfg(),
+    'pvt_v2_b1_grc.untrained': _cfg(),
+    'pvt_v2_b2_grc.untrained': _cfg(),
+    'pvt_v2_b3_grc.untrained': _cfg(),
+    'pvt_v2_b4_grc.untrained': _cfg(),
+    'pvt_v2_b5_grc.untrained': _cfg(),
+    'pvt_v2_b2_li_grc.untrained': _cfg(),
+})
+
+_DIMS = (64, 128, 320, 512)
+_HEADS = (1, 2, 5, 8)
+
+
+@register_model
+def pvt_v2_b0_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B0 with GRC-Attention (r=0.5) in every block."""
+    model_args = dict(depths=(2, 2, 2, 2), embed_dims=(32, 64, 160, 256), num_heads=_HEADS)
+    return _create_pvt2_grc('pvt_v2_b0_grc', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def pvt_v2_b1_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B1 with GRC-Attention (r=0.5) in every block."""
+    model_args = dict(depths=(2, 2, 2, 2), embed_dims=_DIMS, num_heads=_HEADS)
+    return _create_pvt2_grc('pvt_v2_b1_grc', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def pvt_v2_b2_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B2 with GRC-Attention (r=0.5) in every block (paper: 82.0 -> 82.6 top-1)."""
+    model_args = dict(depths=(3, 4, 6, 3), embed_dims=_DIMS, num_heads=_HEADS)
+    return _create_pvt2_grc('pvt_v2_b2_grc', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def pvt_v2_b3_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B3 with GRC-Attention (r=0.5) in every block (paper: 83.2 -> 83.7 top-1)."""
+    model_args = dict(depths=(3, 4, 18, 3), embed_dims=_DIMS, num_heads=_HEADS)
+    return _create_pvt2_grc('pvt_v2_b3_grc', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def pvt_v2_b4_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B4 with GRC-Attention (r=0.5) in every block (paper: 83.6 -> 84.1 top-1)."""
+    model_args = dict(depths=(3, 8, 27, 3), embed_dims=_DIMS, num_heads=_HEADS)
+    return _create_pvt2_grc('pvt_v2_b4_grc', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def pvt_v2_b5_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B5 with GRC-Attention (r=0.5) in every block."""
+    model_args = dict(depths=(3, 6, 40, 3), embed_dims=_DIMS, num_heads=_HEADS, mlp_ratios=(4, 4, 4, 4))
+    return _create_pvt2_grc('pvt_v2_b5_grc', pretrained=pretrained, **dict(model_args, **kwargs))
+
+
+@register_model
+def pvt_v2_b2_li_grc(pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
+    """PVT v2-B2-Li (linear SRA) with GRC-Attention (r=0.5) in every block."""
+    model_args = dict(depths=(3, 4, 6, 3), embed_dims=_DIMS, num_heads=_HEADS, linear=True)
+    return _create_pvt2_grc('pvt_v2_b2_li_grc', pretrained=pretrained, **dict(model_args, **kwargs))

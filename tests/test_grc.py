@@ -1,0 +1,466 @@
+"""GRC-Attention (Cached Transformers): the layer and the GRC backbones.
+
+PVT v1 (`pvt_*`, `pvt_*_grc`), PVT v2 (`pvt_v2_*_grc`), Swin (`swin_*_grc`) and ViT/DeiT (`vit_small_*_grc`,
+`deit_small_*_grc`). Assertions follow the GRC spec §6. Models are tiny (1-2 blocks per stage, 32-96 px) except for
+parameter counts (meta device) and the FLOP overheads (224 px, four small models).
+"""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import timm
+from timm.layers import Attention as TimmAttention
+from timm.models.pvt_v2 import Attention as TimmPvtV2Attention
+from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.flops import count_flops
+from lsvision.layers import GatedRecurrentCache, GrcAttention
+from lsvision.models.pvt_v2_grc import PvtV2GrcAttention
+from lsvision.models.swin_grc import SwinGrcWindowAttention
+from lsvision.models.vit_grc import VitGrcAttention
+
+SWIN_T = 'swin_tiny_patch4_window7_224_grc'
+VIT_S = 'vit_small_patch16_224_grc'
+
+# spec §3/§4 parameter counts; measured exactly, and they round to the spec's M figures
+PARAMS = {
+    'pvt_tiny': 13_229_288, 'pvt_small': 24_485_864, 'pvt_medium': 44_208_104, 'pvt_large': 61_369_320,
+    'pvt_tiny_grc': 15_671_048, 'pvt_small_grc': 29_357_417, 'pvt_medium_grc': 53_476_517,
+    'pvt_large_grc': 74_374_170,
+    'pvt_v2_b0_grc': 4_289_640, 'pvt_v2_b1_grc': 16_450_760, 'pvt_v2_b2_grc': 30_234_409,
+    'pvt_v2_b3_grc': 54_507_109, 'pvt_v2_b4_grc': 75_560_922, 'pvt_v2_b5_grc': 99_504_727,
+    'pvt_v2_b2_li_grc': 26_723_881,
+    SWIN_T: 33_806_950, 'swin_small_patch4_window7_224_grc': 59_681_302,
+    'swin_base_patch4_window7_224_grc': 105_563_856,
+    VIT_S: 26_582_704, 'deit_small_patch16_224_grc': 26_582_704,
+}
+SPEC_M = {
+    'pvt_tiny': 13.23, 'pvt_small': 24.49, 'pvt_medium': 44.21, 'pvt_large': 61.37,
+    'pvt_tiny_grc': 15.67, 'pvt_small_grc': 29.36, 'pvt_medium_grc': 53.48, 'pvt_large_grc': 74.37,
+    'pvt_v2_b0_grc': 4.29, 'pvt_v2_b1_grc': 16.45, 'pvt_v2_b2_grc': 30.23, 'pvt_v2_b3_grc': 54.51,
+    'pvt_v2_b4_grc': 75.56, 'pvt_v2_b5_grc': 99.50, 'pvt_v2_b2_li_grc': 26.72,
+    SWIN_T: 33.81, 'swin_small_patch4_window7_224_grc': 59.68, 'swin_base_patch4_window7_224_grc': 105.56,
+    VIT_S: 26.58, 'deit_small_patch16_224_grc': 26.58,
+}
+
+TINY = {
+    # name -> kwargs of a tiny config (T_m follows img_size)
+    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
+    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1, 1, 1)),
+    'pvt_v2_b2_li_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
+    SWIN_T: dict(img_size=64, embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4)),
+    VIT_S: dict(img_size=64, embed_dim=64, depth=2, num_heads=2),
+}
+FIRST_CACHE_LEN = {'pvt_tiny_grc': 256, 'pvt_v2_b0_grc': 256, 'pvt_v2_b2_li_grc': 256, SWIN_T: 49, VIT_S: 17}
+PVT_TINY = [n for n in TINY if n.startswith('pvt')]
+
+
+def _tiny(name, **kwargs):
+    torch.manual_seed(0)
+    return timm.create_model(name, **dict(TINY[name], num_classes=10, **kwargs))
+
+
+def _grcs(model):
+    return [m for m in model.modules() if isinstance(m, GatedRecurrentCache)]
+
+
+def _caches(model):
+    return [m.cache.clone() for m in _grcs(model)]
+
+
+def _nparams(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize('name', list(PARAMS))
+def test_param_count(name):
+    model = timm.create_model(name, device='meta')
+    n = _nparams(model)
+    assert n == PARAMS[name]
+    assert round(n / 1e6, 2) == SPEC_M[name]
+
+
+@pytest.mark.parametrize('name,count', [
+    ('pvt_tiny_grc', 8), ('pvt_v2_b2_grc', 16), ('pvt_v2_b0_grc', 8), (SWIN_T, 12), (VIT_S, 12)])
+def test_one_grc_per_block(name, count):
+    model = timm.create_model(name, device='meta')
+    assert len(_grcs(model)) == count
+    assert all(isinstance(m.attn.grc, GatedRecurrentCache) for m in model.modules() if hasattr(m, 'attn'))
+
+
+@pytest.mark.parametrize('base', ['pvt_tiny', 'pvt_v2_b0', 'swin_tiny_patch4_window7_224', 'vit_small_patch16_224'])
+def test_overhead_band(base):
+    torch.manual_seed(0)
+    plain = timm.create_model(base).eval()
+    grc = timm.create_model(base + '_grc').eval()
+    caches = _caches(grc)
+    dp = _nparams(grc) / _nparams(plain) - 1
+    df = count_flops(grc, (3, 224, 224)).total / count_flops(plain, (3, 224, 224)).total - 1
+    assert 0.12 <= dp <= 0.25, dp
+    assert 0.12 <= df <= 0.25, df
+    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(grc))), 'FLOP counting in eval changed a cache'
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_cache_buffers_and_lambda(name):
+    model = _tiny(name)
+    sd = model.state_dict()
+    grcs = dict((n, m) for n, m in model.named_modules() if isinstance(m, GatedRecurrentCache))
+    for n, m in grcs.items():
+        c = m.cache
+        assert c.shape == (1, m.cache_len, int(0.5 * m.dim))
+        assert c.dtype == torch.float32 and not c.requires_grad and not c.any()
+        assert f'{n}.cache' in sd
+        assert m.lam.shape == (m.num_heads,)
+        torch.testing.assert_close(torch.sigmoid(m.lam), torch.full_like(m.lam, 0.5))
+    # the cache follows the training resolution (stage grids at 64 px, a window, prefix + patches)
+    assert next(iter(grcs.values())).cache_len == FIRST_CACHE_LEN[name]
+    lam = _tiny(name, grc_lam_init=-1.0)
+    assert all(torch.allclose(m.lam, torch.full_like(m.lam, -1.0)) for m in _grcs(lam))
+
+
+@pytest.mark.parametrize('name', PVT_TINY)
+def test_forward_shapes_and_sizes(name):
+    model = _tiny(name).eval()
+    for b in (1, 2):
+        out = model(torch.randn(b, 3, 64, 64))
+        assert out.shape == (b, 10) and torch.isfinite(out).all()
+    # other resolutions (summary resized to T_m) and non-square inputs, eval and train
+    assert model(torch.randn(1, 3, 96, 96)).shape == (1, 10)
+    model.train()
+    assert torch.isfinite(model(torch.randn(2, 3, 64, 96))).all()
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_train_steps(name):
+    model = _tiny(name, drop_path_rate=0.1).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(2, 3, 64, 64)
+    before = _caches(model)
+    model(x).logsumexp(-1).mean().backward()
+    after = _caches(model)
+    assert all(not torch.equal(a, b) for a, b in zip(before, after)), 'a cache did not change in train mode'
+    opt.step()  # keep the grads: two steps accumulate
+    model(torch.randn(2, 3, 64, 64)).logsumexp(-1).mean().backward()  # no graph kept across steps
+    for n, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), n
+        if '.grc.' in n and not (name == VIT_S and n.startswith('blocks.1.attn.grc.pe')):
+            # ViT's last-block PE only feeds patch outputs that the token head never uses
+            assert p.grad.abs().sum() > 0, f'zero gradient for {n}'
+    # stateful: same input twice in train mode gives different outputs
+    with torch.no_grad():
+        assert not torch.allclose(model(x), model(x))
+
+
+def test_stored_cache_is_batch_mean():
+    torch.manual_seed(0)
+    grc = GatedRecurrentCache(32, 2, cache_len=16, cache_hw=(4, 4)).train()
+    with torch.no_grad():
+        grc.cache.normal_()
+    start = grc.cache.clone()
+    x, o = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    grc(x, o, [4, 4])
+    batch = grc.cache.clone()
+    singles = []
+    for i in range(4):
+        grc.cache.copy_(start)
+        grc(x[i:i + 1], o[i:i + 1], [4, 4])
+        singles.append(grc.cache.clone())
+    torch.testing.assert_close(batch, torch.stack(singles).mean(0), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_eval_batch_independent_and_frozen(name):
+    model = _tiny(name).train()
+    with torch.no_grad():
+        model(torch.randn(4, 3, 64, 64))  # non-zero caches
+    model.eval()
+    caches = _caches(model)
+    x = torch.randn(4, 3, 64, 64)
+    with torch.no_grad():
+        full = model(x)
+        ones = torch.cat([model(x[i:i + 1]) for i in range(4)])
+        perm = torch.tensor([2, 0, 3, 1])
+        permuted = model(x[perm])
+        mixed = model(torch.cat([x[:2], torch.randn(3, 3, 64, 64)]))[:2]
+        again = model(x)
+    torch.testing.assert_close(ones, full, atol=1e-5, rtol=0)
+    torch.testing.assert_close(permuted, full[perm], atol=1e-5, rtol=0)
+    torch.testing.assert_close(mixed, full[:2], atol=1e-5, rtol=0)
+    assert torch.equal(again, full)
+    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(model))), 'eval changed a cache'
+    model.train()  # train resumes updates
+    with torch.no_grad():
+        model(x)
+    assert all(not torch.equal(a, b) for a, b in zip(caches, _caches(model)))
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_state_dict_round_trip(name, tmp_path):
+    model = _tiny(name).train()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    model.eval()
+    torch.save(model.state_dict(), tmp_path / 'w.pth')
+    fresh = _tiny(name)
+    fresh.load_state_dict(torch.load(tmp_path / 'w.pth'), strict=True)
+    fresh.eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ref = model(x)
+        assert torch.equal(fresh(x), ref)
+        fresh.reset_cache()
+        assert not torch.allclose(fresh(x), ref), 'zeroing the caches did not change the outputs'
+
+
+def test_reduction_to_wrapped_attention_pvt_v2():
+    torch.manual_seed(0)
+    attn = PvtV2GrcAttention(64, num_heads=2, sr_ratio=2, cache_hw=(8, 8)).train()
+    with torch.no_grad():
+        attn.grc.cache.normal_()
+        attn.grc.lam.fill_(float('-inf'))
+        attn.grc.pe.weight.zero_()
+        attn.grc.pe.bias.zero_()
+    plain = TimmPvtV2Attention(64, num_heads=2, sr_ratio=2)
+    missing, unexpected = plain.load_state_dict(attn.state_dict(), strict=False)
+    assert not missing and all(k.startswith('grc.') for k in unexpected)
+    x = torch.randn(2, 64, 64)
+    assert torch.equal(attn(x, [8, 8]), plain(x, [8, 8]))
+
+
+def test_reduction_to_wrapped_attention_swin():
+    torch.manual_seed(0)
+    attn = SwinGrcWindowAttention(32, 2, window_size=(7, 7)).train()
+    with torch.no_grad():
+        attn.grc.cache.normal_()
+        attn.grc.lam.fill_(float('-inf'))
+        attn.grc.pe.weight.zero_()
+        attn.grc.pe.bias.zero_()
+    plain = TimmWindowAttention(32, 2, window_size=7)
+    missing, unexpected = plain.load_state_dict(attn.state_dict(), strict=False)
+    assert not missing and all(k.startswith('grc.') for k in unexpected)
+    x = torch.randn(4, 49, 32)
+    mask = torch.zeros(2, 49, 49).masked_fill(torch.rand(2, 49, 49) > 0.7, -100.)
+    assert torch.equal(attn(x, mask), plain(x, mask))
+    assert torch.equal(attn(x), plain(x))
+
+
+def test_reduction_to_wrapped_attention_vit():
+    torch.manual_seed(0)
+    attn = VitGrcAttention(64, 2, qkv_bias=True, cache_hw=(4, 4), num_prefix_tokens=1).train()
+    with torch.no_grad():
+        attn.grc.cache.normal_()
+        attn.grc.lam.fill_(float('-inf'))
+        attn.grc.pe.weight.zero_()
+        attn.grc.pe.bias.zero_()
+    plain = TimmAttention(64, 2, qkv_bias=True)
+    missing, unexpected = plain.load_state_dict(attn.state_dict(), strict=False)
+    assert not missing and all(k.startswith('grc.') for k in unexpected)
+    x = torch.randn(2, 17, 64)
+    assert torch.equal(attn(x), plain(x))
+
+
+def test_reduction_to_wrapped_attention_pvt_v1():
+    model = _tiny('pvt_tiny_grc').train()
+    n = 0
+    for m in model.modules():
+        if hasattr(m, 'forward_self'):
+            with torch.no_grad():
+                m.grc.cache.normal_()
+                m.grc.lam.fill_(float('-inf'))
+                m.grc.pe.weight.zero_()
+                m.grc.pe.bias.zero_()
+            h, w = m.grc.cache_hw
+            x = torch.randn(2, m.num_prefix_tokens + h * w, m.q.in_features)
+            assert torch.equal(m(x, [h, w]), m.forward_self(x, [h, w]))
+            n += 1
+    assert n == 4
+
+
+def test_generic_wrapper():
+    torch.manual_seed(0)
+    attn = GrcAttention(nn.Identity(), 32, 4, cache_len=17, cache_hw=(4, 4), num_prefix_tokens=1)
+    with torch.no_grad():
+        attn.grc.lam.fill_(float('-inf'))
+        attn.grc.pe.weight.zero_()
+        attn.grc.pe.bias.zero_()
+    x = torch.randn(2, 17, 32)
+    assert torch.equal(attn(x), x)
+
+
+def test_baseline_weights_load(tmp_path):
+    torch.manual_seed(0)
+    base = timm.create_model('pvt_v2_b0')
+    torch.save(base.state_dict(), tmp_path / 'pvt_v2_b0.pth')
+    model = timm.create_model(
+        'pvt_v2_b0_grc', pretrained=True,
+        pretrained_cfg_overlay=dict(file=str(tmp_path / 'pvt_v2_b0.pth')))
+    sd = model.state_dict()
+    for k, v in base.state_dict().items():
+        assert torch.equal(sd[k], v), k
+    assert all(not m.cache.any() for m in _grcs(model))
+    missing, unexpected = timm.create_model('pvt_v2_b0_grc').load_state_dict(
+        base.state_dict(), strict=False)
+    assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
+    # PVT v1: plain -> GRC
+    v1 = timm.create_model('pvt_tiny', **TINY['pvt_tiny_grc'])
+    missing, unexpected = timm.create_model('pvt_tiny_grc', **TINY['pvt_tiny_grc']).load_state_dict(
+        v1.state_dict(), strict=False)
+    assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
+
+
+@pytest.mark.parametrize('name', [SWIN_T, VIT_S])
+def test_baseline_weights_load_swin_vit(name, tmp_path):
+    torch.manual_seed(0)
+    base = timm.create_model(name[:-4], num_classes=10, **TINY[name])
+    torch.save(base.state_dict(), tmp_path / 'base.pth')
+    model = timm.create_model(
+        name, pretrained=True, num_classes=10, pretrained_cfg_overlay=dict(file=str(tmp_path / 'base.pth')),
+        **TINY[name])
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in base.state_dict().items() if not k.startswith('head'))
+    missing, unexpected = timm.create_model(name, num_classes=10, **TINY[name]).load_state_dict(
+        base.state_dict(), strict=False)
+    assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
+
+
+def test_swin_set_input_size():
+    model = _tiny(SWIN_T).train()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 64, 64))
+    model.set_input_size(img_size=(96, 96), window_size=8)
+    grc = _grcs(model)[0]
+    assert grc.cache.shape == (1, 64, 16) and grc.cache.any()
+    assert grc.mem_attn.relative_position_bias_table.shape == (15 * 15, 2)
+    assert model(torch.randn(2, 3, 96, 96)).shape == (2, 10)
+    model.eval()
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([model(x[:1]), model(x[1:])]), model(x), atol=1e-5, rtol=0)
+
+
+def test_vit_dynamic_img_size():
+    model = _tiny(VIT_S, dynamic_img_size=True).train()
+    assert model(torch.randn(2, 3, 80, 80)).shape == (2, 10)  # 26 tokens, cache of 17
+    model.eval()
+    assert torch.isfinite(model(torch.randn(1, 3, 96, 96))).all()
+
+
+def test_official_pvt_v1_names_map():
+    import re
+
+    from lsvision.models.pvt import checkpoint_filter_fn
+    model = timm.create_model('pvt_tiny', **TINY['pvt_tiny_grc'])
+    sd = model.state_dict()
+
+    def official(k):  # whai362/PVT names
+        k = re.sub(r'^stages\.3\.cls_token$', 'cls_token', k)
+        k = re.sub(r'^stages\.(\d)\.blocks\.', lambda m: f'block{int(m.group(1)) + 1}.', k)
+        return re.sub(r'^stages\.(\d)\.(patch_embed|pos_embed)', lambda m: f'{m.group(2)}{int(m.group(1)) + 1}', k)
+
+    sd_official = {official(k): v for k, v in sd.items()}
+    assert 'patch_embed1.proj.weight' in sd_official and 'block4.0.attn.q.weight' in sd_official
+    assert checkpoint_filter_fn(sd_official, model).keys() == sd.keys()
+
+
+def test_grad_checkpointing_raises():
+    for name in TINY:
+        with pytest.raises(RuntimeError, match='gradient checkpointing'):
+            _tiny(name).set_grad_checkpointing(True)
+    timm.create_model('pvt_tiny', **TINY['pvt_tiny_grc']).set_grad_checkpointing(True)  # plain PVT supports it
+
+
+def test_bad_inputs():
+    model = _tiny('pvt_v2_b0_grc').eval()
+    with pytest.raises(Exception, match='input channels'):
+        model(torch.randn(1, 1, 64, 64))
+    with pytest.raises(Exception, match='smaller'):
+        model(torch.randn(1, 3, 16, 16))
+    with pytest.raises(Exception, match='image batch'):
+        model(torch.randn(3, 64, 64))
+    v1 = _tiny('pvt_tiny_grc').eval()
+    with pytest.raises(Exception, match='input channels'):
+        v1(torch.randn(1, 1, 64, 64))
+    with pytest.raises(ValueError, match='cache width'):
+        timm.create_model('pvt_v2_b0_grc', grc_ratio=0.3, device='meta')
+    with pytest.raises(ValueError, match='summary_src'):
+        GatedRecurrentCache(32, 2, 16, summary_src='x')
+    grc = GatedRecurrentCache(32, 2, 16, cache_hw=(4, 4))
+    with pytest.raises(ValueError, match='width'):
+        grc(torch.randn(1, 16, 16), torch.randn(1, 16, 16), [4, 4])
+    with pytest.raises(ValueError, match='patches'):
+        grc(torch.randn(1, 16, 32), torch.randn(1, 16, 32), [3, 3])
+    with pytest.raises(TypeError):
+        timm.create_model('pvt_tiny_grc', not_an_arg=1, device='meta')
+
+
+def test_options_frozen_eval_input_summary_2d():
+    model = _tiny('pvt_v2_b0_grc', grc_eval_update=False, grc_summary_src='input', grc_interp_mode='2d').train()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 96, 64))  # 2-d resize of the summary to the cache grid
+    model.eval()
+    caches = _caches(model)
+    x = torch.randn(3, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat([model(x[i:i + 1]) for i in range(3)]), model(x), atol=1e-5, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(model)))
+
+
+def test_resize_cache_and_autocast():
+    model = _tiny('pvt_v2_b0_grc').train()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        model(torch.randn(2, 3, 64, 64))
+    assert all(c.dtype == torch.float32 and c.any() for c in _caches(model))
+    model.resize_cache(96)
+    assert _grcs(model)[0].cache.shape == (1, 24 * 24, 16)
+    assert model(torch.randn(2, 3, 96, 96)).shape == (2, 10)
+
+
+def test_pvt_v1_token_pool():
+    model = timm.create_model('pvt_tiny_grc', global_pool='token', num_classes=10, **TINY['pvt_tiny_grc']).eval()
+    assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world, port, path, x):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
+    try:
+        model = _tiny('pvt_v2_b0_grc', grc_sync_cache=True).train()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.)
+        for step in range(2):
+            xs = x[step].chunk(world)[rank]
+            ddp(xs).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save(_caches(model), os.path.join(path, f'rank{rank}.pth'))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_sync_cache_equals_global_batch(tmp_path):
+    torch.manual_seed(1)
+    x = torch.randn(2, 4, 3, 32, 32)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), x), nprocs=2, join=True)
+    model = _tiny('pvt_v2_b0_grc', grc_sync_cache=True).train()
+    with torch.no_grad():
+        for step in range(2):
+            model(x[step])
+    single = _caches(model)
+    r0 = torch.load(tmp_path / 'rank0.pth')
+    r1 = torch.load(tmp_path / 'rank1.pth')
+    for a, b, c in zip(r0, r1, single):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
