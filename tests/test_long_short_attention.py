@@ -126,3 +126,18 @@ def test_scriptable():
     x = torch.randn(1, 1 + 5 * 7, 16)
     with torch.no_grad():
         torch.testing.assert_close(scripted(x, (5, 7)), attn(x, (5, 7)))
+
+
+@pytest.mark.parametrize('w', [2, 3, 8])
+def test_small_segment_path_equals_sdpa_path(w):
+    """Small segments skip SDPA on CPU for speed; both paths compute the same attention."""
+    torch.manual_seed(0)
+    attn = LongShortAttention2d(32, 4, w, 3, qkv_layer='conv', dp_layer='conv', rel_pos_bias=True).eval()
+    assert attn.small_segment == (w * w <= 16)
+    x = torch.randn(2, 1 + 9 * 10, 32)
+    with torch.no_grad():
+        attn.small_segment = True
+        small = attn(x, (9, 10))
+        attn.small_segment = False
+        fused = attn(x, (9, 10))
+    torch.testing.assert_close(small, fused, rtol=0, atol=1e-5)
