@@ -17,7 +17,7 @@ that timm's standard contract and dense-prediction users expect, with `forward =
 Adapted from microsoft/CvT (MIT). Written for lsvision, Apache-2.0.
 """
 from functools import partial
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -28,17 +28,14 @@ from timm.layers import (
     DropPath,
     Mlp,
     QuickGELU,
-    _assert,
-    get_device_dtype,
     register_notrace_module,
     trunc_normal_,
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from lsvision.layers import LongShortAttention2d
 
-from ._helpers import check_image_input
+from ._hierarchical import HierarchicalTransformer
 
 __all__ = ['ConvVisionTransformer']
 
@@ -234,7 +231,7 @@ class CvtStage(nn.Module):
         return self.forward_with_prefix(x)[0]
 
 
-class ConvVisionTransformer(nn.Module):
+class ConvVisionTransformer(HierarchicalTransformer):
     """CvT-style hierarchical transformer with pluggable attention (CvT, CvT-LS)."""
 
     def __init__(
@@ -348,128 +345,6 @@ class ConvVisionTransformer(nn.Module):
             trunc_normal_(m.weight, std=.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
-
-    @torch.jit.ignore
-    def no_weight_decay(self) -> set:
-        return {n for n, _ in self.named_parameters() if n.endswith('cls_token')}
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(
-            stem=r'^stages\.0\.patch_embed',
-            blocks=r'^stages\.(\d+)' if coarse else [
-                (r'^stages\.(\d+)\.(?:patch_embed|cls_token)', (0,)),
-                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
-                (r'^norm', (99999,)),
-            ]
-        )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        for s in self.stages:
-            s.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            assert global_pool in ('avg', 'token', ''), f"global_pool must be 'avg', 'token' or '', got {global_pool!r}"
-            self.global_pool = global_pool
-        dd = get_device_dtype(self)
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
-
-    def _norm_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Forward that also returns the stage outputs.
-
-        Args:
-            x: Input images.
-            indices: Take the last n stages if an int, all if None, the listed stages if a sequence.
-            norm: Apply the final norm to the last stage's tap.
-            stop_early: Stop after the last stage needed.
-            output_fmt: Only 'NCHW'.
-            intermediates_only: Return only the taps.
-
-        Returns:
-            The taps, or (final features as forward_features returns them, taps).
-        """
-        assert output_fmt == 'NCHW', 'Output format must be NCHW.'
-        check_image_input(x, self.in_chans, self.min_input_size)
-        intermediates = []
-        num_stages = len(self.stages)
-        take_indices, max_index = feature_take_indices(num_stages, indices)
-        if torch.jit.is_scripting() or not stop_early:  # can't slice stages in torchscript
-            stages = self.stages
-        else:
-            stages = self.stages[:max_index + 1]
-        last_idx = 0
-        for i, stage in enumerate(stages):
-            x = stage(x)
-            last_idx = i
-            if i in take_indices:
-                intermediates.append(self._norm_map(x) if norm and i == num_stages - 1 else x)
-        if intermediates_only:
-            return intermediates
-        if last_idx == num_stages - 1:
-            x = self._norm_map(x)
-        return x, intermediates
-
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the stages after the last needed tap (and the final norm and head as asked)."""
-        take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        prune_end = max_index < len(self.stages) - 1
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm or prune_end:
-            self.norm = nn.Identity()
-        if prune_end:
-            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
-        if prune_head or prune_end:
-            self.reset_classifier(0, '')
-        return take_indices
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Normed last-stage map (B, C, H/16, W/16); the cls token is dropped."""
-        check_image_input(x, self.in_chans, self.min_input_size)
-        x = self.stages(x)
-        return self._norm_map(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Classify the map from forward_features ('avg' or '' pooling) or a normed cls token (B, C) ('token')."""
-        if self.global_pool == 'avg':
-            x = x.mean(dim=(2, 3))
-        elif self.global_pool == 'token':
-            _assert(x.ndim == 2, "global_pool='token' classifies the cls token: call forward(), not "
-                    'forward_head(forward_features(x)), which returns the map without it')
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.global_pool == 'token':
-            check_image_input(x, self.in_chans, self.min_input_size)
-            prefix = x
-            for stage in self.stages:
-                x, prefix = stage.forward_with_prefix(x)
-            return self.forward_head(self.norm(prefix[:, 0]))
-        return self.forward_head(self.forward_features(x))
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:

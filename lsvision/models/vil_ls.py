@@ -31,17 +31,15 @@ from timm.layers import (
     DropPath,
     Mlp,
     calculate_drop_path_rates,
-    get_device_dtype,
     register_notrace_module,
     to_2tuple,
     trunc_normal_,
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
-from timm.models._features import feature_take_indices
 
 from lsvision.layers import LongShortAttention2d, window_rel_pos_table_size
 
-from ._helpers import check_image_input
+from ._hierarchical import HierarchicalTransformer
 
 __all__ = ['VisionLongShortTransformer']
 
@@ -374,8 +372,10 @@ class VilStage(nn.Module):
         return self.forward_with_prefix(x)[0]
 
 
-class VisionLongShortTransformer(nn.Module):
+class VisionLongShortTransformer(HierarchicalTransformer):
     """ViL-LS: multi-scale Vision Longformer with long-short attention (https://arxiv.org/abs/2107.02192)."""
+
+    global_pools = ('avg', '')  # the last stage has no cls token: the official head averages its map
 
     def __init__(
             self,
@@ -501,35 +501,6 @@ class VisionLongShortTransformer(nn.Module):
         }
 
     @torch.jit.ignore
-    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        return dict(
-            stem=r'^stages\.0\.patch_embed',
-            blocks=r'^stages\.(\d+)' if coarse else [
-                (r'^stages\.(\d+)\.(?:patch_embed|cls_token)', (0,)),
-                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
-                (r'^norm', (99999,)),
-            ]
-        )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        for s in self.stages:
-            s.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self) -> nn.Module:
-        return self.head
-
-    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        self.num_classes = num_classes
-        if global_pool is not None:
-            assert global_pool in ('avg', ''), f"global_pool must be 'avg' or '', got {global_pool!r}"
-            self.global_pool = global_pool
-        dd = get_device_dtype(self)
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
-
-    @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
         """Make `img_size` the native input size: the full-attention bias tables are interpolated to its maps once
         (trainable flags kept), so that forward there uses them as they are."""
@@ -543,86 +514,6 @@ class VisionLongShortTransformer(nn.Module):
             for blk in stage.blocks:
                 if isinstance(blk.attn, RelPosAttention):
                     blk.attn.set_feat_size(feat_size)
-
-    def _norm_map(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-
-    def forward_intermediates(
-            self,
-            x: torch.Tensor,
-            indices: Optional[Union[int, List[int]]] = None,
-            norm: bool = False,
-            stop_early: bool = False,
-            output_fmt: str = 'NCHW',
-            intermediates_only: bool = False,
-    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
-        """Forward that also returns the stage outputs.
-
-        Args:
-            x: Input images.
-            indices: Take the last n stages if an int, all if None, the listed stages if a sequence.
-            norm: Apply the final norm to the last stage's tap.
-            stop_early: Stop after the last stage needed.
-            output_fmt: Only 'NCHW'.
-            intermediates_only: Return only the taps.
-
-        Returns:
-            The taps (NCHW, cls tokens dropped), or (final features as forward_features returns them, taps).
-        """
-        assert output_fmt == 'NCHW', 'Output format must be NCHW.'
-        check_image_input(x, self.in_chans, self.min_input_size)
-        intermediates = []
-        num_stages = len(self.stages)
-        take_indices, max_index = feature_take_indices(num_stages, indices)
-        if torch.jit.is_scripting() or not stop_early:  # can't slice stages in torchscript
-            stages = self.stages
-        else:
-            stages = self.stages[:max_index + 1]
-        last_idx = 0
-        for i, stage in enumerate(stages):
-            x = stage(x)
-            last_idx = i
-            if i in take_indices:
-                intermediates.append(self._norm_map(x) if norm and i == num_stages - 1 else x)
-        if intermediates_only:
-            return intermediates
-        if last_idx == num_stages - 1:
-            x = self._norm_map(x)
-        return x, intermediates
-
-    def prune_intermediate_layers(
-            self,
-            indices: Union[int, List[int]] = 1,
-            prune_norm: bool = False,
-            prune_head: bool = True,
-    ) -> List[int]:
-        """Drop the stages after the last needed tap (and the final norm and head as asked)."""
-        take_indices, max_index = feature_take_indices(len(self.stages), indices)
-        prune_end = max_index < len(self.stages) - 1
-        self.stages = self.stages[:max_index + 1]
-        if prune_norm or prune_end:
-            self.norm = nn.Identity()
-        if prune_end:
-            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
-        if prune_head or prune_end:
-            self.reset_classifier(0, '')
-        return take_indices
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Normed last-stage map (B, C, H/32, W/32)."""
-        check_image_input(x, self.in_chans, self.min_input_size)
-        x = self.stages(x)
-        return self._norm_map(x)
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Mean over the map (the official head: the last stage has no cls token), dropout, classifier."""
-        if self.global_pool == 'avg':
-            x = x.mean(dim=(2, 3))
-        x = self.head_drop(x)
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
 
 
 def parse_official_arch(arch: str) -> Dict[str, Any]:

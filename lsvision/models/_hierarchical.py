@@ -1,0 +1,152 @@
+"""The timm model API shared by lsvision's hierarchical transformers (CvT, CvT-LS, PVT, ViL-LS).
+
+Such a model holds `stages` (an nn.Sequential of stages: NCHW in, NCHW out, each with `forward_with_prefix`
+returning the map and its prefix tokens, and a `grad_checkpointing` flag), a final `norm` over channels, `head_drop`
+and `head`, and sets `in_chans`, `min_input_size`, `global_pool`, `num_features`, `head_hidden_size`, `num_classes`
+and `feature_info`. `forward_features` returns the normed last-stage map (timm's standard NCHW contract); the head
+averages it ('avg'), or classifies the normed cls token of the last stage ('token', reached through `forward`).
+"""
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+from timm.layers import _assert, get_device_dtype
+from timm.models._features import feature_take_indices
+
+from ._helpers import check_image_input
+
+__all__ = ['HierarchicalTransformer']
+
+
+class HierarchicalTransformer(nn.Module):
+    """Base of the stage-wise lsvision models: everything of the timm API that does not depend on the family."""
+
+    global_pools: Tuple[str, ...] = ('avg', 'token', '')
+
+    def _check_global_pool(self, global_pool: str) -> None:
+        assert global_pool in self.global_pools, f'global_pool must be one of {self.global_pools}, got {global_pool!r}'
+        if global_pool == 'token':
+            assert self.stages[-1].cls_token is not None, "global_pool='token' needs a cls token in the last stage"
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        return {n for n, _ in self.named_parameters() if n.endswith('cls_token')}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        return dict(
+            stem=r'^stages\.0\.(?:patch_embed|pos_embed)',
+            blocks=r'^stages\.(\d+)' if coarse else [
+                (r'^stages\.(\d+)\.(?:patch_embed|pos_embed|cls_token)', (0,)),
+                (r'^stages\.(\d+)\.blocks\.(\d+)', None),
+                (r'^norm', (99999,)),
+            ]
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        for s in self.stages:
+            s.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self) -> nn.Module:
+        return self.head
+
+    def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
+        self.num_classes = num_classes
+        if global_pool is not None:
+            self._check_global_pool(global_pool)
+            self.global_pool = global_pool
+        dd = get_device_dtype(self)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
+
+    def _norm_map(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+    def forward_intermediates(
+            self,
+            x: torch.Tensor,
+            indices: Optional[Union[int, List[int]]] = None,
+            norm: bool = False,
+            stop_early: bool = False,
+            output_fmt: str = 'NCHW',
+            intermediates_only: bool = False,
+    ) -> Union[List[torch.Tensor], Tuple[torch.Tensor, List[torch.Tensor]]]:
+        """Forward that also returns the stage outputs.
+
+        Args:
+            x: Input images.
+            indices: Take the last n stages if an int, all if None, the listed stages if a sequence.
+            norm: Apply the final norm to the last stage's tap.
+            stop_early: Stop after the last stage needed.
+            output_fmt: Only 'NCHW'.
+            intermediates_only: Return only the taps.
+
+        Returns:
+            The taps (NCHW, prefix tokens dropped), or (final features as forward_features returns them, taps).
+        """
+        assert output_fmt == 'NCHW', 'Output format must be NCHW.'
+        check_image_input(x, self.in_chans, self.min_input_size)
+        intermediates = []
+        num_stages = len(self.stages)
+        take_indices, max_index = feature_take_indices(num_stages, indices)
+        if torch.jit.is_scripting() or not stop_early:  # can't slice stages in torchscript
+            stages = self.stages
+        else:
+            stages = self.stages[:max_index + 1]
+        last_idx = 0
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            last_idx = i
+            if i in take_indices:
+                intermediates.append(self._norm_map(x) if norm and i == num_stages - 1 else x)
+        if intermediates_only:
+            return intermediates
+        if last_idx == num_stages - 1:
+            x = self._norm_map(x)
+        return x, intermediates
+
+    def prune_intermediate_layers(
+            self,
+            indices: Union[int, List[int]] = 1,
+            prune_norm: bool = False,
+            prune_head: bool = True,
+    ) -> List[int]:
+        """Drop the stages after the last needed tap (and the final norm and head as asked)."""
+        take_indices, max_index = feature_take_indices(len(self.stages), indices)
+        prune_end = max_index < len(self.stages) - 1
+        self.stages = self.stages[:max_index + 1]
+        if prune_norm or prune_end:
+            self.norm = nn.Identity()
+        if prune_end:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]['num_chs']
+        if prune_head or prune_end:
+            self.reset_classifier(0, '')
+        return take_indices
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Normed last-stage map (B, C, H/r, W/r) at the last reduction r; prefix tokens are dropped."""
+        check_image_input(x, self.in_chans, self.min_input_size)
+        x = self.stages(x)
+        return self._norm_map(x)
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Classify the map from forward_features ('avg' or '' pooling) or a normed cls token (B, C) ('token')."""
+        if self.global_pool == 'avg':
+            x = x.mean(dim=(2, 3))
+        elif self.global_pool == 'token':
+            _assert(x.ndim == 2, "global_pool='token' classifies the cls token: call forward(), not "
+                    'forward_head(forward_features(x)), which returns the map without it')
+        x = self.head_drop(x)
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.global_pool == 'token':
+            check_image_input(x, self.in_chans, self.min_input_size)
+            prefix = x
+            for stage in self.stages:
+                x, prefix = stage.forward_with_prefix(x)
+            return self.forward_head(self.norm(prefix[:, 0]))
+        return self.forward_head(self.forward_features(x))
