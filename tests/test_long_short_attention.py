@@ -141,3 +141,30 @@ def test_small_segment_path_equals_sdpa_path(w):
         attn.small_segment = False
         fused = attn(x, (9, 10))
     torch.testing.assert_close(small, fused, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize('src,dst', [(7, 8), (8, 7), (4, 6), (7, 7)])
+def test_window_table_carried_over_offset_by_offset(src, dst):
+    from lsvision.layers import resize_window_rel_pos_table
+    torch.manual_seed(0)
+    table = torch.randn(window_rel_pos_table_size(src), 3)
+    out = resize_window_rel_pos_table(table, dst)
+    assert out.shape == (window_rel_pos_table_size(dst), 3)
+    # the offsets of every (query, key) pair of the new window, and which row each reads
+    pad, span = window_span(dst)
+    delta = torch.arange(dst)[:, None] - (torch.arange(span) - pad)[None, :]
+    drow = delta[:, None, :, None].expand(dst, dst, span, span).reshape(-1)
+    dcol = delta[None, :, None, :].expand(dst, dst, span, span).reshape(-1)
+    dst_rows = window_rel_pos_index(dst, torch.device('cpu')).reshape(-1)
+    reach = src + src // 2 - 1
+    src_rows = ((drow.clamp(-reach, reach) + src // 2 + src - 1) * (src + 2 * (src // 2))
+                + dcol.clamp(-reach, reach) + src // 2 + src - 1)
+    checked = 0
+    for row in dst_rows.unique():
+        sources = src_rows[dst_rows == row].unique()
+        if sources.numel() == 1:  # a row with one meaning: its bias is exactly the old one of that offset
+            torch.testing.assert_close(out[row], table[sources[0]], rtol=0, atol=0)
+            checked += 1
+    assert checked > 0.5 * dst_rows.unique().numel()
+    if src == dst:
+        assert out is table

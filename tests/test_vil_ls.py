@@ -87,12 +87,12 @@ def test_converter_explains_a_mismatched_checkpoint(golden_dir, tmp_path, capsys
     assert tool.main([str(golden_dir / 'tiny224_io.pt'), str(tmp_path / 'x.safetensors')]) == 2
     assert 'not an official MsViT state_dict' in capsys.readouterr().err
 
-    # a full-size 224 checkpoint (shapes only) in the w=8 384 model: the window tables cannot be resized
+    # a full-size 224 checkpoint (shapes only) in the w=8 384 model: window tables are carried over, others resized
     shapes = json.loads((golden_dir / 'full_key_shapes.json').read_text())['vil_ls_medium_224']
     net = {'module.' + k: torch.empty(s, device='meta') for k, s in shapes.items()}
-    with pytest.raises(tool.ConversionError, match='window tables') as e:
-        tool.convert({'net': net}, 'vil_ls_medium_384')
-    assert 'pass --model vil_ls_medium' in str(e.value) and 'stages.0.blocks.0.attn.rel_pos_table' in str(e.value)
+    converted = tool.convert({'net': net}, 'vil_ls_medium_384')[0]
+    assert converted['stages.0.blocks.0.attn.rel_pos_table'].shape == (375, 3)
+    assert converted['stages.2.blocks.0.attn.rel_pos_table'].shape == (47 * 47, 6)
     del net['module.layer3.5.attn.qkv.weight']
     net['module.layer3.5.attn.foo'] = torch.empty(3, device='meta')
     with pytest.raises(tool.ConversionError) as e:
@@ -219,12 +219,13 @@ def test_rel_pos_tables_exact_at_native_size_interpolated_elsewhere(golden_dir):
     torch.testing.assert_close(resized, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(loaded, expected, rtol=0, atol=1e-5)
 
-    # set_input_size keeps frozen tables frozen; w=8 windows cannot take w=7 tables
+    # set_input_size keeps frozen tables frozen; w=8 windows take the w=7 tables offset by offset
     native.requires_grad_(False)
     native.set_input_size(img_size=224)
     assert not any(p.requires_grad for p in native.parameters())
-    with pytest.raises(ValueError, match='window_sizes'):
-        checkpoint_filter_fn(checkpoint, timm.create_model('vil_ls_medium', **dict(kwargs, window_sizes=(8,) * 4)))
+    w8 = timm.create_model('vil_ls_medium', **dict(kwargs, window_sizes=(8,) * 4))
+    w8.load_state_dict(checkpoint_filter_fn(checkpoint, w8))
+    assert w8.stages[0].blocks[0].attn.rel_pos_table.shape[0] == 375
 
 
 def test_train_step_with_drop_path():

@@ -139,7 +139,7 @@ def convert(
     model = timm.create_model(model_name, device='meta', **kwargs)
 
     converted, dropped, unknown = convert_official_state_dict(checkpoint)
-    converted = resize_rel_pos_tables(converted, model, strict_windows=False)
+    converted = resize_rel_pos_tables(converted, model)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = [k for k in expected if k not in converted]
     unexpected = [f'{k} (official key, not a ViL-LS key)' for k in unknown]
@@ -157,17 +157,9 @@ def convert(
         if misshaped:
             msg += _listing('mis-shaped', misshaped)
         msg += f'The checkpoint looks like: {_describe(official)}.\n'
-        model_windows = [
-            (i, blk.attn.window_size) for i, stage in enumerate(model.stages) for blk in stage.blocks[:1]
-            if hasattr(blk.attn, 'dynamic_proj')]
-        window_mismatch = any(
-            official['window_sizes'][i] != w for i, w in model_windows if i < len(official['window_sizes']))
-        if window_mismatch:
-            msg += ('Long-short window tables are for one window size w and cannot be resized (full-attention tables '
-                    'are interpolated).\n')
         if matches and model_name not in matches:
             msg += f'What to do: pass --model {matches[0]} (or leave --model out to pick it from the checkpoint)'
-            msg += '; add --img-size to run it at another size.' if window_mismatch and img_size is None else '.'
+            msg += '.'
         elif not auto and not unknown:
             msg += "What to do: leave --model out; the model is then built with the checkpoint's own settings."
         else:

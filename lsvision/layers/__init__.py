@@ -6,7 +6,9 @@ from .long_short import (
     LinearQkv,
     LongShortAttention2d,
     SepConvQkv,
+    resize_window_rel_pos_table,
     window_rel_pos_index,
     window_rel_pos_table_size,
+    window_size_of_rel_pos_table,
     window_span,
 )

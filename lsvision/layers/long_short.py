@@ -25,7 +25,8 @@ from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
-    'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index',
+    'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
+    'resize_window_rel_pos_table',
 ]
 
 
@@ -57,6 +58,56 @@ def window_rel_pos_index(window_size: int, device: torch.device) -> torch.Tensor
     dcol = delta[None, :, None, :]
     idx = (drow + sp + window_size - 1) * (window_size + 2 * sp) + (dcol + sp + window_size - 1)
     return idx.reshape(window_size * window_size, span * span)
+
+
+def window_size_of_rel_pos_table(num_rows: int) -> int:
+    """The window size w whose official relative-position table has `num_rows` rows (ValueError if none)."""
+    for w in range(1, 257):
+        if window_rel_pos_table_size(w) == num_rows:
+            return w
+    raise ValueError(f'{num_rows} rows is not the size of a long-short window relative-position table')
+
+
+def resize_window_rel_pos_table(table: torch.Tensor, window_size: int) -> torch.Tensor:
+    """Carry a window relative-position table over to another window size, offset by offset.
+
+    Each (row offset, col offset) that the new window uses takes the bias the old table gives that offset, with
+    offsets beyond the old span clamped to its edge. Where the official index merges several offsets into one row
+    (bug B1), the row takes the value of the first offset in query-major order, so the carried-over bias is exact
+    for every offset that has a row of its own.
+
+    Args:
+        table: (rows, heads) table of some window size (inferred from the row count).
+        window_size: The new window size.
+
+    Returns:
+        The (window_rel_pos_table_size(window_size), heads) table.
+    """
+    src_window = window_size_of_rel_pos_table(table.shape[0])
+    if src_window == window_size:
+        return table
+    device = torch.device('cpu')  # index arithmetic on the CPU, also for tables on the meta device
+    src_pad = src_window // 2
+    # offsets of every (query, key) pair of the new window, in the order of window_rel_pos_index
+    pad, span = window_span(window_size)
+    q = torch.arange(window_size, device=device)
+    k = torch.arange(span, device=device) - pad
+    delta = q[:, None] - k[None, :]
+    drow = delta[:, None, :, None].expand(window_size, window_size, span, span).reshape(-1)
+    dcol = delta[None, :, None, :].expand(window_size, window_size, span, span).reshape(-1)
+    dst_idx = window_rel_pos_index(window_size, device).reshape(-1)
+    reach = src_window + src_pad - 1
+    src_idx = (
+        (drow.clamp(-reach, reach) + src_pad + src_window - 1) * (src_window + 2 * src_pad)
+        + dcol.clamp(-reach, reach) + src_pad + src_window - 1
+    )
+    # first pair (query-major) of every row of the new table
+    rows, inverse = torch.unique(dst_idx, return_inverse=True)
+    first = torch.full((rows.numel(),), dst_idx.numel(), dtype=torch.long, device=device)
+    first = first.scatter_reduce(0, inverse, torch.arange(dst_idx.numel(), device=device), reduce='amin')
+    out = table.new_zeros(window_rel_pos_table_size(window_size), table.shape[1])
+    out[rows.to(table.device)] = table[src_idx[first].to(table.device)]
+    return out
 
 
 def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:

@@ -37,7 +37,7 @@ from timm.layers import (
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 
-from lsvision.layers import LongShortAttention2d, window_rel_pos_table_size
+from lsvision.layers import LongShortAttention2d, resize_window_rel_pos_table, window_rel_pos_table_size
 
 from ._hierarchical import HierarchicalTransformer
 
@@ -686,15 +686,12 @@ def convert_official_state_dict(
     return out, dropped, unknown
 
 
-def resize_rel_pos_tables(
-        state_dict: Dict[str, torch.Tensor],
-        model: nn.Module,
-        strict_windows: bool = True,
-) -> Dict[str, torch.Tensor]:
-    """Interpolate the full-attention tables of an lsvision-layout state_dict to the model's native map sizes.
+def resize_rel_pos_tables(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Fit the relative-position tables of an lsvision-layout state_dict to the model.
 
-    A long-short window table of another window size cannot be resized: ValueError if `strict_windows`, else it is
-    left as it is (for a caller that reports the mismatch itself).
+    Full-attention tables are interpolated to the model's native map sizes; long-short window tables of another
+    window size (224 weights, w = 7, in the 384 model, w = 8) are carried over offset by offset
+    (`resize_window_rel_pos_table`): exact for every offset with a row of its own, clamped beyond the old span.
     """
     modules = dict(model.named_modules())
     out = dict(state_dict)
@@ -702,16 +699,12 @@ def resize_rel_pos_tables(
         if not k.endswith('.attn.rel_pos_table'):
             continue
         attn = modules.get(k[:-len('.rel_pos_table')])
-        if attn is None or attn.rel_pos_table.shape == v.shape:
+        if attn is None or attn.rel_pos_table.shape == v.shape or v.ndim != 2:
             continue
-        if isinstance(attn, RelPosAttention) and v.ndim == 2 and v.shape[1] == attn.rel_pos_table.shape[1]:
+        if isinstance(attn, RelPosAttention) and v.shape[1] == attn.rel_pos_table.shape[1]:
             out[k] = resize_rel_pos_table(v, _grid_of_table(v.shape[0]), attn.feat_size)
-        elif strict_windows and isinstance(attn, LongShortAttention2d) and v.ndim == 2:
-            raise ValueError(
-                f'{k}: the checkpoint has a long-short window table of {v.shape[0]} rows, the model one of '
-                f'{attn.rel_pos_table.shape[0]} (window size {attn.window_size}). Window tables cannot be resized: '
-                'create the model with the window sizes of the checkpoint, e.g. window_sizes=(7, 7, 7, 7) for '
-                'the 224 weights (vil_ls_medium with img_size=384 runs them at 384).')
+        elif isinstance(attn, LongShortAttention2d):
+            out[k] = resize_window_rel_pos_table(v, attn.window_size)
     return out
 
 
