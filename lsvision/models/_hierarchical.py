@@ -12,11 +12,40 @@ import torch
 import torch.nn as nn
 
 from timm.layers import _assert, get_device_dtype
+from timm.models import checkpoint
 from timm.models._features import feature_take_indices
 
 from ._helpers import check_image_input
 
-__all__ = ['HierarchicalTransformer']
+__all__ = ['HierarchicalStage', 'HierarchicalTransformer']
+
+
+class HierarchicalStage(nn.Module):
+    """A stage: `patch_embed` (NCHW map out), an optional `cls_token`, then `blocks` on tokens with the map size.
+
+    Subclasses build `patch_embed`, `cls_token` (or None), `num_prefix_tokens`, `blocks` (called as
+    `blk(x, feat_size)`) and `grad_checkpointing`.
+    """
+
+    def forward_with_prefix(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns the output map (B, C, H, W) and the prefix tokens (B, g, C), g = 0 without a cls token."""
+        x = self.patch_embed(x)
+        B, C, H, W = x.shape
+        feat_size = (H, W)
+        x = x.flatten(2).transpose(1, 2)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
+        for blk in self.blocks:
+            if self.grad_checkpointing and not torch.jit.is_scripting():
+                x = checkpoint(blk, x, feat_size)
+            else:
+                x = blk(x, feat_size)
+        prefix = x[:, :self.num_prefix_tokens]
+        x = x[:, self.num_prefix_tokens:].reshape(B, H, W, C).permute(0, 3, 1, 2)  # NCHW, channels-last memory
+        return x, prefix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_with_prefix(x)[0]
 
 
 class HierarchicalTransformer(nn.Module):

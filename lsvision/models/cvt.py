@@ -31,11 +31,11 @@ from timm.layers import (
     register_notrace_module,
     trunc_normal_,
 )
-from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d
 
-from ._hierarchical import HierarchicalTransformer
+from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
 __all__ = ['ConvVisionTransformer']
 
@@ -179,7 +179,7 @@ class CvtBlock(nn.Module):
         return x
 
 
-class CvtStage(nn.Module):
+class CvtStage(HierarchicalStage):
     """Conv token embedding, optional cls token, then transformer blocks. NCHW in, NCHW out."""
 
     def __init__(
@@ -210,25 +210,6 @@ class CvtStage(nn.Module):
             for i in range(depth)
         ])
 
-    def forward_with_prefix(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns the output map (B, C, H, W) and the prefix tokens (B, g, C), g = 0 without a cls token."""
-        x = self.patch_embed(x)
-        B, C, H, W = x.shape
-        feat_size = (H, W)
-        x = x.flatten(2).transpose(1, 2)
-        if self.cls_token is not None:
-            x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)
-        for blk in self.blocks:
-            if self.grad_checkpointing and not torch.jit.is_scripting():
-                x = checkpoint(blk, x, feat_size)
-            else:
-                x = blk(x, feat_size)
-        prefix = x[:, :self.num_prefix_tokens]
-        x = x[:, self.num_prefix_tokens:].reshape(B, H, W, C).permute(0, 3, 1, 2)  # NCHW, channels-last memory
-        return x, prefix
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_with_prefix(x)[0]
 
 
 class ConvVisionTransformer(HierarchicalTransformer):

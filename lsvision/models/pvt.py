@@ -38,7 +38,7 @@ from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs,
 
 from lsvision.layers import GatedRecurrentCache
 
-from ._hierarchical import HierarchicalTransformer
+from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
 __all__ = ['PyramidVisionTransformer']
 
@@ -183,7 +183,7 @@ class PatchEmbed(nn.Module):
         return self.norm(self.proj(x).permute(0, 2, 3, 1))
 
 
-class PvtStage(nn.Module):
+class PvtStage(HierarchicalStage):
     """Patch embedding, optional cls token, position embedding, then blocks. NCHW in, NCHW out."""
 
     def __init__(
@@ -247,9 +247,6 @@ class PvtStage(nn.Module):
         prefix = x[:, :self.num_prefix_tokens]
         x = x[:, self.num_prefix_tokens:].reshape(B, H, W, C).permute(0, 3, 1, 2)
         return x, prefix
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_with_prefix(x)[0]
 
 
 class PyramidVisionTransformer(HierarchicalTransformer):
