@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from timm.layers import register_notrace_module, trunc_normal_
+from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
 __all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
 
@@ -46,6 +46,15 @@ def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
     return cache_dim
 
 
+def _cat_bias(
+        a: Optional[torch.Tensor], b: Optional[torch.Tensor], c: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if a is None or b is None:
+        return None
+    if c is None:
+        return torch.cat([a, b])
+    return torch.cat([a, b, c])
+
+
 class GrcMemoryAttention(nn.Module):
     """Memory branch: queries from the input slice, keys/values from the (per-sample) cache.
 
@@ -53,6 +62,8 @@ class GrcMemoryAttention(nn.Module):
     PVT's spatial reduction (conv k=s=sr + LN) or linear SRA (pool 7, 1x1 conv, LN, GELU) applied to the cache
     grid, or a Swin relative-position-bias table over the window slots. Prefix (cls) cache slots skip the reduction.
     """
+
+    fused_attn: torch.jit.Final[bool]
 
     def __init__(
             self,
@@ -98,6 +109,8 @@ class GrcMemoryAttention(nn.Module):
         if (self.sr is not None) and self.cache_hw is None:
             raise ValueError('spatial reduction on the cache needs cache_hw')
         self.window_size = tuple(window_size) if window_size is not None else None
+        # like the self branch: timm's window attention uses SDPA only when asked for (slower for small windows)
+        self.fused_attn = use_fused_attn(experimental=self.window_size is not None)
         if self.window_size is not None:
             wh, ww = self.window_size
             self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads, **dd))
@@ -147,8 +160,15 @@ class GrcMemoryAttention(nn.Module):
                                  f'{k.shape[2]}')
             bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
             bias = bias.permute(2, 0, 1).unsqueeze(0).to(q.dtype)
-        x = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
+        else:
+            attn = (q * self.scale) @ k.transpose(-2, -1)
+            if bias is not None:
+                attn = attn + bias
+            attn = F.dropout(attn.softmax(dim=-1), self.attn_drop, self.training)
+            x = attn @ v
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
         return self.proj_drop(x)
 
@@ -292,12 +312,30 @@ class GatedRecurrentCache(nn.Module):
         return torch.cat([s[:, :p], grid.flatten(2).transpose(1, 2)], dim=1)
 
     def update(self, cache: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
-        """Per-sample GRU-style update: cache (B, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m)."""
-        cs = torch.cat([cache, summary], dim=-1)
-        g_r = torch.sigmoid(self.linear_reset(cs))
-        g_u = torch.sigmoid(self.linear_update(cs))
-        cand = self.norm_candidate(self.act(self.linear_candidate(torch.cat([g_r * cache, summary], dim=-1))))
-        return g_u * cand + (1. - g_u) * cache
+        """Per-sample GRU-style update: cache (B or 1, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m).
+
+        Same math as `W [P, S]` on the concatenation, with each gate weight split into its cache and summary halves:
+        for B > 1 the cache halves of W_r and W_u act on the batch-independent cache once (not once per sample), the
+        three summary halves run as one matmul, and no concatenated or expanded copies of the activations are made.
+        """
+        B, T, dm = summary.shape
+        w_r, w_u, w_c = self.linear_reset.weight, self.linear_update.weight, self.linear_candidate.weight
+        if B == 1:  # nothing to share: W_r and W_u as one matmul on [C, S] (fewest ops)
+            b_ru = _cat_bias(self.linear_reset.bias, self.linear_update.bias, None)
+            g_r, g_u = torch.sigmoid(F.linear(torch.cat([cache, summary], dim=-1), torch.cat([w_r, w_u]), b_ru)).chunk(
+                2, dim=-1)
+            cand = self.linear_candidate(torch.cat([g_r * cache, summary], dim=-1))
+            return cache + g_u * (self.norm_candidate(self.act(cand)) - cache)
+        # [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B, T_m, 3 D_m)
+        s3 = F.linear(summary, torch.cat([w_r[:, dm:], w_u[:, dm:], w_c[:, dm:]], dim=0),
+                      _cat_bias(self.linear_reset.bias, self.linear_update.bias, self.linear_candidate.bias))
+        # + [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
+        ru = F.linear(cache, torch.cat([w_r[:, :dm], w_u[:, :dm]], dim=0))
+        g_r, g_u = torch.sigmoid(s3[..., :2 * dm] + ru).chunk(2, dim=-1)
+        # W_cP (g_r * C) + (W_cS S + b_c)
+        cand = torch.addmm(s3[..., 2 * dm:].reshape(B * T, dm), (g_r * cache).reshape(B * T, dm), w_c[:, :dm].t())
+        cand = self.norm_candidate(self.act(cand.view(B, T, dm)))
+        return cache + g_u * (cand - cache)  # = g_u * cand + (1 - g_u) * cache
 
     @torch.jit.unused
     def _all_reduce_mean(self, x: torch.Tensor) -> torch.Tensor:
@@ -344,23 +382,48 @@ class GatedRecurrentCache(nn.Module):
         summary = self._resize_summary(src[..., :dm], feat_size)
 
         # clone: the buffer is written in place below while this step's graph still uses its value
-        cache = self.cache.to(dtype=summary.dtype, copy=True).expand(B, -1, -1)
+        cache = self.cache.to(dtype=summary.dtype, copy=True)
         if self.training or self.eval_update:
             cache = self.update(cache, summary)
             if self.training:
                 self._store(cache)
+        else:
+            cache = cache.expand(B, -1, -1)
         o_mem = self.mem_attn(x[..., :dm], cache)
 
         H = self.num_heads
         w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
-        o_mem = F.pad(o_mem.reshape(B, T, H, dm // H), (0, (D - dm) // H))
-        out = (w * o_mem + (1. - w) * o_self.reshape(B, T, H, D // H)).reshape(B, T, D)
+        # = w * [o_mem, 0] + (1 - w) * o_self per head, without the zero-padded copy of o_mem
+        out = o_self.reshape(B, T, H, D // H) * (1. - w)
+        out[..., :dm // H] += w * o_mem.reshape(B, T, H, dm // H)
+        out = out.reshape(B, T, D)
 
-        patches = x[:, p:].transpose(1, 2).reshape(B, D, feat_size[0], feat_size[1])
-        pe = self.pe(patches).flatten(2).transpose(1, 2)
-        if p > 0:
-            pe = F.pad(pe, (0, 0, p, 0))
-        return out + pe
+        out[:, p:] += self._pe(x[:, p:], feat_size)  # prefix tokens get no PE
+        return out
+
+    def _pe(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+        """`self.pe` on patch tokens (B, H*W, D), returned as tokens (B, H*W, D).
+
+        With 2 channels per group (r = 0.5) it runs as 2 depthwise convs, one on each channel and one on its pair
+        partner: the same sum, but oneDNN's depthwise kernels are 2-3x faster on CPU than its grouped one, mostly
+        for many small inputs (Swin windows, batches; not for one image). Token-major (channels-last) inputs avoid
+        layout copies.
+        """
+        B, N, D = x.shape
+        if self.dim != 2 * self.cache_dim or B == 1:  # for a single image the grouped conv is as fast
+            patches = x.transpose(1, 2).reshape(B, D, feat_size[0], feat_size[1])
+            return self.pe(patches).flatten(2).transpose(1, 2)
+        G = self.cache_dim
+        w = self.pe.weight.view(G, 2, 2, 3, 3)  # (group, out, in, 3, 3)
+        w_own = torch.diagonal(w, dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        w_pair = torch.diagonal(w.flip(2), dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        x = x.contiguous()
+        x_pair = torch.stack([x[..., 1::2], x[..., 0::2]], dim=-1).view(B, N, D)
+        x = x.transpose(1, 2).reshape(B, D, feat_size[0], feat_size[1])
+        x_pair = x_pair.transpose(1, 2).reshape(B, D, feat_size[0], feat_size[1])
+        y = F.conv2d(x, w_own, self.pe.bias, padding=1, groups=D) + \
+            F.conv2d(x_pair, w_pair, None, padding=1, groups=D)
+        return y.flatten(2).transpose(1, 2)
 
 
 class GrcAttention(nn.Module):
