@@ -13,7 +13,7 @@ The math follows NVIDIA/transformer-ls `AttentionLS` exactly. Beyond it: any H x
 w: queries and keys are padded and masked, the output cropped), any number of prefix tokens, and pure bf16/fp16
 without autocast. The attention itself runs through `F.scaled_dot_product_attention` with the windows batched.
 
-Hacked together by the lsvision authors. Apache-2.0.
+Written for lsvision, Apache-2.0.
 """
 from typing import Tuple
 
