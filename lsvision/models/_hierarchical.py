@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from timm.layers import _assert, get_device_dtype
+from timm.layers import _assert, get_device_dtype, trunc_normal_
 from timm.models import checkpoint
 from timm.models._features import feature_take_indices
 
@@ -52,6 +52,37 @@ class HierarchicalTransformer(nn.Module):
     """Base of the stage-wise lsvision models: everything of the timm API that does not depend on the family."""
 
     global_pools: Tuple[str, ...] = ('avg', 'token', '')
+
+    def _build_head_and_init(
+            self,
+            num_classes: int,
+            drop_rate: float,
+            norm_eps: float,
+            device=None,
+            dtype=None,
+    ) -> None:
+        """Final norm, head dropout and classifier after `stages`; then the weight init of every family.
+
+        Linear weights trunc_normal(.02) with zero bias, per-stage `pos_embed` and `cls_token` trunc_normal(.02);
+        the rest keeps PyTorch's defaults.
+        """
+        dd = {'device': device, 'dtype': dtype}
+        self.norm = nn.LayerNorm(self.num_features, eps=norm_eps, **dd)
+        self.head_drop = nn.Dropout(drop_rate)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.apply(self._init_weights)
+        for stage in self.stages:
+            for name in ('pos_embed', 'cls_token'):
+                param = getattr(stage, name, None)
+                if param is not None:
+                    trunc_normal_(param, std=.02)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            trunc_normal_(m.weight, std=.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def _check_global_pool(self, global_pool: str) -> None:
         assert global_pool in self.global_pools, f'global_pool must be one of {self.global_pools}, got {global_pool!r}'

@@ -459,20 +459,7 @@ class VisionLongShortTransformer(HierarchicalTransformer):
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
         self.stages = nn.Sequential(*stages)
 
-        self.norm = nn.LayerNorm(self.num_features, eps=norm_eps, **dd)
-        self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
-
-        self.apply(self._init_weights)
-        for stage in self.stages:
-            if stage.cls_token is not None:
-                trunc_normal_(stage.cls_token, std=.02)
-
-    def _init_weights(self, m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
-            trunc_normal_(m.weight, std=.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
+        self._build_head_and_init(num_classes, drop_rate, norm_eps, **dd)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
