@@ -1,0 +1,5 @@
+"""Sequence models (LRA encoders, character LMs, HSW) on lsvision's attention layers, with a registry of their own.
+
+`lsvision.sequence.create_model(name, **kwargs)` and `lsvision.sequence.list_models()` work like timm's.
+"""
+from ._registry import create_model, is_model, list_models, register_model
