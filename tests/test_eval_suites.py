@@ -213,7 +213,19 @@ def test_imagenet_9_unmapped_is_wrong_and_bg_gap(trees, oracle):
         assert res['variants'][v]['top1'] == pytest.approx(acc)
     assert res['variants']['mixed_same']['unmapped_predictions'] == 1
     assert res['bg_gap'] == pytest.approx(100 * 1 / 9 * 2)  # 8/9 - 6/9
-    assert res['protocol']['name'] == 'no_resize'
+    assert res['protocol']['name'] == 'no_resize' and res['protocol']['standard']
+
+
+def test_non_224_model_and_prefetcher(trees):
+    # a model at another input size sees the whole 224 image resized to it, flagged non-standard; timm's
+    # PrefetchLoader (normalising on the device, the CUDA path) gives the same results on the CPU
+    settings = EvalSettings(batch_size=4, workers=0, progress=False, prefetcher=True)
+    with pytest.warns(LayoutWarning):
+        res = evaluate_imagenet_9(ColourOracle(input_size=64), str(trees['in9'][0]), settings,
+                                  variants=['mixed_same'])
+    assert res['protocol']['standard'] is False and res['protocol']['input_size'] == [3, 64, 64]
+    assert 'NON-STANDARD' in res['protocol']['description']
+    assert res['variants']['mixed_same']['top1'] == pytest.approx(800 / 9) and res['bg_gap'] is None
 
 
 # ---- layout checks ----

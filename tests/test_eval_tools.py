@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from eval_fixtures import (
@@ -178,8 +179,20 @@ def test_corrupt_on_the_fly(data, tmp_path):
     # the oracle's clean error on these images is 1/6; strong brightness shifts every colour code
     assert res['corruptions']['brightness']['severities']['5']['error'] == 100
     assert res['corruptions']['brightness']['ce'] is None  # only 2 of 5 severities
-    again = evaluate_corrupt_on_the_fly(oracle, root, settings, ['gaussian_noise'], [1, 5])
-    assert again['corruptions']['gaussian_noise'] == res['corruptions']['gaussian_noise']  # seeded per image
+    # seeded per image; the same through timm's PrefetchLoader (the CUDA path), which wraps the DataLoader
+    prefetch = EvalSettings(batch_size=4, workers=0, progress=False, prefetcher=True)
+    again = evaluate_corrupt_on_the_fly(oracle, root, prefetch, ['gaussian_noise'], [1, 5])
+    assert again['corruptions']['gaussian_noise'] == res['corruptions']['gaussian_noise']
+    # the transform itself: 224x224 like ImageNet-C, repeatable per image, and really corrupted
+    from PIL import Image
+
+    from lsvision.eval.corrupt import ImageNetCCorruption
+    img = Image.new('RGB', (300, 260), (120, 60, 200))
+    noise = ImageNetCCorruption('gaussian_noise', 3)
+    first, second = np.asarray(noise(img)), np.asarray(noise(img))
+    assert first.shape == (224, 224, 3) and np.array_equal(first, second)
+    assert np.abs(first.astype(int) - np.array([120, 60, 200])).mean() > 10
+    assert not np.array_equal(first, np.asarray(ImageNetCCorruption('gaussian_noise', 3, seed=1)(img)))
     # through the tool, on the real model: marked in the JSON and the markdown
     tool = load_tool('robustness')
     rc = tool.main(['--models', 'cvt_ls_13', '--model-kwargs', *TINY, '--corrupt-on-the-fly', root, '--corruptions',

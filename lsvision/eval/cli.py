@@ -155,9 +155,12 @@ def run_and_report(
         write_json(results, json_path)
         write_markdown(markdown_report(results), md_path)
         del model
-    if plot_corruptions(results, png_path):
-        results['plot'] = png_path
-        write_json(results, json_path)
+    try:
+        if plot_corruptions(results, png_path):
+            results['plot'] = png_path
+            write_json(results, json_path)
+    except ImportError as e:  # matplotlib is the optional extra lsvision[eval]
+        print(f"no PNG chart: {e} (pip install 'lsvision[eval]')", file=sys.stderr)
     print(markdown_report(results))
     print(f'Wrote {json_path}, {md_path}' + (f', {png_path}' if results.get('plot') else ''), file=sys.stderr)
     return results

@@ -64,6 +64,7 @@ class EvalSettings:
     strict: bool = False
     progress: bool = True
     data_overrides: Dict[str, Any] = field(default_factory=dict)
+    prefetcher: Optional[bool] = None  # timm's PrefetchLoader (normalises on the device); None: on for CUDA
 
 
 def model_eval_protocol(model: nn.Module, overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -97,11 +98,12 @@ def no_resize_protocol(model: nn.Module, size: int = 224) -> Dict[str, Any]:
 
 def _loader(dataset: Any, protocol: Dict[str, Any], settings: EvalSettings) -> Any:
     cuda = settings.device.type == 'cuda'
+    prefetcher = cuda if settings.prefetcher is None else settings.prefetcher
     return create_loader(
         dataset, input_size=tuple(protocol['input_size']), batch_size=settings.batch_size, is_training=False,
         interpolation=protocol['interpolation'], mean=tuple(protocol['mean']), std=tuple(protocol['std']),
         crop_pct=protocol['crop_pct'], crop_mode=protocol['crop_mode'], num_workers=settings.workers,
-        device=settings.device, use_prefetcher=cuda, pin_memory=cuda, persistent_workers=False)
+        device=settings.device, use_prefetcher=prefetcher, pin_memory=cuda, persistent_workers=False)
 
 
 def _dataset(scan: FolderScan, class_map: Dict[str, int], suite: str) -> Any:
