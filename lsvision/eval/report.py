@@ -169,8 +169,11 @@ def plot_corruptions(results: Dict[str, Any], path: str) -> bool:
             row = res['corruptions'].get(c)
             values.append(float('nan') if row is None else (row['ce'] if use_ce and row['ce'] is not None
                                                              else row['mean_error']))
-        ax_c.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(corruptions))], values, width,
-                 label=label)
+        bars = ax_c.bar([j + (i - (len(series) - 1) / 2) * width for j in range(len(corruptions))], values, width,
+                        label=label)
+        for bar, c in zip(bars, corruptions):
+            if c not in CORRUPTIONS:  # the extras: raw error, no AlexNet normaliser
+                bar.set_hatch('//')
         sev = res['severities']
         main = [c for c in res['corruptions'] if c in CORRUPTIONS] or list(res['corruptions'])
         mean_by_sev = [sum(res['corruptions'][c]['severities'][str(s)]['error'] for c in main) / len(main)
@@ -178,13 +181,16 @@ def plot_corruptions(results: Dict[str, Any], path: str) -> bool:
         ax_s.plot(sev, mean_by_sev, marker='o', label=label)
     if use_ce:
         ax_c.axhline(100, color='grey', lw=0.8, ls='--')
+    n_main = sum(c in CORRUPTIONS for c in corruptions)
+    if 0 < n_main < len(corruptions):
+        ax_c.axvline(n_main - 0.5, color='black', lw=0.8)
     ax_c.set_xticks(range(len(corruptions)))
     ax_c.set_xticklabels(corruptions, rotation=60, ha='right', fontsize=8)
-    ax_c.set_ylabel('CE (AlexNet = 100; extras: error %)' if use_ce else 'top-1 error (%)')
+    ax_c.set_ylabel('CE (AlexNet = 100); hatched extras: error %' if use_ce else 'top-1 error (%)')
     ax_c.set_title('ImageNet-C per corruption')
     ax_c.legend(fontsize=8)
     ax_s.set_xlabel('severity')
-    ax_s.set_ylabel('top-1 error (%), mean over corruptions')
+    ax_s.set_ylabel('top-1 error (%), mean over the mCE corruptions')
     ax_s.set_xticks(list(range(1, 6)))
     ax_s.set_title('error per severity')
     fig.tight_layout()

@@ -8,7 +8,9 @@ exact identity); a model whose input size is not 224 gets the whole 224 image re
 non-standard.
 """
 import hashlib
+import math
 import os
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
@@ -28,6 +30,7 @@ from .suites import (
     SEVERITIES,
     FolderScan,
     LayoutError,
+    LayoutWarning,
     imagenet_c_folders,
     imagenet_class_map,
     in9_class_map,
@@ -74,9 +77,9 @@ def model_eval_protocol(model: nn.Module, overrides: Optional[Dict[str, Any]] = 
         name='model_eval', input_size=list(cfg['input_size']), interpolation=cfg['interpolation'],
         crop_pct=cfg['crop_pct'], crop_mode=cfg.get('crop_mode', 'center'), mean=list(cfg['mean']),
         std=list(cfg['std']), standard=True,
-        description=f"the model's eval transform: resize {cfg['input_size'][-1]}/{cfg['crop_pct']} "
-                    f"({cfg['interpolation']}), centre crop {cfg['input_size'][-1]}, normalise")
-    # (the reference protocol of the A/R papers is Resize 256 + CenterCrop 224; timm's model default may differ)
+        description=f"the model's eval transform: resize {math.floor(cfg['input_size'][-1] / cfg['crop_pct'])} "
+                    f"({cfg['interpolation']}, crop_pct {cfg['crop_pct']}), centre crop {cfg['input_size'][-1]}, "
+                    'normalise')
 
 
 def no_resize_protocol(model: nn.Module, size: int = 224) -> Dict[str, Any]:
@@ -227,9 +230,17 @@ def evaluate_imagenet_c(
     class_map = imagenet_class_map()
     folders = imagenet_c_folders(root, corruptions, severities)
     scans = {key: scan_class_folders(path, class_map, f'ImageNet-C {key[0]}/{key[1]}', EXPECTED_IMAGES['imagenet_c'],
-                                     WNID_EXAMPLE, settings.strict) for key, path in folders.items()}
+                                     WNID_EXAMPLE, settings.strict, emit=False) for key, path in folders.items()}
+    details = [w for scan in scans.values() for w in scan.warnings]
+    summary = []
+    if details:  # one warning for the run, not one per (corruption, severity) folder
+        n_folders = sum(bool(scan.warnings) for scan in scans.values())
+        summary = [f'ImageNet-C: {n_folders} of {len(scans)} (corruption, severity) folders differ from the real '
+                   f'dataset, e.g. {details[0]}']
+        warnings.warn(summary[0], LayoutWarning, stacklevel=2)
     protocol = no_resize_protocol(model)
-    return _corruption_results(model, scans, class_map, protocol, settings, clean_error, 'ImageNet-C')
+    out = _corruption_results(model, scans, class_map, protocol, settings, clean_error, 'ImageNet-C')
+    return dict(out, layout_warnings=summary, layout_warning_details=details)
 
 
 def _corruption_results(model: nn.Module, scans: Dict[Tuple[str, int], FolderScan], class_map: Dict[str, int],
@@ -249,13 +260,14 @@ def _corruption_results(model: nn.Module, scans: Dict[Tuple[str, int], FolderSca
             acc.update(logits, target)
         errors.setdefault(c, {})[s] = 1 - acc.correct[1] / acc.count
         raw.setdefault(c, {})[str(s)] = dict(error=100 * errors[c][s], count=acc.count, correct=acc.correct[1],
-                                             top5=acc.accuracy(5), layout_warnings=list(scan.warnings))
+                                             top5=acc.accuracy(5))
     summary = corruption_summary(errors, clean_error)
     for c, by_sev in raw.items():
         summary['corruptions'][c]['severities'] = by_sev
     first = next(iter(scans.values()))
     return dict(summary, root=os.path.dirname(os.path.dirname(os.path.abspath(first.root))), protocol=protocol,
-                severities=sorted({s for _, s in scans}), corruptions_evaluated=list(errors))
+                severities=sorted({s for _, s in scans}), corruptions_evaluated=list(errors),
+                layout_warnings=list(first.warnings))
 
 
 def evaluate_imagenet_ar(model: nn.Module, root: str, settings: EvalSettings, subset: str) -> Dict[str, Any]:

@@ -169,11 +169,12 @@ class FolderScan:
         return sum(self.counts.values())
 
 
-def _warn(scan: FolderScan, message: str, strict: bool) -> None:
+def _warn(scan: FolderScan, message: str, strict: bool, emit: bool) -> None:
     if strict:
         raise LayoutError(message + ' (--strict turns this into an error)')
     scan.warnings.append(message)
-    warnings.warn(message, LayoutWarning, stacklevel=3)
+    if emit:
+        warnings.warn(message, LayoutWarning, stacklevel=3)
 
 
 def scan_class_folders(
@@ -183,6 +184,7 @@ def scan_class_folders(
         expected: Optional[Tuple[int, int]] = None,
         example: str = '<class>',
         strict: bool = False,
+        emit: bool = True,
 ) -> FolderScan:
     """Checks that ``root`` holds one folder of images per class, every folder a key of ``class_map``.
 
@@ -193,6 +195,7 @@ def scan_class_folders(
         expected: (images, class folders) of the full dataset; a difference warns (or raises if ``strict``).
         example: a folder name to show in messages, e.g. ``'n01440764'``.
         strict: raise on count differences instead of warning.
+        emit: issue the warnings (``LayoutWarning``); False only collects them in the result (the caller summarises).
 
     Returns:
         the images per class folder (only files timm reads: .png/.jpg/.jpeg in any case) and the warnings issued.
@@ -238,16 +241,16 @@ def scan_class_folders(
         scan.counts[folder] = n_images
         if skipped:
             _warn(scan, f'{suite}: {len(skipped)} file(s) in {path} are not .png/.jpg/.jpeg images and are skipped '
-                        f'(e.g. {skipped[0]})', strict)
+                        f'(e.g. {skipped[0]})', strict, emit)
     empty = [f for f, n in scan.counts.items() if n == 0]
     if empty:
-        _warn(scan, f'{suite}: {len(empty)} class folder(s) in {root} hold no images (e.g. {empty[0]!r})', strict)
+        _warn(scan, f'{suite}: {len(empty)} class folder(s) in {root} hold no images (e.g. {empty[0]!r})', strict, emit)
     if expected is not None:
         n_images, n_classes = expected
         if scan.total != n_images or len(folders) != n_classes:
             _warn(scan, f'{suite}: {root} holds {scan.total} images in {len(folders)} class folders; the full '
                         f'dataset has {n_images} in {n_classes}. Results are not comparable with published ones.',
-                  strict)
+                  strict, emit)
     return scan
 
 
