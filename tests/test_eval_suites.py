@@ -40,6 +40,7 @@ from lsvision.eval import (
     evaluate_v2,
     imagenet_class_map,
     in_to_in9,
+    markdown_report,
     subset_indices,
     subset_synsets,
 )
@@ -150,6 +151,8 @@ def test_imagenet_and_real(trees, oracle):
     with pytest.warns(LayoutWarning):
         auto = evaluate_imagenet(oracle, str(fx['root'] / 'val'), SETTINGS)
     assert auto['real'] is None and '50000 entries' in auto['real_note'] and auto['top1'] == res['top1']
+    md = markdown_report(dict(models=[dict(model='oracle', params=0, suites=dict(imagenet=auto))]))
+    assert '| oracle | - | 83.33 | 100.00 | - |' in md and '- oracle: ReaL skipped: ReaL: 6 validation images' in md
     with pytest.raises(LayoutError, match='ReaL: 6 validation images but 50000 entries'), \
             pytest.warns(LayoutWarning):
         evaluate_imagenet(oracle, str(fx['root']), SETTINGS, real=True)

@@ -89,8 +89,9 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
     if checkpoint:
         if not os.path.isfile(checkpoint):
             raise FileNotFoundError(f'checkpoint {checkpoint} not found')
-        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=os.path.abspath(checkpoint)),
-                                  **kwargs)
+        # source='' makes timm load this file even for models whose default weights live on the HF hub
+        overlay = dict(file=os.path.abspath(checkpoint), source='')
+        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
     else:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     cfg = getattr(model, 'pretrained_cfg', {}) or {}

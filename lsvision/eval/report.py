@@ -76,6 +76,8 @@ def markdown_report(results: Dict[str, Any]) -> str:
         cols.append(('BG-gap', lambda m: _f(m['suites'].get('imagenet_9', {}).get('bg_gap'))))
     lines += ['## Summary (accuracy in %, mCE with AlexNet = 100)', '']
     lines += _table(['model'] + [c for c, _ in cols], [[m['model']] + [fn(m) for _, fn in cols] for m in models])
+    lines += [f"- {m['model']}: {m['suites']['imagenet']['real_note']}" for m in models
+              if (m['suites'].get('imagenet') or {}).get('real_note')]
 
     if has('imagenet_v2'):
         lines += ['', '## ImageNetV2 (labels = int(folder name))', '']
