@@ -1,0 +1,21 @@
+"""Evaluation suites (ImageNet-1K, ReaL, V2, ImageNet-C, -A, -R, -9): layouts, checks, metrics, loop, reports.
+
+Knows no model: every runner takes an ``nn.Module`` with an ImageNet-1K head. ``tools/validate.py`` and
+``tools/robustness.py`` are the command lines.
+"""
+from .metrics import In9Accuracy, TopKAccuracy, corruption_summary, real_labels, real_result
+from .report import markdown_report, plot_corruptions, write_json, write_markdown
+from .runner import (
+    EvalSettings,
+    evaluate_corrupt_on_the_fly,
+    evaluate_imagenet,
+    evaluate_imagenet_9,
+    evaluate_imagenet_ar,
+    evaluate_imagenet_c,
+    evaluate_v2,
+    file_sha256,
+    model_eval_protocol,
+    no_resize_protocol,
+    predict,
+)
+from .suites import *

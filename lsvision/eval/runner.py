@@ -1,0 +1,381 @@
+"""The shared evaluation loop and one runner per suite: folder checks, timm dataset and loader, metrics.
+
+Each runner takes any ImageNet-1K classifier (an ``nn.Module`` mapping (B, 3, H, W) to (B, 1000) logits) and returns a
+JSON-ready dict with the raw counts, the metrics, the preprocessing protocol and the layout warnings. Protocols (spec
+§0): ImageNet, ReaL, V2, A and R use the model's own eval transform (``timm.data.resolve_model_data_config``);
+ImageNet-C and ImageNet-9, whose images are already 224x224, are not resized (CenterCrop 224 with crop_pct 1.0 is an
+exact identity); a model whose input size is not 224 gets the whole 224 image resized to its size, flagged
+non-standard.
+"""
+import hashlib
+import math
+import os
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torchvision.transforms import Compose
+from tqdm import tqdm
+
+from timm.data import create_dataset, create_loader, resolve_model_data_config
+
+from .metrics import In9Accuracy, TopKAccuracy, corruption_summary, real_labels, real_result
+from .suites import (
+    CORRUPTIONS,
+    EXPECTED_IMAGES,
+    EXTRA_CORRUPTIONS,
+    SEVERITIES,
+    FolderScan,
+    LayoutError,
+    LayoutWarning,
+    imagenet_c_folders,
+    imagenet_class_map,
+    in9_class_map,
+    in9_folders,
+    in_to_in9,
+    resolve_split,
+    scan_class_folders,
+    subset_indices,
+    subset_synsets,
+    v2_class_map,
+    v2_folders,
+)
+
+__all__ = [
+    'EvalSettings', 'model_eval_protocol', 'no_resize_protocol', 'predict', 'evaluate_imagenet', 'evaluate_v2',
+    'evaluate_imagenet_c', 'evaluate_imagenet_ar', 'evaluate_imagenet_9', 'evaluate_corrupt_on_the_fly',
+    'file_sha256',
+]
+
+WNID_EXAMPLE = 'n01440764'
+
+
+@dataclass
+class EvalSettings:
+    """How to run: batch size, loader workers, device, autocast dtype, and layout strictness.
+
+    ``data_overrides`` (e.g. ``{'crop_pct': 1.0, 'img_size': 256}``) go to ``resolve_model_data_config`` as ``args``
+    and so change the model-eval protocol of ImageNet, ReaL, V2, A and R (recorded in the output).
+    """
+    batch_size: int = 64
+    workers: int = 4
+    device: torch.device = field(default_factory=lambda: torch.device('cpu'))
+    amp_dtype: Optional[torch.dtype] = None
+    strict: bool = False
+    progress: bool = True
+    data_overrides: Dict[str, Any] = field(default_factory=dict)
+    prefetcher: Optional[bool] = None  # timm's PrefetchLoader (normalises on the device); None: on for CUDA
+
+
+def model_eval_protocol(model: nn.Module, overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The model's own eval preprocessing (timm's ``resolve_model_data_config``), as a JSON-ready dict."""
+    cfg = resolve_model_data_config(model, args=dict(overrides or {}))
+    return dict(
+        name='model_eval', input_size=list(cfg['input_size']), interpolation=cfg['interpolation'],
+        crop_pct=cfg['crop_pct'], crop_mode=cfg.get('crop_mode', 'center'), mean=list(cfg['mean']),
+        std=list(cfg['std']), standard=True,
+        description=f"the model's eval transform: resize {math.floor(cfg['input_size'][-1] / cfg['crop_pct'])} "
+                    f"({cfg['interpolation']}, crop_pct {cfg['crop_pct']}), centre crop {cfg['input_size'][-1]}, "
+                    'normalise')
+
+
+def no_resize_protocol(model: nn.Module, size: int = 224) -> Dict[str, Any]:
+    """The preprocessing of ImageNet-C (Hendrycks' test.py) and ImageNet-9: no resize of the 224x224 images.
+
+    A model whose input size is not ``size`` gets each whole image resized to its input size (crop_pct 1.0),
+    marked ``standard: False``.
+    """
+    cfg = resolve_model_data_config(model)
+    model_size = tuple(cfg['input_size'][-2:])
+    standard = model_size == (size, size)
+    return dict(
+        name='no_resize', input_size=[3, *model_size], interpolation=cfg['interpolation'], crop_pct=1.0,
+        crop_mode='center', mean=list(cfg['mean']), std=list(cfg['std']), standard=standard,
+        description=('CenterCrop 224 of the 224x224 images (identity), normalise; no resize (Hendrycks)' if standard
+                     else f'NON-STANDARD: the 224x224 images are resized to the model input {model_size} '
+                          f"({cfg['interpolation']}), normalise"))
+
+
+def _loader(dataset: Any, protocol: Dict[str, Any], settings: EvalSettings) -> Any:
+    cuda = settings.device.type == 'cuda'
+    prefetcher = cuda if settings.prefetcher is None else settings.prefetcher
+    return create_loader(
+        dataset, input_size=tuple(protocol['input_size']), batch_size=settings.batch_size, is_training=False,
+        interpolation=protocol['interpolation'], mean=tuple(protocol['mean']), std=tuple(protocol['std']),
+        crop_pct=protocol['crop_pct'], crop_mode=protocol['crop_mode'], num_workers=settings.workers,
+        device=settings.device, use_prefetcher=prefetcher, pin_memory=cuda, persistent_workers=False)
+
+
+def _dataset(scan: FolderScan, class_map: Dict[str, int], suite: str) -> Any:
+    """timm's folder dataset with an explicit class map; refuses to go on if it did not pick up every image."""
+    dataset = create_dataset('', root=scan.root, split='validation', search_split=False, class_map=class_map)
+    if len(dataset) != scan.total:
+        raise LayoutError(f'{suite}: timm read {len(dataset)} images from {scan.root} but the folders hold '
+                          f'{scan.total}; check file names and permissions')
+    return dataset
+
+
+def predict(
+        model: nn.Module,
+        loader: Any,
+        settings: EvalSettings,
+        desc: str = '',
+        num_classes: int = 1000,
+) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+    """The evaluation loop: yields (float32 logits on CPU, targets) batch by batch in dataset order.
+
+    Raises:
+        ValueError: the model does not output ``num_classes`` logits.
+    """
+    amp = (torch.autocast(settings.device.type, dtype=settings.amp_dtype) if settings.amp_dtype is not None
+           else nullcontext())
+    model.eval()
+    for images, target in tqdm(loader, desc=desc, leave=False, disable=not settings.progress, unit='batch'):
+        with torch.inference_mode(), amp:
+            logits = model(images.to(settings.device, non_blocking=True))
+        if logits.ndim != 2 or logits.shape[1] != num_classes:
+            raise ValueError(f'the model outputs logits of shape {tuple(logits.shape)}; these suites need '
+                             f'{num_classes} classes (an ImageNet-1K head)')
+        yield logits.float().cpu(), target.cpu()
+
+
+def _record(scan: FolderScan, protocol: Dict[str, Any]) -> Dict[str, Any]:
+    return dict(root=os.path.abspath(scan.root), images=scan.total, class_folders=len(scan.counts),
+                protocol=protocol, layout_warnings=list(scan.warnings))
+
+
+def evaluate_imagenet(
+        model: nn.Module,
+        root: str,
+        settings: EvalSettings,
+        real: Optional[bool] = None,
+        real_json: Optional[str] = None,
+) -> Dict[str, Any]:
+    """ImageNet-1K val top-1/top-5 (%) and ReaL top-1/top-5 over the images with a non-empty ReaL label list.
+
+    Args:
+        root: ``val/`` (``<root>/<wnid>/ILSVRC2012_val_XXXXXXXX.JPEG``) or its parent.
+        real: True requires ReaL (a mismatch with the labels raises), False skips it, None computes it when the
+            image names match the label file and otherwise records why not.
+        real_json: ReaL labels (one list per val image); default: the copy bundled with timm.
+    """
+    class_map = imagenet_class_map()
+    scan = scan_class_folders(resolve_split(root), class_map, 'ImageNet', EXPECTED_IMAGES['imagenet'],
+                              WNID_EXAMPLE, settings.strict)
+    dataset = _dataset(scan, class_map, 'ImageNet')
+    real_eval, real_note = None, None
+    if real or real is None:
+        try:
+            real_eval = real_labels(dataset.filenames(), real_json)
+        except LayoutError as e:
+            if real:
+                raise
+            real_note = f'ReaL skipped: {e}'
+    protocol = model_eval_protocol(model, settings.data_overrides)
+    acc = TopKAccuracy()
+    for logits, target in predict(model, _loader(dataset, protocol, settings), settings, 'ImageNet'):
+        acc.update(logits, target)
+        if real_eval is not None:
+            real_eval.add_result(logits)
+    out = dict(_record(scan, protocol), **acc.result())
+    out['real'] = real_result(real_eval) if real_eval is not None else None
+    if real_eval is not None:
+        out['real']['labels'] = real_json or 'timm/data/_info/imagenet_real_labels.json'
+    if real_note:
+        out['real_note'] = real_note
+    return out
+
+
+def evaluate_v2(model: nn.Module, root: str, settings: EvalSettings,
+                variants: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """ImageNetV2 top-1/top-5 (%) per variant present (or ``variants``); labels are int(folder name)."""
+    class_map = v2_class_map()
+    folders = v2_folders(root, variants)
+    scans = {v: scan_class_folders(p, class_map, f'ImageNetV2 {v}', EXPECTED_IMAGES['imagenet_v2'], '0',
+                                   settings.strict) for v, p in folders.items()}
+    protocol = model_eval_protocol(model, settings.data_overrides)
+    out = {}
+    for variant, scan in scans.items():
+        acc = TopKAccuracy()
+        loader = _loader(_dataset(scan, class_map, f'ImageNetV2 {variant}'), protocol, settings)
+        for logits, target in predict(model, loader, settings, f'V2 {variant}'):
+            acc.update(logits, target)
+        out[variant] = dict(_record(scan, protocol), **acc.result(), labels='int(folder name)')
+    return out
+
+
+def evaluate_imagenet_c(
+        model: nn.Module,
+        root: str,
+        settings: EvalSettings,
+        corruptions: Optional[Sequence[str]] = None,
+        severities: Sequence[int] = SEVERITIES,
+        clean_error: Optional[float] = None,
+) -> Dict[str, Any]:
+    """ImageNet-C raw top-1 error per (corruption, severity), CE per corruption, mCE and relative mCE.
+
+    Args:
+        root: ``<root>/<corruption>/<severity>/<wnid>/<image>``.
+        corruptions: default: the 15 of mCE, plus those of the 4 extra ones that are present.
+        severities: default 1..5 (CE needs all five).
+        clean_error: the model's clean ImageNet top-1 error (fraction) for relative CE.
+
+    Every folder is checked before the first image is scored, so a broken tree fails in seconds, not hours.
+    """
+    if corruptions is None:
+        corruptions = list(CORRUPTIONS) + [c for c in EXTRA_CORRUPTIONS if os.path.isdir(os.path.join(root, c))]
+    class_map = imagenet_class_map()
+    folders = imagenet_c_folders(root, corruptions, severities)
+    scans = {key: scan_class_folders(path, class_map, f'ImageNet-C {key[0]}/{key[1]}', EXPECTED_IMAGES['imagenet_c'],
+                                     WNID_EXAMPLE, settings.strict, emit=False) for key, path in folders.items()}
+    details = [w for scan in scans.values() for w in scan.warnings]
+    summary = []
+    if details:  # one warning for the run, not one per (corruption, severity) folder
+        n_folders = sum(bool(scan.warnings) for scan in scans.values())
+        summary = [f'ImageNet-C: {n_folders} of {len(scans)} (corruption, severity) folders differ from the real '
+                   f'dataset, e.g. {details[0]}']
+        warnings.warn(summary[0], LayoutWarning, stacklevel=2)
+    protocol = no_resize_protocol(model)
+    out = _corruption_results(model, scans, class_map, protocol, settings, clean_error, 'ImageNet-C')
+    return dict(out, layout_warnings=summary, layout_warning_details=details)
+
+
+def _corruption_results(model: nn.Module, scans: Dict[Tuple[str, int], FolderScan], class_map: Dict[str, int],
+                        protocol: Dict[str, Any], settings: EvalSettings, clean_error: Optional[float], suite: str,
+                        wrap: Optional[Callable[[str, int, Any], Any]] = None,
+                        num_classes: int = 1000) -> Dict[str, Any]:
+    errors: Dict[str, Dict[int, float]] = {}
+    raw: Dict[str, Dict[str, Any]] = {}
+    bar = tqdm(scans.items(), desc=suite, disable=not settings.progress, unit='set')
+    for (c, s), scan in bar:
+        bar.set_postfix_str(f'{c} {s}')
+        loader = _loader(_dataset(scan, class_map, f'{suite} {c}/{s}'), protocol, settings)
+        if wrap is not None:
+            wrap(c, s, loader)
+        acc = TopKAccuracy()
+        for logits, target in predict(model, loader, settings, f'{c} {s}', num_classes):
+            acc.update(logits, target)
+        errors.setdefault(c, {})[s] = 1 - acc.correct[1] / acc.count
+        raw.setdefault(c, {})[str(s)] = dict(error=100 * errors[c][s], count=acc.count, correct=acc.correct[1],
+                                             top5=acc.accuracy(5))
+    summary = corruption_summary(errors, clean_error)
+    for c, by_sev in raw.items():
+        summary['corruptions'][c]['severities'] = by_sev
+    first = next(iter(scans.values()))
+    return dict(summary, root=os.path.dirname(os.path.dirname(os.path.abspath(first.root))), protocol=protocol,
+                severities=sorted({s for _, s in scans}), corruptions_evaluated=list(errors),
+                layout_warnings=list(first.warnings))
+
+
+def evaluate_imagenet_ar(model: nn.Module, root: str, settings: EvalSettings, subset: str) -> Dict[str, Any]:
+    """ImageNet-A (``subset='a'``) or -R (``'r'``): top-1/top-5 (%) with the logits sliced to the 200 classes.
+
+    Targets are the 1000-class index of each wnid folder (a folder outside the 200 is an error); the accuracy without
+    slicing (argmax over all 1000) is kept as ``top1_unmasked`` for reference.
+    """
+    name = f'ImageNet-{subset.upper()}'
+    indices, synsets = subset_indices(subset), subset_synsets(subset)
+    full_map = imagenet_class_map()
+    if [full_map[w] for w in synsets] != indices:  # the shipped index and synset lists must agree
+        raise RuntimeError(f'timm imagenet_{subset}_indices.txt and _synsets.txt disagree')
+    class_map = {w: full_map[w] for w in synsets}
+    scan = scan_class_folders(root, class_map, name, EXPECTED_IMAGES[f'imagenet_{subset}'], synsets[0],
+                              settings.strict)
+    protocol = model_eval_protocol(model, settings.data_overrides)
+    masked, unmasked = TopKAccuracy(subset=indices), TopKAccuracy()
+    for logits, target in predict(model, _loader(_dataset(scan, class_map, name), protocol, settings), settings,
+                                  name):
+        masked.update(logits, target)
+        unmasked.update(logits, target)
+    return dict(_record(scan, protocol), **masked.result(), top1_unmasked=unmasked.accuracy(1),
+                top5_unmasked=unmasked.accuracy(5), logits=f'sliced to the 200 {name} classes (timm '
+                                                           f'_info/imagenet_{subset}_indices.txt)')
+
+
+def evaluate_imagenet_9(model: nn.Module, root: str, settings: EvalSettings,
+                        variants: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """ImageNet-9 accuracy (%) per variant (argmax over 1000, mapped to 9; unmapped is wrong) and the BG-gap."""
+    folders = in9_folders(root, variants)
+    table = in_to_in9()
+    scans, maps = {}, {}
+    for v, path in folders.items():
+        names = sorted(e for e in os.listdir(path) if os.path.isdir(os.path.join(path, e))) if os.path.isdir(
+            path) else []
+        maps[v] = in9_class_map(names)
+        scans[v] = scan_class_folders(path, maps[v], f'ImageNet-9 {v}', EXPECTED_IMAGES['imagenet_9'], '00_dog',
+                                      settings.strict)
+    protocol = no_resize_protocol(model)
+    out: Dict[str, Any] = dict(variants={}, protocol=protocol, root=os.path.abspath(root),
+                               mapping='argmax over 1000 logits, then in_to_in9; unmapped (-1) counts as wrong')
+    for v, scan in scans.items():
+        acc = In9Accuracy(table)
+        for logits, target in predict(model, _loader(_dataset(scan, maps[v], f'ImageNet-9 {v}'), protocol, settings),
+                                      settings, f'IN-9 {v}'):
+            acc.update(logits, target)
+        out['variants'][v] = dict(_record(scan, protocol), **acc.result())
+    res = out['variants']
+    out['bg_gap'] = (res['mixed_same']['top1'] - res['mixed_rand']['top1']
+                     if 'mixed_same' in res and 'mixed_rand' in res else None)
+    return out
+
+
+def evaluate_corrupt_on_the_fly(
+        model: nn.Module,
+        root: str,
+        settings: EvalSettings,
+        corruptions: Sequence[str] = CORRUPTIONS,
+        severities: Sequence[int] = SEVERITIES,
+        clean_error: Optional[float] = None,
+        seed: int = 0,
+) -> Dict[str, Any]:
+    """ImageNet-C-style errors on any class-folder val set, corrupting each image on the fly (``lsvision[corrupt]``).
+
+    Class folders named by ImageNet wnids get the ImageNet-1K labels, and CE/mCE against AlexNet's ImageNet-C errors
+    are computed but only approximate the real ImageNet-C; any other folder names are labelled in natural sort order
+    (the model must have that many classes) and only raw errors mean anything. Results carry ``on_the_fly: True``.
+    """
+    from .corrupt import ImageNetCCorruption, load_imagecorruptions
+    load_imagecorruptions()  # fail before scanning if the extra is missing
+    root = resolve_split(root)
+    if not os.path.isdir(root):
+        raise LayoutError(f'corrupt-on-the-fly: folder {root} does not exist (expected {root}/<class>/<image>)')
+    names = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
+    wnid_map = imagenet_class_map()
+    imagenet_labels = bool(names) and all(n in wnid_map for n in names)
+    if imagenet_labels:
+        class_map, labels, num_classes = wnid_map, 'ImageNet-1K wnid folders', 1000
+    else:
+        from timm.utils.misc import natural_key
+        class_map = {n: i for i, n in enumerate(sorted(names, key=natural_key))}
+        labels, num_classes = 'folder names in natural sort order (not ImageNet wnids)', len(class_map)
+    scan = scan_class_folders(root, class_map, 'corrupt-on-the-fly', None, WNID_EXAMPLE, settings.strict)
+    protocol = no_resize_protocol(model)
+    scans = {(c, s): scan for c in corruptions for s in severities}
+
+    def wrap(c: str, s: int, loader: Any) -> None:
+        dataset = getattr(loader, 'loader', loader).dataset  # PrefetchLoader wraps the DataLoader
+        dataset.transform = Compose([ImageNetCCorruption(c, s, seed=seed), dataset.transform])
+
+    out = _corruption_results(model, scans, class_map, protocol, settings, clean_error, 'corrupt-on-the-fly', wrap,
+                              num_classes)
+    if not imagenet_labels:
+        out.update(mce=None, relative_mce=None)
+        for row in out['corruptions'].values():
+            row.update(ce=None, relative_ce=None)
+        out['notes'].append('CE/mCE are ImageNet-only (AlexNet normalisers); raw errors only')
+    out.update(root=os.path.abspath(root), on_the_fly=True, labels=labels, seed=seed,
+               generator='imagecorruptions-imaug: Resize 256, CenterCrop 224, corruption, JPEG q85 (not the released '
+                         'ImageNet-C JPEGs; not comparable with published ImageNet-C numbers)')
+    return out
+
+
+def file_sha256(path: str) -> str:
+    """sha256 of a file (the identity of a checkpoint in the results)."""
+    digest = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''):
+            digest.update(chunk)
+    return digest.hexdigest()

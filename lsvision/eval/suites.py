@@ -1,0 +1,346 @@
+"""Layouts of the ImageNet evaluation suites, their class maps and the checks that guard them.
+
+Every suite is a folder tree that timm's folder reader loads (``timm.data.create_dataset``) with an explicit class
+map, so that a partial or misnamed tree can never be silently re-indexed. The checks here run before any image is
+scored: a missing corruption or severity folder, class folders the map does not know, images lying flat in the root,
+or files timm would skip raise a ``LayoutError`` that names the path and what was expected; image counts that differ
+from the real dataset's give a ``LayoutWarning`` (fixtures and subsets are legitimate, but never unnoticed).
+
+Facts (counts, folder names, AlexNet normalisers, the IN-9 mapping) are from ``shared/specs/robustness.md``.
+"""
+import os
+import pkgutil
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from timm.data import ImageNetInfo
+from timm.data.readers.img_extensions import get_img_extensions
+
+__all__ = [
+    'CORRUPTIONS', 'EXTRA_CORRUPTIONS', 'ALL_CORRUPTIONS', 'CORRUPTION_GROUPS', 'SEVERITIES', 'ALEXNET_ERRORS',
+    'ALEXNET_CLEAN_ERROR', 'V2_VARIANTS', 'IN9_CLASSES', 'IN9_VARIANTS', 'IN9_RANGES', 'EXPECTED_IMAGES',
+    'LayoutError', 'LayoutWarning', 'FolderScan', 'imagenet_class_map', 'v2_class_map', 'in9_class_map',
+    'subset_indices', 'subset_synsets', 'in_to_in9', 'scan_class_folders', 'resolve_split', 'imagenet_c_folders',
+    'v2_folders', 'in9_folders',
+]
+
+# ImageNet-C: the 15 corruptions of mCE in the order of the paper (noise, blur, weather, digital) and the 4 held-out
+# ones of extra.tar, which have no AlexNet normalisers and are reported as raw error only.
+CORRUPTION_GROUPS: Dict[str, Tuple[str, ...]] = {
+    'noise': ('gaussian_noise', 'shot_noise', 'impulse_noise'),
+    'blur': ('defocus_blur', 'glass_blur', 'motion_blur', 'zoom_blur'),
+    'weather': ('snow', 'frost', 'fog', 'brightness'),
+    'digital': ('contrast', 'elastic_transform', 'pixelate', 'jpeg_compression'),
+}
+CORRUPTIONS: Tuple[str, ...] = tuple(c for group in CORRUPTION_GROUPS.values() for c in group)
+EXTRA_CORRUPTIONS: Tuple[str, ...] = ('speckle_noise', 'gaussian_blur', 'spatter', 'saturate')
+ALL_CORRUPTIONS: Tuple[str, ...] = CORRUPTIONS + EXTRA_CORRUPTIONS
+SEVERITIES: Tuple[int, ...] = (1, 2, 3, 4, 5)
+
+# AlexNet top-1 error on each corruption, mean over the 5 severities (google-research/augmix imagenet.py, "taken from
+# hendrycks/robustness"; identical in mmcls CorruptionError). CE_c = mean_s E_{s,c} / ALEXNET_ERRORS[c].
+ALEXNET_ERRORS: Dict[str, float] = {
+    'gaussian_noise': 0.886428, 'shot_noise': 0.894468, 'impulse_noise': 0.922640, 'defocus_blur': 0.819880,
+    'glass_blur': 0.826268, 'motion_blur': 0.785948, 'zoom_blur': 0.798360, 'snow': 0.866816, 'frost': 0.826572,
+    'fog': 0.819324, 'brightness': 0.564592, 'contrast': 0.853204, 'elastic_transform': 0.646056,
+    'pixelate': 0.717840, 'jpeg_compression': 0.606500,
+}
+# AlexNet clean top-1 error for relative mCE. No official constant exists: the paper's table shows 43.5, torchvision's
+# old table for alexnet-owt-4df8aa71 43.45, its current docs 43.48 (relative mCE moves by ~0.1-0.2 across these).
+ALEXNET_CLEAN_ERROR = 0.4345
+
+# ImageNetV2: variant -> folder the tarball extracts to; files are <folder>/<class index 0..999>/<hash>.jpeg
+V2_VARIANTS: Dict[str, str] = {
+    'matched-frequency': 'imagenetv2-matched-frequency-format-val',
+    'threshold0.7': 'imagenetv2-threshold0.7-format-val',
+    'top-images': 'imagenetv2-top-images-format-val',
+}
+
+# ImageNet-9 (Backgrounds Challenge): <root>/<variant>/val/<NN_name>/*; fg_mask holds masks, not test images
+IN9_CLASSES: Tuple[str, ...] = (
+    '00_dog', '01_bird', '02_wheeled vehicle', '03_reptile', '04_carnivore', '05_insect', '06_musical instrument',
+    '07_primate', '08_fish')
+IN9_VARIANTS: Tuple[str, ...] = (
+    'original', 'mixed_same', 'mixed_rand', 'mixed_next', 'only_fg', 'no_fg', 'only_bg_b', 'only_bg_t')
+# in_to_in9.json as inclusive ranges of ImageNet indices per IN-9 class (370 mapped, the other 630 map to -1); the
+# MadryLab repository has no licence, so the mapping is carried as this table and tested on its per-class counts.
+IN9_RANGES: Dict[int, Tuple[Tuple[int, int], ...]] = {
+    0: ((151, 170), (173, 268)),
+    1: ((7, 24), (87, 100), (127, 146)),
+    2: tuple((i, i) for i in (
+        407, 408, 428, 436, 444, 468, 511, 547, 555, 561, 565, 569, 573, 586, 603, 609, 612, 627, 656, 661, 665, 670,
+        671, 675, 690, 705, 717, 734, 751, 757, 791, 802, 803, 817, 820, 829, 847, 864, 866, 867, 870, 880)),
+    3: ((33, 68),),
+    4: ((269, 280), (286, 299), (356, 362), (387, 388)),
+    5: ((300, 326),),
+    6: tuple((i, i) for i in (
+        401, 402, 420, 432, 486, 494, 513, 541, 546, 558, 566, 577, 579, 593, 594, 641, 642, 683, 684, 687, 699, 776,
+        822, 875, 881, 889)),
+    7: ((365, 384),),
+    8: ((0, 6), (389, 397)),
+}
+
+# Images (and classes) of the full datasets; IN-C counts are per (corruption, severity), V2 and IN-9 per variant
+EXPECTED_IMAGES: Dict[str, Tuple[int, int]] = {
+    'imagenet': (50000, 1000),
+    'imagenet_c': (50000, 1000),
+    'imagenet_v2': (10000, 1000),
+    'imagenet_a': (7500, 200),
+    'imagenet_r': (30000, 200),
+    'imagenet_9': (4050, 9),
+}
+
+_IMG_EXTENSIONS = set(get_img_extensions())
+
+
+class LayoutError(ValueError):
+    """A suite's folder tree is not in the layout its labels depend on."""
+
+
+class LayoutWarning(UserWarning):
+    """A suite's folder tree is usable but differs from the real dataset (e.g. fewer images)."""
+
+
+def imagenet_class_map() -> Dict[str, int]:
+    """wnid -> ImageNet-1K index, from timm's sorted synset list (the order of every ImageNet-1K classifier)."""
+    return {wnid: i for i, wnid in enumerate(ImageNetInfo('imagenet-1k').label_names())}
+
+
+def v2_class_map() -> Dict[str, int]:
+    """ImageNetV2 folder name -> index: the folders are named by their class index (0..999), not by sort order."""
+    return {str(i): i for i in range(1000)}
+
+
+def in9_class_map(folder_names: Sequence[str]) -> Dict[str, int]:
+    """IN-9 class folder -> 0..8 from its two-digit prefix (``'02_wheeled vehicle'`` -> 2).
+
+    Raises:
+        LayoutError: a folder without an ``NN_`` prefix in 00..08, or two folders with the same prefix.
+    """
+    class_map = {}
+    for name in folder_names:
+        m = re.fullmatch(r'(\d\d)_.+', name)
+        if not m or int(m.group(1)) >= len(IN9_CLASSES):
+            raise LayoutError(f'ImageNet-9 class folder {name!r} has no prefix 00_ .. 08_; expected the folders '
+                              f'{", ".join(map(repr, IN9_CLASSES))}')
+        class_map[name] = int(m.group(1))
+    dup = sorted({v for v in class_map.values() if list(class_map.values()).count(v) > 1})
+    if dup:
+        raise LayoutError(f'ImageNet-9 class folders share a prefix: {[n for n, v in class_map.items() if v in dup]}')
+    return class_map
+
+
+def _info_lines(name: str) -> List[str]:
+    data = pkgutil.get_data('timm.data', f'_info/{name}')
+    return [line.strip() for line in data.decode('utf-8').splitlines() if line.strip()]
+
+
+def subset_indices(subset: str) -> List[int]:
+    """The 200 ImageNet-1K indices of ImageNet-A (``'a'``) or ImageNet-R (``'r'``), increasing; shipped with timm."""
+    return [int(x) for x in _info_lines(f'imagenet_{subset}_indices.txt')]
+
+
+def subset_synsets(subset: str) -> List[str]:
+    """The 200 wnids of ImageNet-A or -R, in the order of `subset_indices`."""
+    return _info_lines(f'imagenet_{subset}_synsets.txt')
+
+
+def in_to_in9() -> List[int]:
+    """ImageNet-1K index -> IN-9 class (0..8), or -1 for the 630 classes IN-9 does not map (``in_to_in9.json``)."""
+    table = [-1] * 1000
+    for cls, ranges in IN9_RANGES.items():
+        for lo, hi in ranges:
+            for i in range(lo, hi + 1):
+                table[i] = cls
+    return table
+
+
+@dataclass
+class FolderScan:
+    """What a class-folder tree holds: images per class folder, in timm's image types, and the problems found."""
+    root: str
+    counts: Dict[str, int]
+    warnings: List[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _warn(scan: FolderScan, message: str, strict: bool, emit: bool) -> None:
+    if strict:
+        raise LayoutError(message + ' (--strict turns this into an error)')
+    scan.warnings.append(message)
+    if emit:
+        warnings.warn(message, LayoutWarning, stacklevel=3)
+
+
+def scan_class_folders(
+        root: str,
+        class_map: Optional[Dict[str, int]],
+        suite: str,
+        expected: Optional[Tuple[int, int]] = None,
+        example: str = '<class>',
+        strict: bool = False,
+        emit: bool = True,
+) -> FolderScan:
+    """Checks that ``root`` holds one folder of images per class, every folder a key of ``class_map``.
+
+    Args:
+        root: the folder whose sub-folders are the classes (e.g. ``val/``).
+        class_map: folder name -> label; None accepts any folder names (the caller derives the map from them).
+        suite: suite name for messages.
+        expected: (images, class folders) of the full dataset; a difference warns (or raises if ``strict``).
+        example: a folder name to show in messages, e.g. ``'n01440764'``.
+        strict: raise on count differences instead of warning.
+        emit: issue the warnings (``LayoutWarning``); False only collects them in the result (the caller summarises).
+
+    Returns:
+        the images per class folder (only files timm reads: .png/.jpg/.jpeg in any case) and the warnings issued.
+
+    Raises:
+        LayoutError: ``root`` missing, images directly in ``root`` (a flat folder has no labels), no class folders,
+            or folder names the class map does not know.
+    """
+    layout = f'{root}/{example}/<image>'
+    if not os.path.isdir(root):
+        raise LayoutError(f'{suite}: folder {root} does not exist (expected {layout})')
+    entries = sorted(os.listdir(root))
+    flat = [e for e in entries if os.path.isfile(os.path.join(root, e)) and _is_image(e)]
+    if flat:
+        raise LayoutError(
+            f'{suite}: {len(flat)} images lie directly in {root} (e.g. {flat[0]}); a flat folder carries no labels. '
+            f'Expected one sub-folder per class: {layout}. For the ImageNet val set, sort the images into wnid '
+            'folders (e.g. with the valprep.sh script of the soumith/imagenetloader.torch repository).')
+    folders = [e for e in entries if os.path.isdir(os.path.join(root, e))]
+    if not folders:
+        raise LayoutError(f'{suite}: no class folders in {root} (expected {layout})')
+    if class_map is not None:
+        unknown = [f for f in folders if f not in class_map]
+        if unknown:
+            raise LayoutError(
+                f'{suite}: {len(unknown)} folder(s) in {root} are not classes of this suite: '
+                f'{", ".join(map(repr, unknown[:5]))}{" ..." if len(unknown) > 5 else ""}; expected class folders '
+                f'like {example!r} ({layout}). Point the suite at the folder that holds the class folders.')
+    scan = FolderScan(root=root, counts={})
+    for folder in folders:
+        path = os.path.join(root, folder)
+        n_images, skipped, nested = 0, [], []
+        for dirpath, dirnames, files in os.walk(path, followlinks=True):
+            nested.extend(os.path.join(dirpath, d) for d in dirnames)
+            for f in files:
+                if _is_image(f):
+                    n_images += 1
+                elif not f.startswith('.'):
+                    skipped.append(os.path.join(dirpath, f))
+        if nested:
+            raise LayoutError(f'{suite}: class folder {path} has sub-folders ({nested[0]}); expected images '
+                              f'directly in each class folder ({layout})')
+        scan.counts[folder] = n_images
+        if skipped:
+            _warn(scan, f'{suite}: {len(skipped)} file(s) in {path} are not .png/.jpg/.jpeg images and are skipped '
+                        f'(e.g. {skipped[0]})', strict, emit)
+    empty = [f for f, n in scan.counts.items() if n == 0]
+    if empty:
+        _warn(scan, f'{suite}: {len(empty)} class folder(s) in {root} hold no images (e.g. {empty[0]!r})', strict, emit)
+    if expected is not None:
+        n_images, n_classes = expected
+        if scan.total != n_images or len(folders) != n_classes:
+            _warn(scan, f'{suite}: {root} holds {scan.total} images in {len(folders)} class folders; the full '
+                        f'dataset has {n_images} in {n_classes}. Results are not comparable with published ones.',
+                  strict, emit)
+    return scan
+
+
+def _is_image(filename: str) -> bool:
+    return os.path.splitext(filename)[1].lower() in _IMG_EXTENSIONS
+
+
+def resolve_split(root: str, split: str = 'val') -> str:
+    """``root/split`` if that folder exists, else ``root`` (``imagenet/`` and ``imagenet/val/`` both work)."""
+    candidate = os.path.join(root, split)
+    return candidate if os.path.isdir(candidate) else root
+
+
+def imagenet_c_folders(
+        root: str,
+        corruptions: Sequence[str],
+        severities: Sequence[int] = SEVERITIES,
+) -> Dict[Tuple[str, int], str]:
+    """(corruption, severity) -> folder of an ImageNet-C tree ``<root>/<corruption>/<severity>/<wnid>/<image>``.
+
+    Raises:
+        LayoutError: ``root`` missing, an unknown corruption name, or a corruption or severity folder missing.
+    """
+    if not os.path.isdir(root):
+        raise LayoutError(f'ImageNet-C: folder {root} does not exist (expected {root}/<corruption>/<1..5>/<wnid>/)')
+    unknown = [c for c in corruptions if c not in ALL_CORRUPTIONS]
+    if unknown:
+        raise LayoutError(f'ImageNet-C: unknown corruption(s) {unknown}; known: {", ".join(ALL_CORRUPTIONS)}')
+    folders = {}
+    for c in corruptions:
+        if not os.path.isdir(os.path.join(root, c)):
+            present = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
+            raise LayoutError(f'ImageNet-C: corruption folder {os.path.join(root, c)} is missing (found: '
+                              f'{", ".join(present) or "nothing"}); expected {root}/<corruption>/<1..5>/<wnid>/')
+        for s in severities:
+            path = os.path.join(root, c, str(s))
+            if not os.path.isdir(path):
+                raise LayoutError(f'ImageNet-C: severity folder {path} is missing; every corruption needs the '
+                                  f'severity folders {", ".join(map(str, severities))} ({root}/{c}/<1..5>/<wnid>/)')
+            folders[(c, s)] = path
+    return folders
+
+
+def v2_folders(root: str, variants: Optional[Sequence[str]] = None) -> Dict[str, str]:
+    """variant -> folder of the ImageNetV2 variants under ``root`` (or ``root`` itself if it is one of them).
+
+    Raises:
+        LayoutError: none of the variant folders found, or a requested variant missing.
+    """
+    names = {v: os.path.join(root, folder) for v, folder in V2_VARIANTS.items()}
+    base = os.path.basename(os.path.normpath(root))
+    own = [v for v, folder in V2_VARIANTS.items() if folder == base]
+    if own:
+        found = {own[0]: root}
+    else:
+        found = {v: p for v, p in names.items() if os.path.isdir(p)}
+    if variants:
+        missing = [v for v in variants if v not in found]
+        if missing:
+            raise LayoutError(f'ImageNetV2: variant folder(s) {[names.get(v, v) for v in missing]} missing '
+                              f'(found {list(found) or "none"}; variants: {", ".join(V2_VARIANTS)})')
+        found = {v: found[v] for v in variants}
+    if not found:
+        raise LayoutError(f'ImageNetV2: no variant folder in {root}; expected one or more of '
+                          f'{", ".join(V2_VARIANTS.values())} (as extracted from the tarballs), each holding '
+                          'folders 0..999')
+    return found
+
+
+def in9_folders(root: str, variants: Optional[Sequence[str]] = None) -> Dict[str, str]:
+    """variant -> class-folder root (``<root>/<variant>/val``) of the ImageNet-9 variants present under ``root``.
+
+    ``original``, ``mixed_same`` and ``mixed_rand`` (the BG-gap) are required; the other variants are taken when
+    present, or exactly ``variants`` when given.
+
+    Raises:
+        LayoutError: a required or requested variant folder missing.
+    """
+    if not os.path.isdir(root):
+        raise LayoutError(f'ImageNet-9: folder {root} does not exist (expected {root}/<variant>/val/<NN_class>/)')
+    required = list(variants) if variants else ['original', 'mixed_same', 'mixed_rand']
+    unknown = [v for v in required if v not in IN9_VARIANTS]
+    if unknown:
+        raise LayoutError(f'ImageNet-9: unknown variant(s) {unknown}; known: {", ".join(IN9_VARIANTS)}')
+    found = {}
+    for v in IN9_VARIANTS:
+        path = os.path.join(root, v)
+        if os.path.isdir(path):
+            found[v] = resolve_split(path)
+        elif v in required:
+            raise LayoutError(f'ImageNet-9: variant folder {path} is missing (expected {path}/val/<NN_class>/); '
+                              f'needed: {", ".join(required)}')
+    return {v: found[v] for v in (required if variants else found)}

@@ -1,0 +1,205 @@
+"""tools/validate.py and tools/robustness.py end to end on a real (tiny) lsvision model over the suite fixtures,
+their outputs (JSON with checkpoint identity, markdown, PNG), model selection, errors, and --corrupt-on-the-fly.
+
+The model is ``cvt_ls_13`` with one block of width 16/32/64 per stage (164k parameters, random weights saved as a
+safetensors checkpoint), so the metrics are arbitrary: the tests check counts and that every derived number (CE,
+mCE, BG-gap) is consistent with the raw ones. Exact metric values are tested with the colour oracle in
+test_eval_suites.py.
+"""
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from eval_fixtures import (
+    ColourOracle,
+    make_imagenet,
+    make_imagenet_9,
+    make_imagenet_ar,
+    make_imagenet_c,
+    make_v2,
+)
+from safetensors.torch import save_file
+
+import timm
+
+import lsvision  # noqa: F401  (registers cvt_ls_13)
+from lsvision.eval import ALEXNET_ERRORS, CORRUPTIONS, EvalSettings, LayoutWarning, evaluate_corrupt_on_the_fly
+from lsvision.eval.cli import resolve_model_names
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ['embed_dims=[16,32,64]', 'num_heads=[1,1,1]', 'depths=[1,1,1]']
+# one torch thread: with 2 threads on 2 busy cores, OpenMP synchronisation made the all-suites run 25x slower (140 s)
+ONE_THREAD = ['--threads', '1']
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    """The tools' --threads sets torch's global thread count; put it back for the tests that follow."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / 'tools' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope='module')
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp('eval_tools')
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
+    ckpt = root / 'tiny.safetensors'
+    save_file(model.state_dict(), str(ckpt))
+    return dict(
+        ckpt=ckpt,
+        imagenet=make_imagenet(root / 'imagenet'),
+        v2=make_v2(root / 'v2'),
+        c=make_imagenet_c(root / 'imagenet-c'),
+        a=make_imagenet_ar(root / 'a', 'a')['root'],
+        r=make_imagenet_ar(root / 'r', 'r')['root'],
+        in9=make_imagenet_9(root / 'bg')[0],
+    )
+
+
+def test_validate_tool_subprocess(data, tmp_path):
+    out = tmp_path / 'out'
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'validate.py'), '--models', 'cvt_ls_13', '--checkpoint',
+         str(data['ckpt']), '--model-kwargs', *TINY, '--imagenet', str(data['imagenet']['root']), '--real-labels',
+         str(data['imagenet']['real_json']), '--imagenet-v2', str(data['v2']), '--workers', '0', '--threads', '1',
+         '--device', 'cpu', '--out-dir', str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((out / 'results.json').read_text())
+    assert res['tool'] == 'validate' and res['versions']['timm'] == timm.__version__
+    (m,) = res['models']
+    assert m['model'] == 'cvt_ls_13' and m['params'] == 164364 and m['pretrained']
+    assert m['checkpoint_sha256'] == hashlib.sha256(data['ckpt'].read_bytes()).hexdigest()
+    assert m['model_kwargs'] == dict(embed_dims=[16, 32, 64], num_heads=[1, 1, 1], depths=[1, 1, 1])
+    inet = m['suites']['imagenet']
+    assert inet['count'] == 6 and inet['real']['count'] == 5 and inet['real']['skipped_no_label'] == 1
+    assert inet['protocol'] == dict(
+        name='model_eval', input_size=[3, 224, 224], interpolation='bicubic', crop_pct=0.875, crop_mode='center',
+        mean=list(timm.data.IMAGENET_DEFAULT_MEAN), std=list(timm.data.IMAGENET_DEFAULT_STD), standard=True,
+        description=inet['protocol']['description'])
+    assert any('holds 6 images in 2 class folders' in w for w in inet['layout_warnings'])
+    assert {v: r['count'] for v, r in m['suites']['imagenet_v2'].items()} == {
+        'matched-frequency': 10, 'threshold0.7': 10, 'top-images': 10}
+    md = (out / 'results.md').read_text()
+    assert '| model | params (M) | ImageNet top-1 | top-5 | ReaL | V2 matched-frequency | V2 threshold0.7 | ' \
+           'V2 top-images |' in md
+    assert md in proc.stdout and 'Layout warnings' in md
+    assert not (out / 'imagenet_c.png').exists()
+
+
+def test_robustness_tool_all_suites(data, tmp_path):
+    tool = load_tool('robustness')
+    out = tmp_path / 'out'
+    with pytest.warns(LayoutWarning):
+        rc = tool.main(['--models', 'cvt_ls_13', '--checkpoint', str(data['ckpt']), '--model-kwargs', *TINY,
+                        '--imagenet', str(data['imagenet']['root']), '--imagenet-c', str(data['c']),
+                        '--imagenet-a', str(data['a']), '--imagenet-r', str(data['r']), '--imagenet-9',
+                        str(data['in9']), '--workers', '0', '--batch-size', '32', '--device', 'cpu', '--no-progress',
+                        *ONE_THREAD, '--out-dir', str(out)])
+    assert rc == 0
+    res = json.loads((out / 'results.json').read_text())
+    suites = res['models'][0]['suites']
+    assert set(suites) == {'imagenet', 'imagenet_c', 'imagenet_a', 'imagenet_r', 'imagenet_9'}
+    clean = 1 - suites['imagenet']['top1'] / 100
+    c = suites['imagenet_c']
+    assert c['clean_error'] == pytest.approx(100 * clean) and c['protocol']['name'] == 'no_resize'
+    for name, row in c['corruptions'].items():
+        errs = [row['severities'][str(s)]['error'] for s in range(1, 6)]
+        assert all(row['severities'][str(s)]['count'] == 2 for s in range(1, 6))
+        assert row['mean_error'] == pytest.approx(sum(errs) / 5)
+        if name in ALEXNET_ERRORS:
+            assert row['ce'] == pytest.approx(row['mean_error'] / ALEXNET_ERRORS[name])
+    assert c['mce'] == pytest.approx(sum(c['corruptions'][n]['ce'] for n in CORRUPTIONS) / 15)
+    assert c['relative_mce'] is not None and len(c['corruptions']) == 19
+    assert (suites['imagenet_a']['count'], suites['imagenet_r']['count']) == (4, 5)
+    in9 = suites['imagenet_9']
+    assert in9['bg_gap'] == pytest.approx(in9['variants']['mixed_same']['top1'] - in9['variants']['mixed_rand']['top1'])
+    md = (out / 'results.md').read_text()
+    for header in ('| mCE ↓ | rel. mCE ↓ | IN-A | IN-R | IN-9 original | IN-9 mixed_same | IN-9 mixed_rand | BG-gap |',
+                   '| corruption |  | error (%) | CE | relative CE | error s1 |',
+                   '| model | suite | top-1 | top-5 | top-1 without slicing | images |',
+                   '| model | original | mixed_same | mixed_rand | only_fg | BG-gap |'):
+        assert header in md
+    png = (out / 'imagenet_c.png').read_bytes()
+    assert png[:8] == b'\x89PNG\r\n\x1a\n' and len(png) > 10000
+    assert res['plot'] == str(out / 'imagenet_c.png')
+
+
+def test_tool_errors(data, tmp_path, capsys):
+    tool = load_tool('robustness')
+    args = ['--models', 'cvt_ls_13', '--model-kwargs', *TINY, '--workers', '0', '--no-progress', *ONE_THREAD,
+            '--out-dir', str(tmp_path)]
+    # a layout error stops the run before scoring, naming the path
+    rc = tool.main(args + ['--imagenet-c', str(data['a'])])
+    assert rc == 2 and 'corruption folder' in capsys.readouterr().err
+    rc = tool.main(args + ['--imagenet-9', str(data['in9']), '--checkpoint', 'a.pth', 'b.pth'])
+    assert rc == 2 and '2 checkpoint(s) for 1 model(s)' in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--models', 'cvt_ls_13'])  # no suite
+    validate = load_tool('validate')
+    with pytest.raises(SystemExit):
+        validate.parse_args(['--models', 'x', '--imagenet', 'y', '--no-real', '--real-labels', 'z'])
+
+
+def test_model_selection():
+    assert resolve_model_names(['cvt_ls_1[37]', 'cvt_ls_13']) == ['cvt_ls_13', 'cvt_ls_17']
+    assert resolve_model_names(['resnet1[08]']) == ['resnet18']  # falls back to timm's own models (no resnet10)
+    assert resolve_model_names(['resnet50.tv_in1k']) == ['resnet50.tv_in1k']
+    with pytest.raises(ValueError, match='no model matches'):
+        resolve_model_names(['nothing_like_this_*'])
+    with pytest.raises(ValueError, match='unknown model'):
+        resolve_model_names(['cvt_ls_99'])
+
+
+def test_corrupt_on_the_fly(data, tmp_path):
+    pytest.importorskip('imagecorruptions', reason='optional extra lsvision[corrupt] (imagecorruptions-imaug) '
+                                                   'is not installed')
+    oracle = ColourOracle()
+    settings = EvalSettings(batch_size=8, workers=0, progress=False)
+    root = str(data['imagenet']['root'])
+    res = evaluate_corrupt_on_the_fly(oracle, root, settings, ['brightness', 'gaussian_noise'], [1, 5])
+    assert res['on_the_fly'] is True and 'not comparable' in res['generator']
+    assert res['labels'] == 'ImageNet-1K wnid folders'
+    assert res['corruptions']['brightness']['severities']['5']['count'] == 6
+    # the oracle's clean error on these images is 1/6; strong brightness shifts every colour code
+    assert res['corruptions']['brightness']['severities']['5']['error'] == 100
+    assert res['corruptions']['brightness']['ce'] is None  # only 2 of 5 severities
+    # seeded per image; the same through timm's PrefetchLoader (the CUDA path), which wraps the DataLoader
+    prefetch = EvalSettings(batch_size=4, workers=0, progress=False, prefetcher=True)
+    again = evaluate_corrupt_on_the_fly(oracle, root, prefetch, ['gaussian_noise'], [1, 5])
+    assert again['corruptions']['gaussian_noise'] == res['corruptions']['gaussian_noise']
+    # the transform itself: 224x224 like ImageNet-C, repeatable per image, and really corrupted
+    from PIL import Image
+
+    from lsvision.eval.corrupt import ImageNetCCorruption
+    img = Image.new('RGB', (300, 260), (120, 60, 200))
+    noise = ImageNetCCorruption('gaussian_noise', 3)
+    first, second = np.asarray(noise(img)), np.asarray(noise(img))
+    assert first.shape == (224, 224, 3) and np.array_equal(first, second)
+    assert np.abs(first.astype(int) - np.array([120, 60, 200])).mean() > 10
+    assert not np.array_equal(first, np.asarray(ImageNetCCorruption('gaussian_noise', 3, seed=1)(img)))
+    # through the tool, on the real model: marked in the JSON and the markdown
+    tool = load_tool('robustness')
+    rc = tool.main(['--models', 'cvt_ls_13', '--model-kwargs', *TINY, '--corrupt-on-the-fly', root, '--corruptions',
+                    'brightness', '--severities', '1', '--workers', '0', '--no-progress', *ONE_THREAD, '--out-dir',
+                    str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / 'results.json').read_text())
+    fly = res['models'][0]['suites']['imagenet_c_on_the_fly']
+    assert fly['on_the_fly'] and fly['corruptions']['brightness']['severities']['1']['count'] == 6
+    assert 'applied on the fly (not the released ImageNet-C)' in (tmp_path / 'results.md').read_text()

@@ -1,0 +1,64 @@
+"""ImageNet-1K top-1/top-5, ReaL and the three ImageNetV2 variants of one or several models.
+
+    python tools/validate.py --models cvt_ls_13 --checkpoint cvt_ls_13.pth --imagenet /data/imagenet
+    python tools/validate.py --models 'cvt_ls_*' --checkpoint a.pth b.pth c.pth d.pth \
+        --imagenet /data/imagenet/val --imagenet-v2 /data/imagenetv2
+    python tools/validate.py --models resnet50.tv_in1k --pretrained --imagenet-v2 /data/imagenetv2
+
+Layouts: ``--imagenet`` is ``val/<wnid>/ILSVRC2012_val_XXXXXXXX.JPEG`` (or its parent); ``--imagenet-v2`` holds the
+extracted ``imagenetv2-{matched-frequency,threshold0.7,top-images}-format-val/<0..999>/`` folders (or is one of
+them). ReaL uses the labels bundled with timm and needs the full 50,000 val images (``--real-labels`` for another
+file). Preprocessing is each model's eval transform (timm ``resolve_model_data_config``), recorded in the output.
+Writes ``results.json``, ``results.md`` to ``--out-dir``; the tables also go to stdout.
+"""
+import argparse
+import sys
+from typing import Any, Dict, Optional, Sequence
+
+from lsvision.eval import V2_VARIANTS, EvalSettings, LayoutError, evaluate_imagenet, evaluate_v2
+from lsvision.eval.cli import add_model_args, run_and_report
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                     epilog=__doc__.split('\n\n', 1)[1], formatter_class=argparse.RawTextHelpFormatter)
+    g = parser.add_argument_group('suites (any subset)')
+    g.add_argument('--imagenet', default=None, help='ImageNet-1K val folder (wnid class folders) or its parent')
+    g.add_argument('--real-labels', default=None,
+                   help="ReaL labels json (default: timm's bundled copy); giving one makes ReaL mandatory")
+    g.add_argument('--no-real', action='store_true', help='skip ReaL')
+    g.add_argument('--imagenet-v2', default=None, help='folder with the ImageNetV2 variant folders')
+    g.add_argument('--v2-variants', nargs='+', default=None, choices=list(V2_VARIANTS),
+                   help='variants to require (default: all present)')
+    add_model_args(parser, 'output/validate')
+    args = parser.parse_args(argv)
+    if not (args.imagenet or args.imagenet_v2):
+        parser.error('give at least one suite: --imagenet and/or --imagenet-v2')
+    if args.no_real and args.real_labels:
+        parser.error('--no-real and --real-labels contradict each other')
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+
+    def evaluate(model: Any, settings: EvalSettings) -> Dict[str, Any]:
+        suites: Dict[str, Any] = {}
+        if args.imagenet:
+            real = False if args.no_real else (True if args.real_labels else None)
+            suites['imagenet'] = evaluate_imagenet(model, args.imagenet, settings, real=real,
+                                                   real_json=args.real_labels)
+        if args.imagenet_v2:
+            suites['imagenet_v2'] = evaluate_v2(model, args.imagenet_v2, settings, args.v2_variants)
+        return suites
+
+    try:
+        run_and_report(args, 'validate', evaluate, argv)
+    except (LayoutError, ValueError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
