@@ -12,7 +12,7 @@ CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,eval,corrupt]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
