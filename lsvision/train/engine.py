@@ -91,6 +91,30 @@ def _progress_line(epoch: int, num_epochs: int, done: int, total: int, loss: Ave
 
 
 @torch.no_grad()
+def _check_ranks_agree(model: nn.Module, args: argparse.Namespace) -> None:
+    """Compare a fingerprint (sum and sum of squares of every float tensor) of each process's weights."""
+    tensors = [t for t in _unwrap(model).state_dict().values() if t.is_floating_point()]
+    local = torch.stack([torch.stack([t.double().sum(), t.double().pow(2).sum()]) for t in tensors]).flatten().cpu()
+    gathered = [torch.empty_like(local) for _ in range(args.world_size)]
+    dist.all_gather(gathered, local) if dist.get_backend() == 'gloo' else _all_gather_cuda(gathered, local)
+    diff = max((g - gathered[0]).abs().max().item() for g in gathered)
+    if args.rank == 0:
+        if diff == 0:
+            _logger.info(f'weights identical on all {args.world_size} processes')
+        else:
+            _logger.warning(f'weights differ across the {args.world_size} processes (largest fingerprint '
+                            f'difference {diff:.3g}); check buffers updated outside DDP')
+
+
+def _all_gather_cuda(gathered: list, local: torch.Tensor) -> None:
+    device = torch.device('cuda', torch.cuda.current_device())
+    out = [g.to(device) for g in gathered]
+    dist.all_gather(out, local.to(device))
+    for g, o in zip(gathered, out):
+        g.copy_(o.cpu())
+
+
+@torch.no_grad()
 def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argparse.Namespace, device: torch.device,
              autocast: Any) -> Dict[str, float]:
     """Loss, top-1 and top-5 over the whole validation set, summed across processes."""
@@ -176,7 +200,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
     if args.distributed and args.sync_bn:
-        model = convert_sync_batchnorm(model)
+        if device.type == 'cuda':
+            model = convert_sync_batchnorm(model)
+        elif primary:
+            _logger.warning(f'--sync-bn ignored on {device.type}: torch SyncBatchNorm runs on GPUs only; batch norm '
+                            f'statistics are averaged across processes at each epoch end (--dist-bn {args.dist_bn})')
 
     # transforms and loaders
     dataset_train.transform = create_transform(
@@ -456,6 +484,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         with open(os.path.join(output_dir, 'result.json'), 'w') as f:
             json.dump(result, f, indent=2)
     if args.distributed:
+        _check_ranks_agree(model, args)
         dist.barrier()
         dist.destroy_process_group()
     return result
