@@ -153,6 +153,7 @@ def test_two_process_torchrun_gloo(image_root, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'backend gloo' in proc.stderr
     assert 'weights identical on all 2 processes' in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run']  # both ranks use rank 0's run directory
     rows = _final_rows(tmp_path / 'run' / 'summary.csv')
     assert len(rows) == 1 and math.isfinite(float(rows[0]['train_loss']))
     state = load_checkpoint(str(tmp_path / 'run' / 'last.pth.tar'))

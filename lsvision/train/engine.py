@@ -274,7 +274,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         exp_name = args.experiment or '-'.join([
             datetime.now().strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model), str(data_config['input_size'][-1])])
-        output_dir = get_outdir(args.output or './output/train', exp_name, inc=not args.experiment)
+        # a new run never writes into an older run's directory; --resume auto continues in it. Rank 0 picks (and
+        # creates) the directory, the others take its choice.
+        output_dir = [get_outdir(args.output or './output/train', exp_name, inc=args.resume != 'auto')
+                      if primary else None]
+        if args.distributed:
+            dist.broadcast_object_list(output_dir, src=0)
+        output_dir = output_dir[0]
     keeper = CheckpointKeeper(output_dir, max_history=args.checkpoint_hist, decreasing=args.eval_metric == 'loss')
     resume_path = _find_resume(output_dir) if args.resume == 'auto' else args.resume
     start_epoch, start_batch, num_updates = 0, 0, 0
