@@ -197,3 +197,36 @@ def test_digits_export(tmp_path):
     img = Image.open(next((tmp_path / 'digits' / 'train' / '3').glob('*.png')))
     assert img.size == (16, 16)
     assert export_digits(str(tmp_path / 'digits'), img_size=16) == info  # reused, not rewritten
+
+
+@pytest.mark.parametrize('num_repeats', [0, 3])
+def test_resumable_sampler_order_depends_only_on_seed_and_epoch(num_repeats):
+    from lsvision.train.data import ResumableSampler
+    data = list(range(600))
+    ranks = [ResumableSampler(data, num_replicas=2, rank=r, seed=7, num_repeats=num_repeats) for r in (0, 1)]
+    for s in ranks:
+        s.set_epoch(4)
+    full = [list(s) for s in ranks]
+    assert [pos for _, _, pos in full[0]] == list(range(len(full[0]))) and full[0][0][1] == 4
+    if num_repeats:  # each index is augmented num_repeats times, spread over the ranks
+        counts = np.bincount([i for s in full for i, _, _ in s], minlength=600)
+        assert counts.max() <= num_repeats and len(full[0]) == len(full[1])
+    else:  # a partition of the dataset
+        assert sorted(i for s in full for i, _, _ in s) == data
+    again = ResumableSampler(data, num_replicas=2, rank=0, seed=7, num_repeats=num_repeats)
+    again.set_epoch(4, start=40)  # a resumed process skips what was trained
+    assert list(again) == full[0][40:] and len(again) == len(full[0]) - 40
+    again.set_epoch(5)
+    assert [i for i, _, _ in again] != [i for i, _, _ in full[0]]
+
+
+def test_time_budget_stops_evaluates_and_leaves_a_resumable_checkpoint(image_root, tmp_path):
+    result = run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0',
+                                        '--time-budget', '1e-9')))
+    assert result['stopped_by_time_budget'] and result['num_updates'] == 1
+    assert math.isfinite(result['top1'])
+    state = load_checkpoint(result['last_checkpoint'])
+    assert (state['next_epoch'], state['next_batch']) == (0, 1)
+    resumed = run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0',
+                                         '--resume', result['last_checkpoint'])))
+    assert resumed['num_updates'] == 12 and not resumed['stopped_by_time_budget']
