@@ -76,6 +76,8 @@ def test_config_sets_defaults_and_command_line_overrides_it(tmp_path):
     args = parse_args(['-c', str(path), '--batch-size', '8'])
     assert args.batch_size == 8 and args.lr_base == 1e-3 and args.mixup == 0.8
     assert args.model_kwargs == {'depths': [1, 1, 1]}
+    args = parse_args(['-c', str(path), '--model-kwargs', 'num_heads=(1,2,4)'])
+    assert args.model_kwargs == {'depths': [1, 1, 1], 'num_heads': (1, 2, 4)}
 
 
 @pytest.mark.parametrize('cfg, message', [

@@ -22,6 +22,16 @@ DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirnam
                                   'configs', 'digits_demo.yaml')
 
 
+class MergeKwargs(ParseKwargs):
+    """timm's `k=v` parser, merged into the mapping the config gave (a flag overrides one kwarg, not all)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        base = dict(getattr(namespace, self.dest, None) or {})
+        super().__call__(parser, namespace, values, option_string)
+        base.update(getattr(namespace, self.dest))
+        setattr(namespace, self.dest, base)
+
+
 class ConfigError(ValueError):
     """A config file that cannot be used as it is (unknown key, wrong type, unreadable YAML)."""
 
@@ -75,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--channels-last', action='store_true', default=False)
     group.add_argument('--grad-accum-steps', type=int, default=1, metavar='N')
     group.add_argument('--grad-checkpointing', action='store_true', default=False)
-    group.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs,
-                       help='constructor kwargs, k=v (a mapping in YAML)')
+    group.add_argument('--model-kwargs', nargs='*', default={}, action=MergeKwargs,
+                       help='constructor kwargs, k=v (a mapping in YAML; flags update it key by key)')
 
     group = parser.add_argument_group('Device, precision and compile')
     group.add_argument('--device', default='', type=str, help="'cuda', 'cpu', ... ('' = cuda if available)")
@@ -98,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--layer-decay', type=float, default=None)
     group.add_argument('--layer-decay-min-scale', type=float, default=0)
     group.add_argument('--layer-decay-no-opt-scale', type=float, default=None)
-    group.add_argument('--opt-kwargs', nargs='*', default={}, action=ParseKwargs)
+    group.add_argument('--opt-kwargs', nargs='*', default={}, action=MergeKwargs)
 
     group = parser.add_argument_group('Learning rate schedule parameters')
     group.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')

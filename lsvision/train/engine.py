@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     args.data_dir = args.data_dir or args.data or ''
     if not args.device:
         args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if args.log_wandb:
+        _logger.warning('--log-wandb is not supported by lsvision; metrics go to summary.csv')
     if args.threads:
         torch.set_num_threads(args.threads)
     device = init_distributed_device(args)
@@ -410,7 +412,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             num_updates += 1
             steps_this_process += 1
             if model_ema is not None:
-                model_ema.update(model, step=num_updates)
+                model_ema.update(_unwrap(model), step=num_updates)
             lr_scheduler.step_update(num_updates=num_updates)
 
             elapsed = time.time() - epoch_t0
