@@ -12,7 +12,7 @@ import logging
 import sys
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
-from lsvision.train import ConfigError, NonFiniteLossError, parse_args, run
+from lsvision.train import ConfigError, NonFiniteLossError, TrainSetupError, parse_args, run
 
 
 def main(argv=None) -> int:
@@ -26,6 +26,9 @@ def main(argv=None) -> int:
     except NonFiniteLossError as e:
         logging.getLogger('train').error(str(e))
         return 1
+    except (TrainSetupError, FileNotFoundError) as e:  # bad arguments or files, explained in the message
+        logging.getLogger('train').error(str(e))
+        return 2
     if args.rank == 0:
         top1 = result['top1']
         where = result['best_checkpoint'] or result['last_checkpoint']

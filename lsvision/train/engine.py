@@ -43,13 +43,17 @@ from .args import args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import ResumableSampler, SeededTrainDataset, derive_seed, num_classes_of, seed_everything
 
-__all__ = ['NonFiniteLossError', 'run']
+__all__ = ['NonFiniteLossError', 'TrainSetupError', 'run']
 
 _logger = logging.getLogger('train')
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
+
+
+class TrainSetupError(ValueError):
+    """Arguments, data or checkpoint that cannot be used as given (the message says why and what to do)."""
 
 
 def _resolve_lr(args: argparse.Namespace) -> None:
@@ -179,7 +183,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.num_classes is None:
         args.num_classes = num_classes_of(dataset_train)
         if args.num_classes is None:
-            raise ValueError('cannot tell the number of classes of this dataset; pass --num-classes')
+            raise TrainSetupError('cannot tell the number of classes of this dataset; pass --num-classes')
 
     # model
     in_chans = args.input_size[0] if args.input_size is not None else args.in_chans
@@ -191,7 +195,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block, global_pool=args.gp,
         bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
     if args.initial_checkpoint:
-        timm_load_checkpoint(model, args.initial_checkpoint)
+        timm_load_checkpoint(model, args.initial_checkpoint, weights_only=True)
     if args.grad_checkpointing:
         model.set_grad_checkpointing(enable=True)
     if primary:
@@ -224,7 +228,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         persistent_workers=args.workers > 0)
     batches_per_epoch = sampler.full_len() // args.batch_size
     if batches_per_epoch == 0:
-        raise ValueError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
+        raise TrainSetupError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
                          f'of {args.batch_size}; lower --batch-size')
     loader_eval = create_loader(
         dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
@@ -289,6 +293,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     loss_sum, loss_count = 0.0, 0
     if resume_path:
         ckpt = load_checkpoint(resume_path)
+        if 'next_epoch' not in ckpt:
+            raise TrainSetupError(f'{resume_path} is not a tools/train.py training checkpoint (no training state); '
+                                  'load its weights with --initial-checkpoint instead of --resume')
         _unwrap(model).load_state_dict(ckpt['state_dict'])
         if model_ema is not None and 'state_dict_ema' in ckpt:
             model_ema.load_state_dict(ckpt['state_dict_ema'])
