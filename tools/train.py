@@ -30,12 +30,14 @@ def main(argv=None) -> int:
         logging.getLogger('train').error(str(e))
         return 2
     if args.rank == 0:
-        top1 = result['top1']
-        where = result['best_checkpoint'] or result['last_checkpoint']
-        print(f"\n{result['model']}: val top-1 {top1:.2f}% (top-5 {result['top5']:.2f}%) after "
+        print(f"\n{result['model']}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%) after "
               f"{result['epochs_done']} epoch(s), {result['num_updates']} updates, {result['total_seconds']:.0f}s"
               + (' (stopped by --time-budget)' if result['stopped_by_time_budget'] else ''))
-        print(f'checkpoint: {where}\nrun directory: {result["output_dir"]} (args.yaml, summary.csv, result.json)')
+        print(f"checkpoint (these weights): {result['last_checkpoint']}")
+        if result['best_checkpoint'] and result['best_epoch'] + 1 != result['epochs_done']:
+            print(f"best epoch {result['best_epoch'] + 1} ({args.eval_metric} {result['best_metric']:.4g}): "
+                  f"{result['best_checkpoint']}")
+        print(f'run directory: {result["output_dir"]} (args.yaml, summary.csv, result.json)')
     return 0
 
 

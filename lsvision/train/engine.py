@@ -270,6 +270,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
                                device='cpu' if args.model_ema_force_cpu else None)
     updates_per_epoch = (batches_per_epoch + args.grad_accum_steps - 1) // args.grad_accum_steps
+    tail_start = batches_per_epoch - (batches_per_epoch % args.grad_accum_steps or args.grad_accum_steps)
     lr_scheduler, num_epochs = create_scheduler_v2(
         optimizer, **scheduler_kwargs(args, decreasing_metric=args.eval_metric == 'loss'),
         updates_per_epoch=updates_per_epoch)
@@ -394,7 +395,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                         'written. ' + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. '
                                        if last_good else 'No checkpoint was written yet. ')
                         + 'Try a lower --lr / --lr-base, --clip-grad 1.0, or --amp-dtype bfloat16.')
-                scaled = loss / args.grad_accum_steps
+                # the epoch's last update may accumulate fewer batches (as timm's train.py)
+                scaled = loss / (args.grad_accum_steps if batch_idx < tail_start else batches_per_epoch - tail_start)
                 if scaler is not None:
                     scaler.scale(scaled).backward()
                 else:
