@@ -31,6 +31,13 @@ TINY_MODEL = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    threads = torch.get_num_threads()  # run(--threads 1) sets them for the process; later tests get theirs back
+    yield
+    torch.set_num_threads(threads)
+
+
 def _write_images(root: Path, per_class: int = 12, size: int = 16) -> None:
     """Two classes that differ in where the bright square is, plus noise (train and val splits)."""
     rng = np.random.RandomState(0)
