@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt
 CONTRACT := ../shared/tools/timm_contract/run.sh
 CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
 
-.PHONY: install demo test lint unit contract clean
+.PHONY: install demo models test lint unit contract clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP):
 
 install: $(STAMP)
 
+# trains a small long-short model on scikit-learn's bundled digits (CPU, time-budgeted) and evaluates it
 demo: install
+	$(PY) tools/train.py
+
+# builds every lsvision model: params, GFLOPs, output shape
+models: install
 	$(PY) tools/demo.py
 
 test: lint unit contract

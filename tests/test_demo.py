@@ -1,4 +1,4 @@
-"""The README's main job (tools/demo.py) and lsvision's model listing."""
+"""The model table (tools/demo.py, `make models`) and lsvision's model listing."""
 import json
 import subprocess
 import sys

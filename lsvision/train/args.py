@@ -1,0 +1,326 @@
+"""Command line and YAML configs of `tools/train.py`, with timm train.py's argument names (argparse dests).
+
+A config is a flat YAML mapping of dest names (`batch_size`, `lr_base`, `warmup_epochs`, ...), as timm's
+train.py reads it and as every run's own `args.yaml` is written, so a past run replays with `-c args.yaml`.
+Unlike timm, keys are validated: an unknown key or a value of the wrong type is an error that names the key.
+"""
+import argparse
+import difflib
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from timm.utils import ParseKwargs
+
+__all__ = ['ConfigError', 'build_parser', 'load_config', 'validate_config', 'parse_args', 'args_to_yaml', 'config_keys',
+           'DIGITS_DEMO_CONFIG']
+
+# the preset used when no data and no model are given (the README's first command)
+DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                  'configs', 'digits_demo.yaml')
+
+
+class MergeKwargs(ParseKwargs):
+    """timm's `k=v` parser, merged into the mapping the config gave (a flag overrides one kwarg, not all)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        base = dict(getattr(namespace, self.dest, None) or {})
+        super().__call__(parser, namespace, values, option_string)
+        base.update(getattr(namespace, self.dest))
+        setattr(namespace, self.dest, base)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used as it is (unknown key, wrong type, unreadable YAML)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The training arguments; dest names are timm train.py's, so timm's optimizer/scheduler kwargs helpers work."""
+    parser = argparse.ArgumentParser(
+        description='Train a timm / lsvision model (timm train.py arguments; -c configs/<model>.yaml for a recipe)',
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('-c', '--config', default='', metavar='FILE',
+                        help='flat YAML of argument dest names (command line flags override it)')
+
+    group = parser.add_argument_group('Dataset parameters')
+    group.add_argument('data', nargs='?', metavar='DIR', const=None, help='dataset root (same as --data-dir)')
+    group.add_argument('--data-dir', metavar='DIR', default='',
+                       help="dataset root ('' with --dataset '' = the embedded digits demo data)")
+    group.add_argument('--dataset', metavar='NAME', default='',
+                       help="dataset type + name ('' = image folder, or torch/cifar10, torch/imagenet, ...)")
+    group.add_argument('--train-split', metavar='NAME', default='train')
+    group.add_argument('--val-split', metavar='NAME', default='validation')
+    group.add_argument('--train-num-samples', default=None, type=int, metavar='N')
+    group.add_argument('--val-num-samples', default=None, type=int, metavar='N')
+    group.add_argument('--dataset-download', action='store_true', default=False,
+                       help='allow download of torch/ datasets')
+    group.add_argument('--class-map', default='', type=str, metavar='FILENAME',
+                       help='path to class-to-index mapping file (txt, one folder name a line)')
+    group.add_argument('--input-img-mode', default=None, type=str)
+    group.add_argument('--input-key', default=None, type=str)
+    group.add_argument('--target-key', default=None, type=str)
+
+    group = parser.add_argument_group('Model parameters')
+    group.add_argument('--model', default='', type=str, metavar='MODEL', help='timm model name')
+    group.add_argument('--pretrained', action='store_true', default=False)
+    group.add_argument('--pretrained-path', default=None, type=str, help='load this file as pretrained weights')
+    group.add_argument('--initial-checkpoint', default='', type=str, metavar='PATH')
+    group.add_argument('--resume', default='', type=str, metavar='PATH',
+                       help="resume the full training state from a checkpoint ('auto' = latest in the output dir)")
+    group.add_argument('--no-resume-opt', action='store_true', default=False,
+                       help='do not restore optimizer, scheduler and scaler when resuming')
+    group.add_argument('--num-classes', type=int, default=None, metavar='N')
+    group.add_argument('--gp', default=None, type=str, metavar='POOL', help='global pool type')
+    group.add_argument('--img-size', type=int, default=None, metavar='N')
+    group.add_argument('--in-chans', type=int, default=None, metavar='N')
+    group.add_argument('--input-size', default=None, nargs=3, type=int, metavar='N')
+    group.add_argument('--crop-pct', default=None, type=float, metavar='N')
+    group.add_argument('--mean', type=float, nargs='+', default=None, metavar='MEAN')
+    group.add_argument('--std', type=float, nargs='+', default=None, metavar='STD')
+    group.add_argument('--interpolation', default='', type=str, metavar='NAME')
+    group.add_argument('-b', '--batch-size', type=int, default=128, metavar='N', help='batch size per process')
+    group.add_argument('-vb', '--validation-batch-size', type=int, default=None, metavar='N')
+    group.add_argument('--channels-last', action='store_true', default=False)
+    group.add_argument('--grad-accum-steps', type=int, default=1, metavar='N')
+    group.add_argument('--grad-checkpointing', action='store_true', default=False)
+    group.add_argument('--model-kwargs', nargs='*', default={}, action=MergeKwargs,
+                       help='constructor kwargs, k=v (a mapping in YAML; flags update it key by key)')
+
+    group = parser.add_argument_group('Device, precision and compile')
+    group.add_argument('--device', default='', type=str, help="'cuda', 'cpu', ... ('' = cuda if available)")
+    group.add_argument('--amp', action='store_true', default=False, help='mixed precision (torch.autocast)')
+    group.add_argument('--amp-dtype', default='float16', type=str, choices=('float16', 'bfloat16'),
+                       help='float16 uses a loss scaler, bfloat16 does not')
+    group.add_argument('--torchcompile', nargs='?', type=str, default=None, const='inductor',
+                       help='torch.compile the model (optional backend)')
+    group.add_argument('--torchcompile-mode', type=str, default=None)
+
+    group = parser.add_argument_group('Optimizer parameters')
+    group.add_argument('--opt', default='sgd', type=str, metavar='OPTIMIZER')
+    group.add_argument('--opt-eps', default=None, type=float, metavar='EPSILON')
+    group.add_argument('--opt-betas', default=None, type=float, nargs='+', metavar='BETA')
+    group.add_argument('--momentum', type=float, default=0.9, metavar='M')
+    group.add_argument('--weight-decay', type=float, default=2e-5)
+    group.add_argument('--clip-grad', type=float, default=None, metavar='NORM')
+    group.add_argument('--clip-mode', type=str, default='norm', choices=('norm', 'value', 'agc'))
+    group.add_argument('--layer-decay', type=float, default=None)
+    group.add_argument('--layer-decay-min-scale', type=float, default=0)
+    group.add_argument('--layer-decay-no-opt-scale', type=float, default=None)
+    group.add_argument('--opt-kwargs', nargs='*', default={}, action=MergeKwargs)
+
+    group = parser.add_argument_group('Learning rate schedule parameters')
+    group.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')
+    group.add_argument('--sched-on-updates', action='store_true', default=False)
+    group.add_argument('--lr', type=float, default=None, metavar='LR',
+                       help='learning rate; unset = lr_base * global batch / lr_base_size')
+    group.add_argument('--lr-base', type=float, default=0.1, metavar='LR')
+    group.add_argument('--lr-base-size', type=int, default=256, metavar='DIV')
+    group.add_argument('--lr-base-scale', type=str, default='', metavar='SCALE',
+                       help="'linear' or 'sqrt' ('' = sqrt for adam*/lamb/lars, else linear)")
+    group.add_argument('--lr-noise', type=float, nargs='+', default=None, metavar='pct, pct')
+    group.add_argument('--lr-noise-pct', type=float, default=0.67)
+    group.add_argument('--lr-noise-std', type=float, default=1.0)
+    group.add_argument('--lr-cycle-mul', type=float, default=1.0)
+    group.add_argument('--lr-cycle-decay', type=float, default=0.5)
+    group.add_argument('--lr-cycle-limit', type=int, default=1)
+    group.add_argument('--lr-k-decay', type=float, default=1.0)
+    group.add_argument('--warmup-lr', type=float, default=1e-5)
+    group.add_argument('--min-lr', type=float, default=0)
+    group.add_argument('--epochs', type=int, default=300)
+    group.add_argument('--epoch-repeats', type=float, default=0.)
+    group.add_argument('--start-epoch', default=None, type=int)
+    group.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+')
+    group.add_argument('--decay-epochs', type=float, default=90)
+    group.add_argument('--warmup-epochs', type=int, default=5)
+    group.add_argument('--warmup-prefix', action='store_true', default=False)
+    group.add_argument('--cooldown-epochs', type=int, default=0)
+    group.add_argument('--patience-epochs', type=int, default=10)
+    group.add_argument('--decay-rate', '--dr', type=float, default=0.1)
+
+    group = parser.add_argument_group('Augmentation and regularization parameters')
+    group.add_argument('--no-aug', action='store_true', default=False)
+    group.add_argument('--train-crop-mode', type=str, default=None)
+    group.add_argument('--scale', type=float, nargs='+', default=[0.08, 1.0], metavar='PCT')
+    group.add_argument('--ratio', type=float, nargs='+', default=[3. / 4., 4. / 3.], metavar='RATIO')
+    group.add_argument('--hflip', type=float, default=0.5)
+    group.add_argument('--vflip', type=float, default=0.)
+    group.add_argument('--color-jitter', type=float, default=0.4, metavar='PCT')
+    group.add_argument('--color-jitter-prob', type=float, default=None, metavar='PCT')
+    group.add_argument('--grayscale-prob', type=float, default=None, metavar='PCT')
+    group.add_argument('--gaussian-blur-prob', type=float, default=None, metavar='PCT')
+    group.add_argument('--aa', type=str, default=None, metavar='NAME', help='auto augment, e.g. rand-m9-mstd0.5-inc1')
+    group.add_argument('--aug-repeats', type=float, default=0, help='repeated augmentation (needs distributed)')
+    group.add_argument('--bce-loss', action='store_true', default=False)
+    group.add_argument('--bce-sum', action='store_true', default=False)
+    group.add_argument('--bce-target-thresh', type=float, default=None)
+    group.add_argument('--bce-pos-weight', type=float, default=None)
+    group.add_argument('--reprob', type=float, default=0., metavar='PCT', help='random erase prob')
+    group.add_argument('--remode', type=str, default='pixel')
+    group.add_argument('--recount', type=int, default=1)
+    group.add_argument('--resplit', action='store_true', default=False)
+    group.add_argument('--mixup', type=float, default=0.0)
+    group.add_argument('--cutmix', type=float, default=0.0)
+    group.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
+    group.add_argument('--mixup-prob', type=float, default=1.0)
+    group.add_argument('--mixup-switch-prob', type=float, default=0.5)
+    group.add_argument('--mixup-mode', type=str, default='batch')
+    group.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
+    group.add_argument('--smoothing', type=float, default=0.1, help='label smoothing')
+    group.add_argument('--train-interpolation', type=str, default='random')
+    group.add_argument('--drop', type=float, default=0.0, metavar='PCT', help='dropout rate')
+    group.add_argument('--drop-path', type=float, default=None, metavar='PCT', help='drop path rate')
+    group.add_argument('--drop-block', type=float, default=None, metavar='PCT')
+
+    group = parser.add_argument_group('Batch norm parameters')
+    group.add_argument('--bn-momentum', type=float, default=None)
+    group.add_argument('--bn-eps', type=float, default=None)
+    group.add_argument('--sync-bn', action='store_true', default=False, help='SyncBatchNorm across processes')
+    group.add_argument('--dist-bn', type=str, default='reduce', help="'broadcast', 'reduce' or ''")
+
+    group = parser.add_argument_group('Model exponential moving average parameters')
+    group.add_argument('--model-ema', action='store_true', default=False, help='track an EMA (ModelEmaV3)')
+    group.add_argument('--model-ema-force-cpu', action='store_true', default=False)
+    group.add_argument('--model-ema-decay', type=float, default=0.9998)
+    group.add_argument('--model-ema-warmup', action='store_true', default=False)
+
+    group = parser.add_argument_group('Miscellaneous parameters')
+    group.add_argument('--seed', type=int, default=42, metavar='S')
+    group.add_argument('--log-interval', type=int, default=50, metavar='N')
+    group.add_argument('--recovery-interval', '--checkpoint-interval-steps', type=int, default=0, metavar='N',
+                       help='also save a resumable mid-epoch checkpoint every N optimizer updates (0 = off)')
+    group.add_argument('--checkpoint-hist', type=int, default=10, metavar='N', help='top-k checkpoints kept')
+    group.add_argument('-j', '--workers', type=int, default=4, metavar='N')
+    group.add_argument('--threads', type=int, default=0, metavar='N',
+                       help='torch intra-op threads per process (0 = torch default); 1 is fastest on a busy CPU')
+    group.add_argument('--pin-mem', action='store_true', default=False)
+    group.add_argument('--no-prefetcher', action='store_true', default=False,
+                       help='accepted for timm configs; lsvision never uses the prefetcher (augmentation runs in '
+                            'the loader so resumed runs are exact)')
+    group.add_argument('--output', default='', type=str, metavar='PATH', help="output root ('' = output/train)")
+    group.add_argument('--experiment', default='', type=str, metavar='NAME', help='run directory name')
+    group.add_argument('--eval-metric', default='top1', type=str, choices=('top1', 'top5', 'loss'))
+    group.add_argument('--log-wandb', action='store_true', default=False, help='accepted, not supported')
+    group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
+                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
+    group.add_argument('--progress', type=str, default='auto', choices=('auto', 'bar', 'log'),
+                       help="'bar' (tqdm), 'log' (a line every --log-interval steps), 'auto' = bar on a terminal")
+    group.add_argument('--stop-after-steps', type=int, default=0, metavar='N',
+                       help=argparse.SUPPRESS)  # testing: exit hard (no cleanup) after N updates in this process
+    group.add_argument('--local_rank', default=0, type=int, help=argparse.SUPPRESS)
+    return parser
+
+
+def _type_error(key: str, value: Any, expected: str, path: str) -> ConfigError:
+    return ConfigError(f'config {path}: {key}: expected {expected}, got {value!r} ({type(value).__name__})')
+
+
+def validate_config(cfg: Dict[str, Any], parser: argparse.ArgumentParser, path: str = '<config>') -> Dict[str, Any]:
+    """Check a config mapping against the parser and return it with values converted to the flags' types.
+
+    Raises:
+        ConfigError: naming the first unknown key (with the closest known names) or the key with a bad value.
+    """
+    if not isinstance(cfg, dict):
+        raise ConfigError(f'config {path}: expected a mapping of argument names to values, got {type(cfg).__name__}')
+    actions = {a.dest: a for a in parser._actions if a.dest not in ('help', 'config')}
+    out = {}
+    for key, value in cfg.items():
+        key = str(key)
+        if key not in actions:
+            close = difflib.get_close_matches(key.replace('-', '_'), list(actions), n=3)
+            hint = f'; did you mean {", ".join(close)}?' if close else ''
+            raise ConfigError(f'config {path}: unknown key {key!r} (keys are train.py argument names with '
+                              f'underscores, see `python tools/train.py --help`){hint}')
+        action = actions[key]
+        if value is None:
+            out[key] = value
+            continue
+        if isinstance(action, ParseKwargs):
+            if not isinstance(value, dict):
+                raise _type_error(key, value, 'a mapping', path)
+        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            if not isinstance(value, bool):
+                raise _type_error(key, value, 'true or false', path)
+        elif action.nargs in ('+', '*') or isinstance(action.nargs, int):
+            if not isinstance(value, (list, tuple)):
+                raise _type_error(key, value, 'a list', path)
+            if isinstance(action.nargs, int) and len(value) != action.nargs:
+                raise _type_error(key, value, f'a list of {action.nargs}', path)
+            value = [_convert(key, v, action, path) for v in value]
+        else:
+            value = _convert(key, value, action, path)
+            if action.choices is not None and value not in action.choices:
+                raise _type_error(key, value, f'one of {list(action.choices)}', path)
+        out[key] = value
+    return out
+
+
+def _convert(key: str, value: Any, action: argparse.Action, path: str) -> Any:
+    kind = action.type
+    if kind in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise _type_error(key, value, kind.__name__, path)
+        try:
+            converted = kind(value)
+        except ValueError:
+            raise _type_error(key, value, kind.__name__, path) from None
+        if kind is int and isinstance(value, float) and value != converted:
+            raise _type_error(key, value, 'int', path)
+        return converted
+    if kind is str and not isinstance(value, str):
+        raise _type_error(key, value, 'a string', path)
+    return value
+
+
+def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> Dict[str, Any]:
+    """Read and validate a flat YAML config (yaml.safe_load)."""
+    parser = parser or build_parser()
+    if not os.path.isfile(path):
+        raise ConfigError(f'config file not found: {path}')
+    with open(path) as f:
+        try:
+            cfg = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f'config {path} is not valid YAML: {e}') from None
+    return validate_config(cfg or {}, parser, path)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse `-c` first, apply the config as defaults, then let the command line override it.
+
+    With neither data nor a model given, the digits demo preset (configs/digits_demo.yaml) is the config.
+    """
+    parser = build_parser()
+    config_parser = argparse.ArgumentParser(add_help=False)
+    config_parser.add_argument('-c', '--config', default='')
+    argv = list(sys.argv[1:] if argv is None else argv)
+    known, _ = config_parser.parse_known_args(argv)
+    cfg: Dict[str, Any] = {}
+    if known.config:
+        cfg = load_config(known.config, parser)
+    parser.set_defaults(**cfg)
+    args = parser.parse_args(argv)
+    if not known.config and not args.model and not (args.data or args.data_dir) and not args.dataset:
+        args = parse_args(['-c', DIGITS_DEMO_CONFIG] + argv)
+    return args
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+def args_to_yaml(args: argparse.Namespace) -> str:
+    """The run's arguments as a replayable flat YAML (what args.yaml holds; test-only flags left out)."""
+    skip = ('stop_after_steps', 'local_rank', 'resume')
+    cfg = {k: _plain(getattr(args, k)) for k in config_keys() if hasattr(args, k) and k not in skip}
+    return yaml.safe_dump(cfg, default_flow_style=False, sort_keys=False)
+
+
+def config_keys() -> List[str]:
+    return [a.dest for a in build_parser()._actions if a.dest not in ('help', 'config')]

@@ -1,0 +1,243 @@
+"""tools/train.py and lsvision.train: configs, exact mid-epoch resume, DDP with torchrun, bad data."""
+import csv
+import importlib.util
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+import lsvision
+from lsvision.data import DIGITS_CLASSES, export_digits
+from lsvision.train import ConfigError, NonFiniteLossError, build_parser, load_checkpoint, load_config, parse_args, run
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / 'tools' / 'train.py'
+# a 2-stage-LS CvT small enough for a CPU test: 16x16 input -> maps 4 / 2 / 1
+TINY_MODEL = [
+    '--model', 'cvt_ls_13', '--num-classes', '2', '--input-size', '3', '16', '16', '--model-kwargs',
+    'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=(1,1,1)', 'patch_sizes=(5,3,3)', 'patch_strides=(4,2,2)',
+    'patch_paddings=(2,1,1)', 'window_sizes=(2,1,1)', 'dp_ranks=(2,1,1)',
+    '--mean', '0.5', '0.5', '0.5', '--std', '0.5', '0.5', '0.5', '--crop-pct', '1.0', '--threads', '1',
+    '--opt', 'adamw', '--lr', '1e-3', '--warmup-epochs', '0', '--seed', '3', '--progress', 'log',
+]
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    threads = torch.get_num_threads()  # run(--threads 1) sets them for the process; later tests get theirs back
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_images(root: Path, per_class: int = 12, size: int = 16) -> None:
+    """Two classes that differ in where the bright square is, plus noise (train and val splits)."""
+    rng = np.random.RandomState(0)
+    for split, n in (('train', per_class), ('val', 4)):
+        for c in range(2):
+            d = root / split / f'class{c}'
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                img = rng.randint(0, 60, (size, size, 3)).astype(np.uint8)
+                img[2:8, (2 if c == 0 else 8):(8 if c == 0 else 14)] = 230
+                Image.fromarray(img).save(d / f'{i:03d}.png')
+
+
+@pytest.fixture(scope='module')
+def image_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp('images')
+    _write_images(root)
+    return root
+
+
+def _final_rows(summary: Path):
+    with open(summary) as f:
+        return list(csv.DictReader(f))
+
+
+def test_every_registered_model_has_a_config_that_loads():
+    parser = build_parser()
+    for name in lsvision.models.list_models():
+        path = ROOT / 'configs' / f'{name}.yaml'
+        assert path.is_file(), f'{name} has no configs/{name}.yaml (run tools/make_configs.py)'
+        cfg = load_config(str(path), parser)
+        assert cfg['model'] == name
+        args = parse_args(['-c', str(path)])
+        assert args.model == name and args.opt == 'adamw' and args.epochs == 300 and args.lr_base > 0
+    demo = load_config(str(ROOT / 'configs' / 'digits_demo.yaml'), parser)
+    assert demo['model'] in lsvision.models.list_models()
+
+
+def test_config_sets_defaults_and_command_line_overrides_it(tmp_path):
+    path = tmp_path / 'c.yaml'
+    path.write_text(yaml.safe_dump(dict(model='cvt_ls_13', batch_size=32, lr_base='1e-3', mixup=0.8,
+                                        model_kwargs=dict(depths=[1, 1, 1]))))
+    args = parse_args(['-c', str(path), '--batch-size', '8'])
+    assert args.batch_size == 8 and args.lr_base == 1e-3 and args.mixup == 0.8
+    assert args.model_kwargs == {'depths': [1, 1, 1]}
+    args = parse_args(['-c', str(path), '--model-kwargs', 'num_heads=(1,2,4)'])
+    assert args.model_kwargs == {'depths': [1, 1, 1], 'num_heads': (1, 2, 4)}
+
+
+@pytest.mark.parametrize('cfg, message', [
+    (dict(model='cvt_ls_13', batch_sise=32), "unknown key 'batch_sise'"),
+    (dict(model='cvt_ls_13', lr_base='fast'), 'lr_base: expected float'),
+    (dict(model='cvt_ls_13', amp='yes'), 'amp: expected true or false'),
+    (dict(model='cvt_ls_13', input_size=[3, 224]), 'input_size: expected a list of 3'),
+])
+def test_bad_config_is_a_clear_error(tmp_path, cfg, message):
+    path = tmp_path / 'bad.yaml'
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=message) as e:
+        parse_args(['-c', str(path)])
+    assert str(path) in str(e.value)
+    if 'batch_sise' in cfg:
+        assert 'did you mean batch_size' in str(e.value)
+        # the tool prints it as one line and exits 2, before any training starts
+        spec = importlib.util.spec_from_file_location('train_tool', TRAIN)
+        tool = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)
+        assert tool.main(['-c', str(path)]) == 2
+
+
+def _train_args(image_root: Path, out: Path, *extra: str):
+    return [str(image_root), '--output', str(out), '--experiment', 'run', *TINY_MODEL, *extra]
+
+
+def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path):
+    # 24 images, batch 4 -> 6 batches, 3 updates per epoch (accumulation 2); EMA, drop path, mixup, random
+    # erasing and RandAugment all draw random numbers, and a worker process loads the data
+    common = ['--epochs', '2', '-b', '4', '--grad-accum-steps', '2', '--model-ema', '--model-ema-decay', '0.9',
+              '--drop-path', '0.1', '--mixup', '0.2', '--reprob', '0.5', '--aa', 'rand-m5', '-j', '1',
+              '--recovery-interval', '2', '--log-interval', '1']
+    full = run(parse_args(_train_args(image_root, tmp_path / 'full', *common)))
+    assert full['epochs_done'] == 2 and full['num_updates'] == 6
+
+    killed = subprocess.run(
+        [sys.executable, str(TRAIN), *_train_args(image_root, tmp_path / 'cut', *common), '--stop-after-steps', '4'],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert killed.returncode == 3, killed.stderr[-3000:]
+    recovery = tmp_path / 'cut' / 'run' / 'recovery.pth.tar'
+    state = load_checkpoint(str(recovery))  # weights_only=True
+    assert (state['next_epoch'], state['next_batch'], state['num_updates']) == (1, 2, 4)  # mid epoch 2
+
+    resumed = run(parse_args(_train_args(image_root, tmp_path / 'cut', *common, '--resume', str(recovery))))
+    assert resumed['num_updates'] == 6
+    a = load_checkpoint(str(tmp_path / 'full' / 'run' / 'last.pth.tar'))
+    b = load_checkpoint(str(tmp_path / 'cut' / 'run' / 'last.pth.tar'))
+    for key in ('state_dict', 'state_dict_ema'):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            torch.testing.assert_close(b[key][name], a[key][name], rtol=1e-5, atol=1e-6, msg=f'{key} {name}')
+    assert a['optimizer']['state'][0]['step'] == b['optimizer']['state'][0]['step']
+    # the same metrics: summary rows of the resumed run equal the uninterrupted run's
+    rows_a = _final_rows(tmp_path / 'full' / 'run' / 'summary.csv')
+    rows_b = _final_rows(tmp_path / 'cut' / 'run' / 'summary.csv')
+    assert len(rows_a) == len(rows_b) == 2
+    for ra, rb in zip(rows_a, rows_b):
+        for k in ('train_loss', 'eval_loss', 'eval_top1'):
+            assert math.isclose(float(ra[k]), float(rb[k]), rel_tol=1e-4, abs_tol=1e-5), (k, ra, rb)
+    run_dir = tmp_path / 'full' / 'run'
+    assert (run_dir / 'model_best.pth.tar').is_file() and (run_dir / 'args.yaml').is_file()
+    assert not (run_dir / 'recovery.pth.tar').exists()  # superseded by last.pth.tar at the epoch end
+    assert not list(run_dir.glob('*.tmp-*'))
+    replay = parse_args(['-c', str(run_dir / 'args.yaml')])  # args.yaml is a valid config
+    assert replay.grad_accum_steps == 2 and replay.model_kwargs['depths'] == [1, 1, 1]
+
+
+def test_two_process_torchrun_gloo(image_root, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN),
+         *_train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0', '--log-interval', '1',
+                      '--sync-bn')],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert 'backend gloo' in proc.stderr
+    assert 'weights identical on all 2 processes' in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['run']  # both ranks use rank 0's run directory
+    rows = _final_rows(tmp_path / 'run' / 'summary.csv')
+    assert len(rows) == 1 and math.isfinite(float(rows[0]['train_loss']))
+    state = load_checkpoint(str(tmp_path / 'run' / 'last.pth.tar'))
+    assert state['num_updates'] == 3  # 24 images / (2 processes x 4)
+    assert all(torch.isfinite(v).all() for v in state['state_dict'].values() if v.is_floating_point())
+
+
+def test_corrupt_image_is_skipped_with_a_warning_naming_it(image_root, tmp_path, caplog):
+    root = tmp_path / 'data'
+    shutil.copytree(image_root, root)
+    bad = root / 'train' / 'class1' / '005.png'
+    bad.write_bytes(b'not a png at all')
+    truncated = root / 'train' / 'class0' / '007.png'
+    truncated.write_bytes(truncated.read_bytes()[:60])
+    with caplog.at_level(logging.WARNING):
+        result = run(parse_args(_train_args(root, tmp_path / 'out', '--epochs', '1', '-b', '4', '-j', '0')))
+    assert result['num_updates'] == 6 and math.isfinite(result['eval_loss'])
+    for path in (bad, truncated):
+        assert any(f'skipping unreadable image {path}' in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_root, tmp_path):
+    # epoch 1 trains normally (lr 1e-3); at epoch 2 the lr jumps to 1e30 (step schedule), the weights blow up
+    args = parse_args(_train_args(image_root, tmp_path, '--epochs', '3', '-b', '4', '-j', '0', '--opt', 'sgd',
+                                  '--sched', 'multistep', '--decay-milestones', '1', '--decay-rate', '1e33',
+                                  '--lr', '1e-3'))
+    with pytest.raises(NonFiniteLossError, match='non-finite training loss') as e:
+        run(args)
+    last = tmp_path / 'run' / 'last.pth.tar'
+    assert f'Last good checkpoint: {last}' in str(e.value)
+    state = load_checkpoint(str(last))
+    assert state['next_epoch'] == 1
+    assert all(torch.isfinite(v).all() for v in state['state_dict'].values() if v.is_floating_point())
+
+
+def test_digits_export(tmp_path):
+    info = export_digits(str(tmp_path / 'digits'), img_size=16)
+    assert (info['num_train'], info['num_val']) == (1438, 359)
+    counts = {c: len(list((tmp_path / 'digits' / 'val' / c).glob('*.png'))) for c in DIGITS_CLASSES}
+    assert sum(counts.values()) == 359 and min(counts.values()) >= 35  # stratified: ~36 per class
+    img = Image.open(next((tmp_path / 'digits' / 'train' / '3').glob('*.png')))
+    assert img.size == (16, 16)
+    assert export_digits(str(tmp_path / 'digits'), img_size=16) == info  # reused, not rewritten
+
+
+@pytest.mark.parametrize('num_repeats', [0, 3])
+def test_resumable_sampler_order_depends_only_on_seed_and_epoch(num_repeats):
+    from lsvision.train.data import ResumableSampler
+    data = list(range(600))
+    ranks = [ResumableSampler(data, num_replicas=2, rank=r, seed=7, num_repeats=num_repeats) for r in (0, 1)]
+    for s in ranks:
+        s.set_epoch(4)
+    full = [list(s) for s in ranks]
+    assert [pos for _, _, pos in full[0]] == list(range(len(full[0]))) and full[0][0][1] == 4
+    if num_repeats:  # each index is augmented num_repeats times, spread over the ranks
+        counts = np.bincount([i for s in full for i, _, _ in s], minlength=600)
+        assert counts.max() <= num_repeats and len(full[0]) == len(full[1])
+    else:  # a partition of the dataset
+        assert sorted(i for s in full for i, _, _ in s) == data
+    again = ResumableSampler(data, num_replicas=2, rank=0, seed=7, num_repeats=num_repeats)
+    again.set_epoch(4, start=40)  # a resumed process skips what was trained
+    assert list(again) == full[0][40:] and len(again) == len(full[0]) - 40
+    again.set_epoch(5)
+    assert [i for i, _, _ in again] != [i for i, _, _ in full[0]]
+
+
+def test_time_budget_stops_evaluates_and_leaves_a_resumable_checkpoint(image_root, tmp_path):
+    result = run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0',
+                                        '--time-budget', '1e-9')))
+    assert result['stopped_by_time_budget'] and result['num_updates'] == 1
+    assert math.isfinite(result['top1'])
+    state = load_checkpoint(result['last_checkpoint'])
+    assert (state['next_epoch'], state['next_batch']) == (0, 1)
+    # --resume auto: the most advanced checkpoint of the run directory named by --experiment
+    resumed = run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0',
+                                         '--resume', 'auto')))
+    assert resumed['output_dir'] == result['output_dir']
+    assert resumed['num_updates'] == 12 and not resumed['stopped_by_time_budget']

@@ -1,0 +1,45 @@
+"""Train any timm / lsvision model with timm's library (timm train.py's arguments, one YAML recipe per model).
+
+    python tools/train.py                                   # the demo: digits, a small CvT-LS, ~1-3 min on CPU
+    python tools/train.py -c configs/cvt_ls_13.yaml --data-dir /data/imagenet
+    torchrun --nproc_per_node=8 tools/train.py -c configs/vil_ls_medium.yaml --data-dir /data/imagenet --amp
+    python tools/train.py --resume output/train/<run>/recovery.pth.tar    # continue a killed run exactly
+
+Without --data-dir (and no --dataset), training uses scikit-learn's bundled digits, exported once to an
+ImageFolder tree; with no model either, it runs configs/digits_demo.yaml.
+"""
+import logging
+import sys
+
+import lsvision  # noqa: F401  (registers the lsvision models with timm)
+from lsvision.train import ConfigError, NonFiniteLossError, TrainSetupError, parse_args, run
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    try:
+        result = run(args)
+    except NonFiniteLossError as e:
+        logging.getLogger('train').error(str(e))
+        return 1
+    except (TrainSetupError, FileNotFoundError) as e:  # bad arguments or files, explained in the message
+        logging.getLogger('train').error(str(e))
+        return 2
+    if args.rank == 0:
+        print(f"\n{result['model']}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%) after "
+              f"{result['epochs_done']} epoch(s), {result['num_updates']} updates, {result['total_seconds']:.0f}s"
+              + (' (stopped by --time-budget)' if result['stopped_by_time_budget'] else ''))
+        print(f"checkpoint (these weights): {result['last_checkpoint']}")
+        if result['best_checkpoint'] and result['best_epoch'] + 1 != result['epochs_done']:
+            print(f"best epoch {result['best_epoch'] + 1} ({args.eval_metric} {result['best_metric']:.4g}): "
+                  f"{result['best_checkpoint']}")
+        print(f'run directory: {result["output_dir"]} (args.yaml, summary.csv, result.json)')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
