@@ -63,6 +63,8 @@ AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 """Autocast dtypes by name, as the command line takes them."""
 
 FULL_ATTENTION = '@full'
+TIME_KEYS = {'wall': 'time_per_image_s', 'cpu': 'cpu_time_per_image_s'}
+"""The point field holding the time per image of each clock."""
 """Suffix of a sweep curve that runs a model with full attention in every stage (see :func:`parse_curve`)."""
 
 _FULL_ATTENTION_KWARGS = {
@@ -407,16 +409,25 @@ class SweepBudget:
     Attributes:
         time_per_image_s: Largest median time per image, in seconds; None for no limit.
         peak_mib: Largest peak memory of a forward pass, in MiB; None for no limit.
+        clock: The time the limit applies to: ``'wall'`` (wall-clock) or ``'cpu'`` (CPU time of the measuring
+            process, which other processes on a shared machine hardly disturb; with one thread it equals the
+            wall-clock time of a quiet machine).
     """
 
     time_per_image_s: Optional[float] = None
     peak_mib: Optional[float] = None
+    clock: str = 'wall'
+
+    def __post_init__(self) -> None:
+        if self.clock not in TIME_KEYS:
+            raise ValueError(f'clock must be one of {sorted(TIME_KEYS)}, got {self.clock!r}.')
 
     def exceeded(self, point: Dict[str, Any]) -> List[str]:
         """Says which limits a measured point exceeds (empty if none)."""
         reasons = []
-        if self.time_per_image_s is not None and point['time_per_image_s'] > self.time_per_image_s:
-            reasons.append(f"time {point['time_per_image_s']:.3g} s/img > {self.time_per_image_s:g} s")
+        seconds = point[TIME_KEYS[self.clock]]
+        if self.time_per_image_s is not None and seconds is not None and seconds > self.time_per_image_s:
+            reasons.append(f'{self.clock} time {seconds:.3g} s/img > {self.time_per_image_s:g} s')
         if self.peak_mib is not None and point['peak_mib'] is not None and point['peak_mib'] > self.peak_mib:
             reasons.append(f"memory {point['peak_mib']:.0f} MiB > {self.peak_mib:g} MiB")
         return reasons
@@ -480,7 +491,8 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
     size = job['size']
     point: Dict[str, Any] = {
         'label': job['label'], 'model': job['model'], 'size': size, 'pixels': size * size, 'status': 'ok',
-        'time_per_image_s': None, 'peak_mib': None, 'gflops': None, 'exceeded': [], 'error': None,
+        'time_per_image_s': None, 'cpu_time_per_image_s': None, 'peak_mib': None, 'gflops': None, 'exceeded': [],
+        'error': None,
     }
     model = _create_model(job['model'], config.device, job['model_kwargs'])
     if config.memory_limit_mib is not None and config.device == 'cpu':
@@ -498,6 +510,7 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
         return point
     point.update(
         time_per_image_s=timing.per_image_s,
+        cpu_time_per_image_s=timing.cpu_per_image_s,
         peak_mib=None if timing.peak_bytes is None else timing.peak_bytes / MIB,
         timing=timing.to_dict(),
     )
@@ -526,27 +539,28 @@ def _run_point(job: Dict[str, Any], config: SweepConfig) -> Dict[str, Any]:
     process = ctx.Process(target=_point_worker, args=(job, sender), daemon=True)
     process.start()
     sender.close()
-    failure = None
-    if receiver.poll(config.timeout_s):
-        try:
+    kind, payload = 'timeout', None
+    try:
+        if receiver.poll(config.timeout_s):
             kind, payload = receiver.recv()
-        except EOFError:  # the process died before it could answer (e.g. killed for memory)
-            kind, payload = 'crash', None
-    else:
-        kind, payload = 'timeout', None
+    except EOFError:  # the process died before it could answer (e.g. killed for memory)
+        kind = 'crash'
+    finally:  # also on KeyboardInterrupt: leave no process behind
+        process.join(timeout=10.0 if kind == 'ok' else 0.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        receiver.close()
     if kind == 'ok':
-        process.join()
         return payload
-    if process.is_alive():
-        process.kill()
-    process.join()
     if kind == 'error':
         raise RuntimeError(f"sweep point {job['label']} at {job['size']}: {payload}")
     failure = (f'no result within {config.timeout_s:g} s' if kind == 'timeout'
                else f'process ended with exit code {process.exitcode}')
     return {
         'label': job['label'], 'model': job['model'], 'size': job['size'], 'pixels': job['size'] ** 2,
-        'status': kind, 'time_per_image_s': None, 'peak_mib': None, 'gflops': None, 'exceeded': [failure],
+        'status': kind, 'time_per_image_s': None, 'cpu_time_per_image_s': None, 'peak_mib': None, 'gflops': None,
+        'exceeded': [failure],
         'error': failure,
     }
 
@@ -626,7 +640,8 @@ def _point_line(point: Dict[str, Any], seconds: float) -> str:
         return f"  {size}: {point['status']} ({point['error']}); {seconds:.0f} s"
     mem = '' if point['peak_mib'] is None else f", peak {point['peak_mib']:.0f} MiB"
     over = f" -> over budget: {'; '.join(point['exceeded'])}" if point['exceeded'] else ''
-    return f"  {size}: {point['time_per_image_s'] * 1e3:.0f} ms/img{mem}{over}; {seconds:.0f} s"
+    cpu = '' if point['cpu_time_per_image_s'] is None else f" (CPU {point['cpu_time_per_image_s'] * 1e3:.0f} ms)"
+    return f"  {size}: {point['time_per_image_s'] * 1e3:.0f} ms/img{cpu}{mem}{over}; {seconds:.0f} s"
 
 
 def sweep_exponents(result: Dict[str, Any], fit_min: int = 0) -> Dict[str, Dict[str, Any]]:
@@ -640,8 +655,8 @@ def sweep_exponents(result: Dict[str, Any], fit_min: int = 0) -> Dict[str, Dict[
         fit_min: Smallest size to fit (small inputs are dominated by per-layer overheads, not by attention).
 
     Returns:
-        Per curve label: ``time``, ``memory`` and ``flops`` exponents (None where fewer than two points) and the
-        ``sizes`` fitted.
+        Per curve label: ``time`` (wall-clock), ``cpu_time``, ``memory`` and ``flops`` exponents (None where fewer
+        than two points) and the ``sizes`` fitted.
     """
     exponents = {}
     for curve in result['curves']:
@@ -653,8 +668,8 @@ def sweep_exponents(result: Dict[str, Any], fit_min: int = 0) -> Dict[str, Dict[
             return fit_exponent([p['pixels'] for p in usable], [p[key] for p in usable]) if usable else None
 
         exponents[curve['label']] = {
-            'time': fit('time_per_image_s'), 'memory': fit('peak_mib'), 'flops': fit('gflops'),
-            'sizes': [p['size'] for p in pts],
+            'time': fit('time_per_image_s'), 'cpu_time': fit('cpu_time_per_image_s'), 'memory': fit('peak_mib'),
+            'flops': fit('gflops'), 'sizes': [p['size'] for p in pts],
         }
     return exponents
 
@@ -667,7 +682,8 @@ def _fmt(value: Optional[float], spec: str) -> str:
 def sweep_markdown(result: Dict[str, Any], command: Optional[str] = None) -> str:
     """Renders a sweep result as markdown: the settings, the points of each curve and the fitted exponents."""
     budget = result['budget']
-    limits = [f'{budget["time_per_image_s"]:g} s per image' if budget['time_per_image_s'] is not None else None,
+    limits = [f'{budget["time_per_image_s"]:g} s of {budget["clock"]} time per image'
+              if budget['time_per_image_s'] is not None else None,
               f'{budget["peak_mib"]:g} MiB peak memory' if budget['peak_mib'] is not None else None]
     cfg = result['config']
     lines = ['## Time and peak memory against input size', '']
@@ -681,18 +697,19 @@ def sweep_markdown(result: Dict[str, Any], command: Optional[str] = None) -> str
         '(median time); peak memory is the extra memory of one forward pass (CPU: resident memory, CUDA: allocated); '
         f'{where}.', '',
     ]
-    header = ['model', 'size', 'within budget', 'pixels', 'ms/img', 'peak MiB', 'GFLOPs']
+    header = ['model', 'size', 'within budget', 'pixels', 'wall ms/img', 'CPU ms/img', 'peak MiB', 'GFLOPs']
     rows = []
     for p in result['points']:
-        ms = None if p['time_per_image_s'] is None else p['time_per_image_s'] * 1e3
+        ms = [None if p[key] is None else p[key] * 1e3 for key in ('time_per_image_s', 'cpu_time_per_image_s')]
         within = 'no: ' + '; '.join(p['exceeded']) if p['exceeded'] else 'yes'
-        rows.append([p['label'], f"{p['size']}x{p['size']}", within, f"{p['pixels']:,}", _fmt(ms, '.0f'),
-                     _fmt(p['peak_mib'], '.0f'), _fmt(p['gflops'], '.2f')])
+        rows.append([p['label'], f"{p['size']}x{p['size']}", within, f"{p['pixels']:,}", _fmt(ms[0], '.0f'),
+                     _fmt(ms[1], '.0f'), _fmt(p['peak_mib'], '.0f'), _fmt(p['gflops'], '.2f')])
     lines += [markdown_table(header, rows, left_columns=3), '']
     lines += ['### Fitted exponent against pixel count (log-log slope; 1 = linear, 2 = quadratic)', '']
-    exp_rows = [[label, ', '.join(map(str, e['sizes'])) or 'none', _fmt(e['time'], '.2f'), _fmt(e['memory'], '.2f'),
-                 _fmt(e['flops'], '.2f')] for label, e in result['exponents'].items()]
-    lines += [markdown_table(['model', 'sizes fitted', 'time', 'peak memory', 'FLOPs'], exp_rows, left_columns=2), '']
+    exp_rows = [[label, ', '.join(map(str, e['sizes'])) or 'none', _fmt(e['time'], '.2f'), _fmt(e['cpu_time'], '.2f'),
+                 _fmt(e['memory'], '.2f'), _fmt(e['flops'], '.2f')] for label, e in result['exponents'].items()]
+    header = ['model', 'sizes fitted', 'wall time', 'CPU time', 'peak memory', 'FLOPs']
+    lines += [markdown_table(header, exp_rows, left_columns=2), '']
     return '\n'.join(lines)
 
 
@@ -713,7 +730,9 @@ def plot_sweep(result: Dict[str, Any], path: Path, title: Optional[str] = None) 
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    panels = [('time_per_image_s', 'time per image (s)', 'time', result['budget']['time_per_image_s']),
+    clock = result['budget']['clock']
+    panels = [(TIME_KEYS[clock], f'{clock} time per image (s)', 'time' if clock == 'wall' else 'cpu_time',
+               result['budget']['time_per_image_s']),
               ('peak_mib', 'peak memory of a forward pass (MiB)', 'memory', result['budget']['peak_mib'])]
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     sizes = result['sizes']

@@ -75,6 +75,9 @@ class TimingResult:
         p90_s: 90th percentile.
         peak_bytes: Peak memory of one forward pass in bytes (see :func:`peak_memory_forward`), or None if it was not
             measured.
+        cpu_times_s: The CPU time of this process during each timed pass (``time.process_time``: all its threads),
+            in the order run; empty where not recorded. Unlike wall-clock time it hardly changes when other processes
+            compete for the cores, so it is the steadier measure of work on a shared machine.
     """
 
     times_s: List[float]
@@ -90,6 +93,7 @@ class TimingResult:
     p10_s: float = field(init=False)
     p90_s: float = field(init=False)
     peak_bytes: Optional[int] = None
+    cpu_times_s: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.times_s:
@@ -114,11 +118,17 @@ class TimingResult:
         """Throughput in images per second at the median pass time."""
         return self.batch_size / self.median_s
 
+    @property
+    def cpu_per_image_s(self) -> Optional[float]:
+        """Median CPU time of a pass per image, in seconds; None if CPU times were not recorded."""
+        return statistics.median(self.cpu_times_s) / self.batch_size if self.cpu_times_s else None
+
     def to_dict(self) -> Dict[str, Any]:
         """Returns the result as a JSON-serializable dict, including ``per_image_s`` and ``images_per_s``."""
         out = asdict(self)
         out['per_image_s'] = self.per_image_s
         out['images_per_s'] = self.images_per_s
+        out['cpu_per_image_s'] = self.cpu_per_image_s
         return out
 
 
@@ -207,8 +217,8 @@ def _timed_loop(
         iters: int,
         min_time_s: float,
         max_time_s: Optional[float],
-) -> Tuple[List[float], int]:
-    """Runs warm-up steps, then timed steps; returns the step times and the number of warm-up steps run.
+) -> Tuple[List[float], List[float], int]:
+    """Runs warm-up steps, then timed steps; returns the wall-clock and CPU times of the steps and the warm-up count.
 
     See :func:`time_forward` for how ``warmup``, ``iters``, ``min_time_s`` and ``max_time_s`` interact.
     """
@@ -220,17 +230,19 @@ def _timed_loop(
         return max_time_s is not None and time.perf_counter() - start >= fraction * max_time_s
 
     times: List[float] = []
+    cpu_times: List[float] = []
     done_warmup = 0
     while done_warmup < warmup and not (done_warmup > 0 and spent(0.25)):
         step()
         done_warmup += 1
     while True:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         if (len(times) >= iters and sum(times) >= min_time_s) or spent():
             break
-    return times, done_warmup
+    return times, cpu_times, done_warmup
 
 
 def time_forward(
@@ -274,8 +286,10 @@ def time_forward(
     """
     x, device = _prepare(model, inputs, batch_size, channels_last)
     with _inference(model, device, amp_dtype):
-        times, done_warmup = _timed_loop(_forward_fn(model, x, device), warmup, iters, min_time_s, max_time_s)
-    result = TimingResult(times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device))
+        times, cpu_times, done_warmup = _timed_loop(
+            _forward_fn(model, x, device), warmup, iters, min_time_s, max_time_s)
+    result = TimingResult(
+        times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device), cpu_times_s=cpu_times)
     if measure_memory:
         result.peak_bytes = peak_memory_forward(model, x, warmup=0, amp_dtype=amp_dtype)
     return result
@@ -333,11 +347,12 @@ def time_train_step(
     modes = [(m, m.training) for m in model.modules()]
     model.train()
     try:
-        times, done_warmup = _timed_loop(step, warmup, iters, min_time_s, max_time_s)
+        times, cpu_times, done_warmup = _timed_loop(step, warmup, iters, min_time_s, max_time_s)
     finally:
         for module, mode in modes:
             module.training = mode
-    return TimingResult(times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device))
+    return TimingResult(
+        times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device), cpu_times_s=cpu_times)
 
 
 def peak_memory_forward(

@@ -12,7 +12,9 @@ Subcommands (``python tools/benchmark.py <subcommand> --help`` for all options):
 
 ``sweep``  time and peak memory against input size, each model until a time or memory budget is exceeded (each
            point in a fresh process), with the fitted exponents against pixel count and a PNG plot. The default is the
-           long-short vs full-attention comparison in docs/benchmarks/ (cvt_ls_13 vs cvt_13)::
+           long-short vs full-attention comparison in docs/benchmarks/ (cvt_ls_13 vs cvt_13), on one thread with the
+           budget on CPU time, so that other work on the machine hardly moves the curves
+           (``--threads 2 --budget-clock wall`` for wall-clock time on two cores)::
 
                python tools/benchmark.py sweep
                python tools/benchmark.py sweep --models vil_ls_medium vil_ls_medium@full --name vil_ls_medium_vs_full
@@ -27,8 +29,11 @@ Progress goes to stderr, tables to stdout.
 """
 
 import argparse
+import json
+import os
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -50,9 +55,12 @@ from lsvision.benchmark import (
     write_json,
 )
 from lsvision.measure import machine_description
+from lsvision.models import list_models
+from lsvision.zoo import measure_model, render_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_DIR = ROOT / 'docs' / 'benchmarks'
+MEASUREMENTS = 'measurements.json'
 
 
 def log(msg: str) -> None:
@@ -63,7 +71,8 @@ def log(msg: str) -> None:
 def add_timing_args(parser: argparse.ArgumentParser, warmup: int, iters: int, budget: float) -> None:
     """Adds the options every subcommand shares: device, threads, warm-up, timed passes and time per measurement."""
     parser.add_argument('--device', default='cpu', help='device to run on, e.g. cpu or cuda (default: cpu)')
-    parser.add_argument('--threads', type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument('--threads', type=int, default=None,
+                        help="torch threads (default: torch's own choice; sweep: 1)")
     parser.add_argument('--warmup', type=int, default=warmup, help=f'warm-up passes (default: {warmup})')
     parser.add_argument('--iters', type=int, default=iters, help=f'timed passes, fewer if over --budget-s '
                         f'(default: {iters})')
@@ -100,6 +109,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                        help='square input sizes (default: 224 to 1536)')
     sweep.add_argument('--time-budget', type=float, default=30.0,
                        help='largest median seconds per image; a curve ends at the first size over it (default: 30)')
+    sweep.add_argument('--budget-clock', choices=['cpu', 'wall'], default='cpu',
+                       help='the time the budget applies to: CPU time of the measuring process (steady on a shared '
+                            'machine; with --threads 1 it equals the wall-clock time of a quiet machine) or '
+                            'wall-clock time (default: cpu)')
     sweep.add_argument('--memory-budget', type=float, default=4096.0,
                        help='largest peak memory of a forward pass in MiB (default: 4096)')
     sweep.add_argument('--memory-limit', type=float, default=8192.0,
@@ -111,6 +124,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sweep.add_argument('--name', default=None, help='file stem of the outputs (default: MODEL1_vs_MODEL2)')
     sweep.add_argument('--out', type=Path, default=SWEEP_DIR, help=f'output folder (default: {SWEEP_DIR})')
     add_timing_args(sweep, warmup=1, iters=3, budget=60.0)
+    sweep.set_defaults(threads=1)  # one thread: steady timings on a shared machine, CPU time = work done
 
     cards = sub.add_parser('cards', help='measure every registered model and write model_cards/ and the README table')
     cards.add_argument('--models', nargs='+', default=None,
@@ -163,7 +177,7 @@ def run_sweep(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     except ValueError as e:
         log(str(e))
         return 2
-    budget = SweepBudget(time_per_image_s=args.time_budget, peak_mib=args.memory_budget)
+    budget = SweepBudget(time_per_image_s=args.time_budget, peak_mib=args.memory_budget, clock=args.budget_clock)
     config = SweepConfig(
         device=args.device, threads=args.threads, warmup=args.warmup, iters=args.iters, point_time_s=args.budget_s,
         timeout_s=args.timeout, memory_limit_mib=args.memory_limit or None, flops=not args.no_flops)
@@ -190,12 +204,48 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return run_models(args)
     if args.command == 'sweep':
         return run_sweep(args, argv)
-    return run_cards(args)
+    return run_cards(args, argv)
 
 
-def run_cards(args: argparse.Namespace) -> int:
-    """The ``cards`` subcommand."""
-    raise NotImplementedError
+def run_cards(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
+    """The ``cards`` subcommand: measure (unless ``--reuse``), store, then render every card and the README table."""
+    store = args.cards_dir / MEASUREMENTS
+    stored = json.loads(store.read_text()) if store.exists() else {'models': {}}
+    names = list_models()
+    try:
+        to_measure = [] if args.reuse else (resolve_model_names(args.models) if args.models else names)
+    except ValueError as e:
+        log(str(e))
+        return 2
+    unregistered = [n for n in to_measure if n not in names]
+    if unregistered:
+        log(f'not registered lsvision models (cards are for those only): {unregistered}')
+        return 2
+    config = BenchmarkConfig(device=args.device, warmup=args.warmup, iters=args.iters, max_time_s=args.budget_s,
+                             memory=False)
+    if to_measure:
+        log(f'Machine: {machine_description(args.device)}')
+    for i, name in enumerate(to_measure, 1):
+        t0 = time.perf_counter()
+        stored['models'][name] = measure_model(name, config)
+        stored['models'] = {n: stored['models'][n] for n in names if n in stored['models']}  # drop unregistered
+        stored['command'] = command_line(argv)
+        write_json(store, stored)  # after each model, so that an interrupted run keeps what it measured
+        m = stored['models'][name]
+        log(f"[{i}/{len(to_measure)}] {name}: {m['params'] / 1e6:.2f}M params, {m['gflops']:.3f} GFLOPs, "
+            f"{m['images_per_s']:.2f} img/s; {time.perf_counter() - t0:.0f} s")
+    try:
+        outputs = render_outputs(stored['models'], names, args.readme.read_text(),
+                                 cards_dir=os.path.relpath(args.cards_dir, args.readme.parent))
+    except (KeyError, ValueError) as e:
+        log(str(e))
+        return 2
+    for rel, text in outputs.items():
+        path = args.readme if rel == 'README.md' else args.readme.parent / rel
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            log(f'Wrote {path}')
+    return 0
 
 
 if __name__ == '__main__':
