@@ -20,6 +20,7 @@ from lsvision.measure import machine_description
 
 __all__ = [
     'FAMILIES',
+    'GENERATED_NOTE',
     'METRICS',
     'PAPER_RESULTS',
     'README_END',

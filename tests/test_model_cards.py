@@ -48,6 +48,11 @@ def test_every_model_has_an_up_to_date_card(name, stored, outputs):
     assert card.read_text() == outputs[f'model_cards/{name}.md'], f'{card} differs from the generator; {REGENERATE}'
 
 
+def test_no_card_without_a_model():
+    cards = {path.stem for path in CARDS.glob('*.md')} - {'README'}
+    assert cards <= set(list_models()), f'cards of unregistered models: {cards - set(list_models())}; {REGENERATE}'
+
+
 def test_readme_models_table_is_generated(outputs):
     readme = (ROOT / 'README.md').read_text()
     assert readme == outputs['README.md'], f'README.md models table differs from the generator; {REGENERATE}'

@@ -56,7 +56,7 @@ from lsvision.benchmark import (
 )
 from lsvision.measure import machine_description
 from lsvision.models import list_models
-from lsvision.zoo import measure_model, render_outputs
+from lsvision.zoo import GENERATED_NOTE, measure_model, render_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_DIR = ROOT / 'docs' / 'benchmarks'
@@ -107,8 +107,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                             'stage (default: cvt_ls_13 cvt_13)')
     sweep.add_argument('--sizes', nargs='+', type=int, default=[224, 384, 512, 640, 768, 1024, 1280, 1536],
                        help='square input sizes (default: 224 to 1536)')
-    sweep.add_argument('--time-budget', type=float, default=30.0,
-                       help='largest median seconds per image; a curve ends at the first size over it (default: 30)')
+    sweep.add_argument('--time-budget', type=float, default=15.0,
+                       help='largest median seconds per image; a curve ends at the first size over it (default: 15)')
     sweep.add_argument('--budget-clock', choices=['cpu', 'wall'], default='cpu',
                        help='the time the budget applies to: CPU time of the measuring process (steady on a shared '
                             'machine; with --threads 1 it equals the wall-clock time of a quiet machine) or '
@@ -245,6 +245,10 @@ def run_cards(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             log(f'Wrote {path}')
+    for card in args.cards_dir.glob('*.md'):  # generated cards of models no longer registered
+        if card.stem not in names and card.read_text().startswith(GENERATED_NOTE):
+            card.unlink()
+            log(f'Removed {card}')
     return 0
 
 
