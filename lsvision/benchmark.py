@@ -285,7 +285,7 @@ def benchmark_model(
     return row
 
 
-_TABLE_COLUMNS: List[Tuple[str, str, Callable[[Any], str]]] = [
+_TABLE_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
     ('model', 'model', str),
     ('input', 'input_size', lambda v: f'{v[1]}x{v[2]}'),
     ('batch', 'batch_size', str),

@@ -343,7 +343,7 @@ def _first_doc_line(name: str) -> Optional[str]:
 def _paper_value(name: str, metric: str) -> str:
     """A paper number without its source, or 'not reported'."""
     reported = PAPER_RESULTS.get(name, {}).get(metric)
-    return NOT_REPORTED if reported is None else f'{reported[0]:g}'
+    return NOT_REPORTED if reported is None else f'{reported[0]}'
 
 
 class _Footnotes:
@@ -359,7 +359,7 @@ class _Footnotes:
         value, source = PAPER_RESULTS[name][metric]
         if source not in self.keys:
             self.keys.append(source)
-        return f'{value:g}{unit} [{self.keys.index(source) + 1}]'
+        return f'{value}{unit} [{self.keys.index(source) + 1}]'
 
     def lines(self) -> List[str]:
         """The footnotes, one line each."""
@@ -404,7 +404,7 @@ def render_card(name: str, measured: Dict[str, Any]) -> str:
     lines += [f"Measured {measured['measured_at']} on {measured['machine']}. Throughput on a shared machine varies "
               'with its load (the load average is part of the line); rerun `python tools/benchmark.py cards --models '
               f"{name}` to measure on yours.", '']
-    lines += ['## Accuracy reported by the paper', '']
+    lines += ['## Accuracy reported by the authors', '']
     metric_rows = [[label, notes.cell(name, key)] for key, label in METRICS[2:]
                    if key != 'base_top1' or name.endswith('_grc')]
     lines += [markdown_table(['metric', 'reported'], metric_rows, left_columns=1), '']
