@@ -598,37 +598,41 @@ def resolution_sweep(
     sizes = sorted(set(sizes))
     if not sizes or sizes[0] < 1:
         raise ValueError(f'sizes must be positive, got {sizes}.')
+    threads_before = torch.get_num_threads()
     if config.threads:
         torch.set_num_threads(config.threads)  # so that machine_info records the threads the points use
-    start = time.perf_counter()
-    points: List[Dict[str, Any]] = []
-    curve_info = []
-    for curve in curves:
-        stopped_at = None
-        for size in sizes:
-            job = {'label': curve.label, 'model': curve.model, 'model_kwargs': curve.model_kwargs, 'size': size,
-                   'config': asdict(config), 'budget': asdict(budget)}
-            t0 = time.perf_counter()
-            point = _run_point(job, config)
-            points.append(point)
-            if progress is not None:
-                progress(_point_line(point, time.perf_counter() - t0))
-            if point['exceeded']:
-                stopped_at = size
-                break
-        curve_info.append({'label': curve.label, 'model': curve.model, 'model_kwargs': curve.model_kwargs,
-                           'stopped_at': stopped_at})
-    result = {
-        'machine': machine_description(config.device),
-        'machine_info': machine_info(config.device),
-        'budget': asdict(budget),
-        'config': asdict(config),
-        'sizes': sizes,
-        'fit_min': fit_min,
-        'curves': curve_info,
-        'points': points,
-        'wall_time_s': time.perf_counter() - start,
-    }
+    try:
+        start = time.perf_counter()
+        points: List[Dict[str, Any]] = []
+        curve_info = []
+        for curve in curves:
+            stopped_at = None
+            for size in sizes:
+                job = {'label': curve.label, 'model': curve.model, 'model_kwargs': curve.model_kwargs, 'size': size,
+                       'config': asdict(config), 'budget': asdict(budget)}
+                t0 = time.perf_counter()
+                point = _run_point(job, config)
+                points.append(point)
+                if progress is not None:
+                    progress(_point_line(point, time.perf_counter() - t0))
+                if point['exceeded']:
+                    stopped_at = size
+                    break
+            curve_info.append({'label': curve.label, 'model': curve.model, 'model_kwargs': curve.model_kwargs,
+                               'stopped_at': stopped_at})
+        result = {
+            'machine': machine_description(config.device),
+            'machine_info': machine_info(config.device),
+            'budget': asdict(budget),
+            'config': asdict(config),
+            'sizes': sizes,
+            'fit_min': fit_min,
+            'curves': curve_info,
+            'points': points,
+            'wall_time_s': time.perf_counter() - start,
+        }
+    finally:
+        torch.set_num_threads(threads_before)
     result['exponents'] = sweep_exponents(result, fit_min)
     return result
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench_tools import load_tool
 
 from lsvision.benchmark import (
     SweepBudget,
@@ -61,11 +62,15 @@ def test_benchmark_tool_run(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith('| cvt_ls_13 | 64x64 |')
 
 
-def test_benchmark_tool_rejects_unknown_model(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'benchmark.py'), 'run', '--models', 'no_such_model*', '--out',
-         str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2 and "'no_such_model*' matches no model" in proc.stderr
+def test_benchmark_tool_rejects_bad_input(tmp_path, capsys):
+    tool = load_tool('benchmark')
+    assert tool.main(['run', '--models', 'no_such_model*', '--out', str(tmp_path)]) == 2
+    assert "'no_such_model*' matches no model" in capsys.readouterr().err
+    assert tool.main(['sweep', '--models', 'cvt_ls_13@full', '--out', str(tmp_path)]) == 2
+    assert 'full-attention switch' in capsys.readouterr().err
+    assert tool.main(['cards', '--models', 'resnet18', '--cards-dir', str(tmp_path)]) == 2
+    assert 'not registered lsvision models' in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_resolve_model_names():

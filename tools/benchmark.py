@@ -153,6 +153,8 @@ def run_models(args: argparse.Namespace) -> int:
     except ValueError as e:
         log(str(e))
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = BenchmarkConfig(
         img_size=args.img_size, batch_size=args.batch_size, device=args.device, amp=args.amp,
         channels_last=args.channels_last, compile=args.compile, warmup=args.warmup, iters=args.iters,
@@ -177,6 +179,8 @@ def run_sweep(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     except ValueError as e:
         log(str(e))
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     budget = SweepBudget(time_per_image_s=args.time_budget, peak_mib=args.memory_budget, clock=args.budget_clock)
     config = SweepConfig(
         device=args.device, threads=args.threads, warmup=args.warmup, iters=args.iters, point_time_s=args.budget_s,
@@ -198,8 +202,6 @@ def run_sweep(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the chosen subcommand."""
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.command == 'run':
         return run_models(args)
     if args.command == 'sweep':
@@ -221,6 +223,8 @@ def run_cards(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     if unregistered:
         log(f'not registered lsvision models (cards are for those only): {unregistered}')
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     config = BenchmarkConfig(device=args.device, warmup=args.warmup, iters=args.iters, max_time_s=args.budget_s,
                              memory=False)
     if to_measure:
