@@ -693,6 +693,8 @@ def sweep_markdown(result: Dict[str, Any], command: Optional[str] = None) -> str
     lines = ['## Time and peak memory against input size', '']
     if command:
         lines += [f'Produced by `{command}`.', '']
+    if result.get('refit_command'):
+        lines += [f"Exponents fitted again from {result['fit_min']} by `{result['refit_command']}`.", '']
     where = 'each point in a fresh process' if cfg['isolate'] else 'all points in one process'
     lines += [
         f"Measured on: {result['machine']}.", '',
@@ -753,6 +755,10 @@ def plot_sweep(result: Dict[str, Any], path: Path, title: Optional[str] = None) 
             if over:
                 ax.plot([p['pixels'] for p in over], [p[key] for p in over], 'o', color=color, mfc='none', ms=10,
                         label=f"{curve['label']}: over budget at {over[0]['size']}")
+            failed = [p for p in result['points'] if p['label'] == curve['label'] and p[key] is None and p['exceeded']]
+            if failed and pts:  # no numbers (time-out, failed allocation): a cross above the curve's last point
+                ax.plot([failed[0]['pixels']], [pts[-1][key] * 1.5], 'x', color=color, ms=10, mew=2,
+                        label=f"{curve['label']}: {failed[0]['status'].replace('_', ' ')} at {failed[0]['size']}")
         if limit is not None:
             ax.axhline(limit, color='0.4', ls='--', lw=1, label=f'budget {limit:g}')
         first = next((p for p in result['points'] if p[key] is not None), None)

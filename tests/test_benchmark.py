@@ -168,3 +168,11 @@ def test_sweep_within_budget_runs_every_size(tmp_path):
     png = plot_sweep(result, tmp_path / 'sweep.png')
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert math.isfinite(result['wall_time_s'])
+    # the tool fits a stored sweep again without measuring
+    result['command'] = 'python tools/benchmark.py sweep'
+    stored = tmp_path / 'stored.json'
+    stored.write_text(json.dumps(result))
+    assert load_tool('benchmark').main(['sweep', '--refit', str(stored), '--fit-min', '64']) == 0
+    refit = json.loads(stored.read_text())
+    assert refit['exponents']['cvt_ls_13']['sizes'] == [64] and refit['exponents']['cvt_ls_13']['flops'] is None
+    assert 'fitted again from 64' in (tmp_path / 'stored.md').read_text() and (tmp_path / 'stored.png').exists()

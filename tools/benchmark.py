@@ -35,7 +35,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -50,6 +50,7 @@ from lsvision.benchmark import (
     plot_sweep,
     resolution_sweep,
     resolve_model_names,
+    sweep_exponents,
     sweep_markdown,
     write_benchmark_reports,
     write_json,
@@ -121,6 +122,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     sweep.add_argument('--timeout', type=float, default=600.0, help='seconds before a point is stopped (default: 600)')
     sweep.add_argument('--fit-min', type=int, default=512, help='smallest size of the exponent fit (default: 512)')
     sweep.add_argument('--no-flops', action='store_true', help='skip FLOP counting at each point')
+    sweep.add_argument('--refit', type=Path, default=None, metavar='JSON',
+                       help='measure nothing: fit the exponents of a stored sweep again (with --fit-min) and '
+                            'rewrite its markdown and plot')
     sweep.add_argument('--name', default=None, help='file stem of the outputs (default: MODEL1_vs_MODEL2)')
     sweep.add_argument('--out', type=Path, default=SWEEP_DIR, help=f'output folder (default: {SWEEP_DIR})')
     add_timing_args(sweep, warmup=1, iters=3, budget=60.0)
@@ -172,8 +176,25 @@ def run_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_sweep(result: Dict[str, Any], out_dir: Path, stem: str) -> None:
+    """Writes a sweep's JSON, markdown and plot, and prints the markdown."""
+    text = sweep_markdown(result, command=result['command'])
+    write_json(out_dir / f'{stem}.json', result)
+    (out_dir / f'{stem}.md').write_text(text)
+    plot_sweep(result, out_dir / f'{stem}.png')
+    print(text)
+    log(f'Wrote {out_dir / stem}.{{json,md,png}}')
+
+
 def run_sweep(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     """The ``sweep`` subcommand."""
+    if args.refit is not None:
+        result = json.loads(args.refit.read_text())
+        result['fit_min'] = args.fit_min
+        result['exponents'] = sweep_exponents(result, args.fit_min)
+        result['refit_command'] = command_line(argv)
+        write_sweep(result, args.refit.parent, args.refit.stem)
+        return 0
     try:
         curves = [parse_curve(spec) for spec in args.models]
     except ValueError as e:
@@ -189,13 +210,8 @@ def run_sweep(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     log(f"Sweeping {', '.join(c.label for c in curves)} over {sorted(set(args.sizes))}")
     result = resolution_sweep(curves, args.sizes, budget, config, fit_min=args.fit_min, progress=log)
     result['command'] = command_line(argv)
-    stem = args.name or '_vs_'.join(spec.replace('@', '_') for spec in args.models)
-    text = sweep_markdown(result, command=result['command'])
-    write_json(args.out / f'{stem}.json', result)
-    (args.out / f'{stem}.md').write_text(text)
-    plot_sweep(result, args.out / f'{stem}.png')
-    print(text)
-    log(f"Wrote {args.out / stem}.{{json,md,png}} ({result['wall_time_s']:.0f} s in all)")
+    write_sweep(result, args.out, args.name or '_vs_'.join(spec.replace('@', '_') for spec in args.models))
+    log(f"{result['wall_time_s']:.0f} s in all")
     return 0
 
 
