@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt
 CONTRACT := ../shared/tools/timm_contract/run.sh
 CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
 
-.PHONY: install demo models test lint unit contract clean
+.PHONY: install demo models test lint unit contract sweep cards clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,14 @@ contract: install
 	else \
 		echo "contract: skipped, $(CONTRACT) not found (it sits beside the checkout in CI)"; \
 	fi
+
+# cvt_ls_13 vs cvt_13, time and peak memory against input size (docs/benchmarks/); about 15 min on 2 idle cores
+sweep: install
+	$(PY) tools/benchmark.py sweep
+
+# measure every model and regenerate model_cards/ and README's models table
+cards: install
+	$(PY) tools/benchmark.py cards
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -2,7 +2,8 @@
 
 :func:`time_forward` times a model's inference forward pass (eval mode, ``torch.inference_mode``) after warm-up and
 returns a :class:`TimingResult` with robust statistics; with ``measure_memory=True`` it also measures the peak memory
-of one forward pass with :func:`peak_memory_forward`. :func:`machine_description` says where a measurement was taken.
+of one forward pass with :func:`peak_memory_forward`. :func:`time_train_step` times a training step (forward, backward,
+optimizer step). :func:`machine_description` says where a measurement was taken, and under what load.
 
 Peak memory is measured for real, not estimated:
 
@@ -41,8 +42,10 @@ __all__ = [
     'TimingResult',
     'machine_description',
     'machine_info',
+    'load_average',
     'peak_memory_forward',
     'time_forward',
+    'time_train_step',
 ]
 
 InputSpec = Union[Sequence[int], torch.Tensor]
@@ -72,6 +75,9 @@ class TimingResult:
         p90_s: 90th percentile.
         peak_bytes: Peak memory of one forward pass in bytes (see :func:`peak_memory_forward`), or None if it was not
             measured.
+        cpu_times_s: The CPU time of this process during each timed pass (``time.process_time``: all its threads),
+            in the order run; empty where not recorded. Unlike wall-clock time it hardly changes when other processes
+            compete for the cores, so it is the steadier measure of work on a shared machine.
     """
 
     times_s: List[float]
@@ -87,6 +93,7 @@ class TimingResult:
     p10_s: float = field(init=False)
     p90_s: float = field(init=False)
     peak_bytes: Optional[int] = None
+    cpu_times_s: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.times_s:
@@ -111,11 +118,17 @@ class TimingResult:
         """Throughput in images per second at the median pass time."""
         return self.batch_size / self.median_s
 
+    @property
+    def cpu_per_image_s(self) -> Optional[float]:
+        """Median CPU time of a pass per image, in seconds; None if CPU times were not recorded."""
+        return statistics.median(self.cpu_times_s) / self.batch_size if self.cpu_times_s else None
+
     def to_dict(self) -> Dict[str, Any]:
         """Returns the result as a JSON-serializable dict, including ``per_image_s`` and ``images_per_s``."""
         out = asdict(self)
         out['per_image_s'] = self.per_image_s
         out['images_per_s'] = self.images_per_s
+        out['cpu_per_image_s'] = self.cpu_per_image_s
         return out
 
 
@@ -198,6 +211,40 @@ def _forward_fn(model: nn.Module, x: torch.Tensor, device: torch.device) -> Call
     return step
 
 
+def _timed_loop(
+        step: Callable[[], Any],
+        warmup: int,
+        iters: int,
+        min_time_s: float,
+        max_time_s: Optional[float],
+) -> Tuple[List[float], List[float], int]:
+    """Runs warm-up steps, then timed steps; returns the wall-clock and CPU times of the steps and the warm-up count.
+
+    See :func:`time_forward` for how ``warmup``, ``iters``, ``min_time_s`` and ``max_time_s`` interact.
+    """
+    if iters < 1:
+        raise ValueError(f'iters must be at least 1, got {iters}.')
+    start = time.perf_counter()
+
+    def spent(fraction: float = 1.0) -> bool:
+        return max_time_s is not None and time.perf_counter() - start >= fraction * max_time_s
+
+    times: List[float] = []
+    cpu_times: List[float] = []
+    done_warmup = 0
+    while done_warmup < warmup and not (done_warmup > 0 and spent(0.25)):
+        step()
+        done_warmup += 1
+    while True:
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
+        if (len(times) >= iters and sum(times) >= min_time_s) or spent():
+            break
+    return times, cpu_times, done_warmup
+
+
 def time_forward(
         model: nn.Module,
         inputs: InputSpec = (3, 224, 224),
@@ -237,31 +284,75 @@ def time_forward(
     Returns:
         The timing result.
     """
-    if iters < 1:
-        raise ValueError(f'iters must be at least 1, got {iters}.')
     x, device = _prepare(model, inputs, batch_size, channels_last)
-    step = _forward_fn(model, x, device)
-    start = time.perf_counter()
-
-    def spent(fraction: float = 1.0) -> bool:
-        return max_time_s is not None and time.perf_counter() - start >= fraction * max_time_s
-
-    times: List[float] = []
-    done_warmup = 0
     with _inference(model, device, amp_dtype):
-        while done_warmup < warmup and not (done_warmup > 0 and spent(0.25)):
-            step()
-            done_warmup += 1
-        while True:
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-            if (len(times) >= iters and sum(times) >= min_time_s) or spent():
-                break
-    result = TimingResult(times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device))
+        times, cpu_times, done_warmup = _timed_loop(
+            _forward_fn(model, x, device), warmup, iters, min_time_s, max_time_s)
+    result = TimingResult(
+        times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device), cpu_times_s=cpu_times)
     if measure_memory:
         result.peak_bytes = peak_memory_forward(model, x, warmup=0, amp_dtype=amp_dtype)
     return result
+
+
+def time_train_step(
+        model: nn.Module,
+        inputs: InputSpec = (3, 224, 224),
+        batch_size: int = 1,
+        warmup: int = 2,
+        iters: int = 5,
+        min_time_s: float = 0.0,
+        max_time_s: Optional[float] = None,
+        amp_dtype: Optional[torch.dtype] = None,
+        channels_last: bool = False,
+) -> TimingResult:
+    """Times a training step: forward in train mode, backward of a scalar loss, and an optimizer step.
+
+    The loss is the mean of the output (its value does not matter for timing). The optimizer is plain SGD with a
+    learning rate of 0, so the step costs what an optimizer's update pass costs but leaves the weights as they were
+    (buffers that train mode updates, e.g. BatchNorm statistics or a GRC cache, do change). Gradients are freed with
+    ``zero_grad(set_to_none=True)`` after each step; each submodule's training mode is restored afterwards. Warm-up,
+    ``iters``, ``min_time_s`` and ``max_time_s`` work as in :func:`time_forward`, and the device is synchronized after
+    each step.
+
+    Args:
+        model: The model, on the device to time it on. It must have parameters that require grad.
+        inputs: The input shape without the batch dimension, or a tensor with it (see :func:`time_forward`).
+        batch_size: Batch size of the generated input.
+        warmup: Warm-up steps, not timed.
+        iters: Minimum number of timed steps.
+        min_time_s: Keep timing steps until their total time reaches this many seconds.
+        max_time_s: Budget in seconds for warm-up plus timing together (see :func:`time_forward`).
+        amp_dtype: Run the forward pass under ``torch.autocast`` with this dtype; None for the model's dtype.
+        channels_last: Convert the model (in place) and a 4D input to the channels-last memory format.
+
+    Returns:
+        The timing result (times per training step).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError('time_train_step needs a model with trainable parameters (requires_grad=True).')
+    x, device = _prepare(model, inputs, batch_size, channels_last)
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    amp = contextlib.nullcontext() if amp_dtype is None else torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+    def step() -> None:
+        with amp:
+            loss = model(x).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        times, cpu_times, done_warmup = _timed_loop(step, warmup, iters, min_time_s, max_time_s)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    return TimingResult(
+        times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device), cpu_times_s=cpu_times)
 
 
 def peak_memory_forward(
@@ -438,6 +529,18 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
+def load_average() -> Optional[Tuple[float, float, float]]:
+    """Returns the system load average over 1, 5 and 15 minutes (as ``uptime`` prints it), or None where unknown.
+
+    On a shared machine it says how much other work competed with a measurement.
+    """
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+    return round(one, 2), round(five, 2), round(fifteen, 2)
+
+
 def machine_info(device: Optional[Union[str, torch.device]] = None) -> Dict[str, Any]:
     """Describes the machine a measurement runs on, as a JSON-serializable dict.
 
@@ -446,7 +549,8 @@ def machine_info(device: Optional[Union[str, torch.device]] = None) -> Dict[str,
 
     Returns:
         A dict with ``cpu``, ``cores`` (usable by this process), ``torch_threads``, ``torch``, ``python``,
-        ``platform`` and, for CUDA, ``gpu``, ``gpu_memory_gib`` and ``cuda``.
+        ``platform``, ``load_average`` (1, 5 and 15 minutes, at the time of the call) and, for CUDA, ``gpu``,
+        ``gpu_memory_gib`` and ``cuda``.
     """
     info: Dict[str, Any] = {
         'cpu': _cpu_model(),
@@ -455,6 +559,7 @@ def machine_info(device: Optional[Union[str, torch.device]] = None) -> Dict[str,
         'torch': torch.__version__,
         'python': platform.python_version(),
         'platform': f'{platform.system()} {platform.machine()}',
+        'load_average': load_average(),
     }
     device = torch.device(device) if device is not None else torch.device('cpu')
     if device.type == 'cuda' and torch.cuda.is_available():
@@ -472,13 +577,16 @@ def machine_description(device: Optional[Union[str, torch.device]] = None) -> st
         device: The device measured on; for a CUDA device the GPU is named first. None for the CPU.
 
     Returns:
-        E.g. ``'AMD EPYC, 2 cores, torch 2.4.1 with 2 threads, Python 3.11.7, Linux x86_64'``.
+        E.g. ``'AMD EPYC, 2 cores, torch 2.4.1 with 2 threads, Python 3.11.7, Linux x86_64, load average 1.52 / 1.20
+        / 0.98'`` (the load over 1, 5 and 15 minutes when it was called).
     """
     info = machine_info(device)
     text = (
         f"{info['cpu']}, {info['cores']} cores, torch {info['torch']} with {info['torch_threads']} threads, "
         f"Python {info['python']}, {info['platform']}"
     )
+    if info['load_average'] is not None:
+        text += ', load average ' + ' / '.join(f'{x:.2f}' for x in info['load_average'])
     if 'gpu' in info:
         text = f"{info['gpu']} ({info['gpu_memory_gib']} GiB, CUDA {info['cuda']}); host: {text}"
     return text

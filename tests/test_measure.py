@@ -11,10 +11,12 @@ import torch.nn as nn
 from lsvision.measure import (
     TimingResult,
     _peak_cpu,  # the sampling fallback, forced below
+    load_average,
     machine_description,
     machine_info,
     peak_memory_forward,
     time_forward,
+    time_train_step,
 )
 
 MB = 10 ** 6
@@ -137,3 +139,32 @@ def test_machine_description():
     info = machine_info()
     assert info['cores'] >= 1 and info['torch_threads'] == torch.get_num_threads()
     json.dumps(info)
+    load = load_average()
+    if load is not None:  # Linux and macOS
+        assert len(load) == 3 and all(x >= 0 for x in load)
+        assert 'load average' in text and info['load_average'] is not None
+
+
+def test_cpu_times_recorded():
+    busy = time_forward(Recorder(), (8,), warmup=0, iters=3)
+    assert len(busy.cpu_times_s) == 3 and all(t >= 0 for t in busy.cpu_times_s)
+    # sleeping takes wall-clock time but (almost) no CPU time
+    sleeper = time_forward(Sleeper(0.05), (1,), warmup=0, iters=2)
+    assert sleeper.median_s >= 0.05 and sleeper.cpu_per_image_s < 0.025
+    assert sleeper.to_dict()['cpu_per_image_s'] == sleeper.cpu_per_image_s
+    assert TimingResult(times_s=[1.0], batch_size=1, warmup=0, device='cpu').cpu_per_image_s is None
+
+
+def test_time_train_step():
+    model = Recorder().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = time_train_step(model, (8,), batch_size=4, warmup=1, iters=3)
+    assert (result.iters, result.warmup, result.batch_size) == (3, 1, 4)
+    assert all(t > 0 for t in result.times_s) and len(result.cpu_times_s) == 3
+    # 4 steps in train mode with grad; the eval mode is restored, the weights are unchanged (SGD at lr 0)
+    assert model.seen == [(True, False)] * 4 and not model.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    frozen = Recorder().requires_grad_(False)
+    with pytest.raises(ValueError, match='trainable parameters'):
+        time_train_step(frozen, (8,))

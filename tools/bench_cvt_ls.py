@@ -18,7 +18,6 @@ Example (a few minutes on 2 CPU cores)::
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 import timm
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
+from lsvision.benchmark import fit_exponent, markdown_table
 from lsvision.flops import count_flops
 from lsvision.measure import machine_description, machine_info, time_forward
 
@@ -65,16 +65,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def log(msg: str) -> None:
     """Prints a progress line to stderr."""
     print(msg, file=sys.stderr, flush=True)
-
-
-def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
-    """Least-squares slope of log(y) against log(x); None with fewer than two distinct points."""
-    if len(xs) < 2 or len(set(xs)) < 2:
-        return None
-    lx = [math.log(x) for x in xs]
-    ly = [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
 
 
 def measure(model: torch.nn.Module, name: str, size: int, batch_size: int, args: argparse.Namespace) -> Dict[str, Any]:
@@ -115,13 +105,6 @@ def fmt(value: Optional[float], spec: str) -> str:
     return '-' if value is None else format(value, spec)
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Renders a markdown table with right-aligned columns after the first."""
-    align = ['---'] + ['---:'] * (len(header) - 1)
-    lines = [header, align, *rows]
-    return '\n'.join('| ' + ' | '.join(line) + ' |' for line in lines)
-
-
 def scaling_report(rows: List[Dict[str, Any]], models: Sequence[str], sizes: Sequence[int], fit_min: int) -> Dict:
     """Builds the per-size ratios and the fitted exponents of the size sweep."""
     by_key = {(r['model'], r['size']): r for r in rows}
@@ -135,8 +118,8 @@ def scaling_report(rows: List[Dict[str, Any]], models: Sequence[str], sizes: Seq
         fit = [by_key[(name, s)] for s in sizes if s >= fit_min]
         exponents[name] = {
             'fit_sizes': [r['size'] for r in fit],
-            'time_vs_pixels': loglog_slope([r['pixels'] for r in fit], [r['time_per_image_s'] for r in fit]),
-            'flops_vs_pixels': loglog_slope([r['pixels'] for r in fit], [r['flops'] for r in fit]),
+            'time_vs_pixels': fit_exponent([r['pixels'] for r in fit], [r['time_per_image_s'] for r in fit]),
+            'flops_vs_pixels': fit_exponent([r['pixels'] for r in fit], [r['flops'] for r in fit]),
         }
     return {'ratios': ratios, 'exponents': exponents}
 

@@ -41,6 +41,7 @@ import torch
 import timm
 
 import lsvision
+from lsvision.benchmark import markdown_table
 from lsvision.flops import count_flops
 from lsvision.measure import TimingResult, machine_description, machine_info, time_forward
 
@@ -201,13 +202,6 @@ def measure_pair(base: str, name: str, batch_sizes: Sequence[int], args: argpars
     return rows
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Renders a markdown table with right-aligned columns after the first two."""
-    align = ['---'] * 2 + ['---:'] * (len(header) - 2)
-    lines = [header, align, *rows]
-    return '\n'.join('| ' + ' | '.join(line) + ' |' for line in lines)
-
-
 def print_table(rows: List[Dict[str, Any]], target: float) -> None:
     """Prints the comparison table."""
     header = ['GRC model', 'base', 'batch', 'params base', 'params GRC', 'GFLOPs base', 'GFLOPs GRC', 'ΔFLOPs',
@@ -220,7 +214,7 @@ def print_table(rows: List[Dict[str, Any]], target: float) -> None:
          'yes' if r['meets_target'] else 'no']
         for r in rows
     ]
-    print(markdown_table(header, table))
+    print(markdown_table(header, table, left_columns=2))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
