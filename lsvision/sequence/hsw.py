@@ -32,7 +32,7 @@ from lsvision.layers.long_short import LinearDynamicProjection, dynamic_projecti
 
 from ._registry import register_model
 
-__all__ = ['HSW', 'FlatEncoder', 'WindowAttention1d', 'HSWBlock', 'PatchMerging1d', 'HSWStage']
+__all__ = ['HSW', 'FlatEncoder', 'BagOfTokens', 'WindowAttention1d', 'HSWBlock', 'PatchMerging1d', 'HSWStage']
 
 # Pairs across the wrap-around. Swin uses -100 (exp(-100) is ~4e-44, not 0); -inf makes the receptive field exact.
 # No row is all -inf: a query always sees itself (a padded query sees its padded keys, which are finite).
@@ -579,6 +579,29 @@ class FlatEncoder(nn.Module):
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         x, valid = self.forward_features(x, mask)
         return self.head(self.head_drop(_masked_mean(x, valid)))
+
+
+class BagOfTokens(nn.Module):
+    """Linear classifier on the log-frequencies of the token ids of a document (bag of bytes for byte tokens): the
+    order-free baseline of the HSW demo."""
+
+    def __init__(self, vocab_size: int, num_classes: int, pad_token_id: Optional[int] = None, eps: float = 1e-4):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.pad_token_id = pad_token_id
+        self.eps = eps
+        self.head = nn.Linear(vocab_size, num_classes)
+
+    def features(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, vocab_size) log(frequency + eps) of the real tokens."""
+        _validate_tokens(x, self.vocab_size, mask)
+        valid = _resolve_mask(x, mask, self.pad_token_id)
+        weight = torch.ones(x.shape, device=x.device) if valid is None else valid.float()
+        counts = torch.zeros(x.shape[0], self.vocab_size, device=x.device).scatter_add_(1, x.long(), weight)
+        return torch.log(counts / weight.sum(1, keepdim=True).clamp(min=1.) + self.eps)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.head(self.features(x, mask))
 
 
 @register_model

@@ -1,0 +1,1 @@
+"""Embedded demo datasets, built from files already on the machine (no downloads)."""
