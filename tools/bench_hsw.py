@@ -13,7 +13,7 @@ Its peak memory is that of the 1-block pass (inference frees each block's activa
 Load on a shared machine distorts timings: the load average is recorded beside every measurement, and the default
 is 1 torch thread (oversubscribed OpenMP threads cost more than they give on a busy machine).
 
-    python tools/bench_hsw.py                                   # ~5 min on a CPU
+    python tools/bench_hsw.py                                   # ~8 min on a 2-core CPU
     python tools/bench_hsw.py --lengths 4096 --budget 10        # quick look
 """
 import argparse
@@ -78,8 +78,11 @@ def measure(label: str, length: int, args: argparse.Namespace) -> Dict[str, Any]
     load_before = load_average()
     t0 = time.perf_counter()
     res = time_forward(model, x, warmup=1, iters=args.iters, max_time_s=args.budget, measure_memory=True)
+    params = sum(p.numel() for p in model.parameters())
+    if scale > 1:  # the parameters of the whole 8-block encoder
+        params += (scale - 1) * sum(p.numel() for p in model.blocks[0].parameters())
     row = dict(
-        model=label, tokens=length, params=sum(p.numel() for p in model.parameters()),
+        model=label, tokens=length, params=params,
         median_s=res.median_s * scale, min_s=res.min_s * scale, times_s=[t * scale for t in res.times_s],
         peak_mb=None if res.peak_bytes is None else res.peak_bytes / 2 ** 20,
         blocks_timed='1 of 8, time x 8' if scale > 1 else 'all',

@@ -4,7 +4,7 @@ No download: documents are 4096-byte windows of the `.py` files of the running P
 by their top-level package (lsvision.data.stdlib_docs; split by file). Four models train under the same wall-clock
 budget each and are evaluated on the same test documents:
 
-  * HSW      hierarchical shifted windows (demo width: 32-256, depths 2,2,2,2, window 64, heads C/16)
+  * HSW      hierarchical shifted windows (demo widths 16-128, depths 2,2,2,2, window 64, heads C/16)
   * HSW-LS   the same with long-short attention (dynamic-projection keys r = 16, 8, 4, 0 per stage)
   * flat     flat full-attention encoder: width 96, 3 heads, 8 blocks (as many as hsw_tiny), learned positions
   * bag      bag of bytes: a linear classifier on byte log-frequencies
@@ -14,7 +14,7 @@ throughput (documents/s), test accuracy and macro-F1. Evaluation is time-budgete
 a model that is too slow to finish (the flat encoder) is scored on the documents it reached, and every model is also
 scored on the documents all of them reached (the "common" columns).
 
-    python tools/demo_hsw.py                        # ~4 min on 2 cores
+    python tools/demo_hsw.py                        # ~4.5 min on 2 cores
     python tools/demo_hsw.py --train-seconds 10 --eval-seconds 5 --models hsw bag   # quick look
 """
 import argparse
@@ -62,7 +62,9 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS)
     parser.add_argument('--train-seconds', type=float, default=45., help='training budget per model')
     parser.add_argument('--eval-seconds', type=float, default=25., help='evaluation budget per model')
-    parser.add_argument('--threads', type=int, default=2, help='torch threads')
+    parser.add_argument('--threads', type=int, default=None,
+                        help='torch threads (default: the cores left free by the current load, at least 1; on a '
+                             'busy machine more threads than free cores make every step slower)')
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--lr', type=float, default=2e-3, help='AdamW learning rate of the transformers')
     parser.add_argument('--bag-lr', type=float, default=3e-2, help='AdamW learning rate of the bag of bytes')
@@ -74,6 +76,10 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument('--out', default='output/demo_hsw/results.json', help='JSON report path')
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    if args.threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+        busy = round(os.getloadavg()[0]) if hasattr(os, 'getloadavg') else 0
+        args.threads = max(1, min(cores, cores - busy))
     torch.set_num_threads(args.threads)
 
     train, test = build_stdlib_docs(doc_len=args.doc_len, max_train_per_class=args.max_train_per_class,

@@ -100,7 +100,7 @@ def _to_docs(items: List[Tuple[bytes, int, str]], doc_len: int, classes: List[st
 def build_stdlib_docs(
         root: Optional[Union[str, Path]] = None,
         doc_len: int = 4096,
-        min_doc_len: int = 1024,
+        min_doc_len: Optional[int] = None,
         min_files: int = 6,
         min_docs: int = 40,
         test_fraction: float = 0.2,
@@ -114,7 +114,7 @@ def build_stdlib_docs(
     Args:
         root: Standard library folder (default: the running Python's).
         doc_len: Bytes per document; a file's last window is kept if it has at least `min_doc_len` bytes (padded).
-        min_doc_len: Shortest document kept.
+        min_doc_len: Shortest document kept (default doc_len // 4).
         min_files: A package needs this many files to be a class (so that a by-file split exists).
         min_docs: ... and this many documents.
         test_fraction: Files go to test (in a fixed order by CRC32 of their path) until this fraction of the
@@ -128,6 +128,7 @@ def build_stdlib_docs(
         (train, test). The split is by file: no file has documents in both.
     """
     root = Path(root) if root is not None else stdlib_root()
+    min_doc_len = doc_len // 4 if min_doc_len is None else min_doc_len
     per_package = {}
     for name, files in package_files(root).items():
         docs = [(f, _windows(f.read_bytes(), doc_len, min_doc_len)) for f in files]

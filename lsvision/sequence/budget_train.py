@@ -6,7 +6,7 @@ a demo takes the same time however busy the machine is; the number of steps it g
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional
 
 import torch
 import torch.nn as nn
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 __all__ = [
     'TrainResult', 'EvalResult', 'train_for_seconds', 'evaluate_for_seconds', 'macro_f1', 'accuracy',
-    'stratified_order', 'random_crop',
+    'stratified_order',
 ]
 
 @dataclass
@@ -51,7 +51,6 @@ def train_for_seconds(
         weight_decay: float = 0.05,
         warmup_fraction: float = 0.05,
         max_steps: Optional[int] = None,
-        crop: Optional[int] = None,
         seed: int = 0,
         log: Optional[Callable[[str], None]] = None,
         log_every_s: float = 10.,
@@ -59,9 +58,7 @@ def train_for_seconds(
     """AdamW on shuffled mini-batches until `seconds` have passed (at least one step).
 
     The learning rate warms up linearly over the first `warmup_fraction` of the time, then follows a cosine to 0
-    at the end of the budget. With `crop`, every training sample is a random window of `crop` tokens of a sample
-    (of its real tokens, when a mask is given): more steps per second, a model that handles any length is still
-    evaluated on the whole samples.
+    at the end of the budget.
     """
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and 'relative_position_bias' not in n]
@@ -86,10 +83,7 @@ def train_for_seconds(
             order, pos = torch.randperm(n, generator=gen), 0
         idx = order[pos:pos + batch_size]
         pos += batch_size
-        x, m = inputs[idx], None if mask is None else mask[idx]
-        if crop is not None and crop < x.shape[1]:
-            x, m = random_crop(x, m, crop, gen)
-        logits = model(x, m)
+        logits = model(inputs[idx], None if mask is None else mask[idx])
         loss = F.cross_entropy(logits, labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -102,22 +96,6 @@ def train_for_seconds(
             last_log = time.perf_counter()
             log(f'  step {steps}, {samples} samples, {last_log - start:.0f}/{seconds:.0f} s, loss {loss_value:.3f}')
     return TrainResult(steps, samples, time.perf_counter() - start, loss_value)
-
-
-def random_crop(
-        x: torch.Tensor,
-        mask: Optional[torch.Tensor],
-        length: int,
-        generator: Optional[torch.Generator] = None,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """A random window of `length` positions of each row of x (B, N), inside the row's real tokens where it has
-    enough of them (else from its start); returns the cropped x and mask."""
-    B, N = x.shape
-    real = mask.sum(1) if mask is not None else torch.full((B,), N)
-    room = (real - length).clamp(min=0)
-    start = (torch.rand(B, generator=generator) * (room + 1).float()).long().clamp(max=N - length)
-    idx = start[:, None] + torch.arange(length)[None]
-    return x.gather(1, idx), None if mask is None else mask.gather(1, idx)
 
 
 def stratified_order(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
