@@ -251,3 +251,11 @@ def test_flat_encoder_and_errors():
         model(torch.randn(1, 10))
     with pytest.raises(ValueError, match="'window' or 'ls'"):
         _small('full')
+
+
+def test_window_arguments_are_checked():
+    attn = WindowAttention1d(16, 2, window_size=8)
+    with pytest.raises(ValueError, match='window_size'):
+        attn(torch.randn(1, 32, 16), window=16)
+    with pytest.raises(ValueError, match='shift'):
+        attn(torch.randn(1, 32, 16), window=8, shift=8)

@@ -169,6 +169,10 @@ class WindowAttention1d(nn.Module):
         B, N, C = x.shape
         h, d, r = self.num_heads, self.head_dim, self.dp_rank
         window = min(self.window_size, N) if window is None else window
+        if not 0 < window <= self.window_size or not 0 <= shift < window:
+            raise ValueError(
+                f'need 0 < window <= window_size ({self.window_size}) and 0 <= shift < window, got window {window}, '
+                f'shift {shift}')
         num_windows = -(-N // window)
         padded_len = num_windows * window
 
