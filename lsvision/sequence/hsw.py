@@ -18,7 +18,6 @@ of the window (padded and masked inside), padded tokens never change the outputs
 
 Written for lsvision, Apache-2.0.
 """
-import math
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -177,24 +176,33 @@ class WindowAttention1d(nn.Module):
         padded_len = num_windows * window
 
         qkv = self.qkv(x).reshape(B, N, 3, h, d)
+        q, kv = qkv[:, :, 0], qkv[:, :, 1:]
         if r > 0:
             # LS: LN_L on k, v (window and projection alike); k_bar, v_bar from the un-rolled sequence (roll-invariant)
-            kv = self.norm_local(qkv[:, :, 1:].reshape(B, N, 2, C)).to(qkv.dtype).reshape(B, N, 2, h, d)
+            kv = self.norm_local(kv.reshape(B, N, 2, C)).to(qkv.dtype).reshape(B, N, 2, h, d)
             logits = self.dynamic_proj(x, (1, N))
             kv_bar = dynamic_projection(kv.permute(2, 0, 3, 1, 4), logits, self.norm_global, valid).to(qkv.dtype)
-            qkv = torch.cat([qkv[:, :, :1], kv], dim=2)
         if padded_len != N:
-            qkv = F.pad(qkv, (0, 0, 0, 0, 0, 0, 0, padded_len - N))
+            q = F.pad(q, (0, 0, 0, 0, 0, padded_len - N))
+            kv = F.pad(kv, (0, 0, 0, 0, 0, 0, 0, padded_len - N))
         if shift:
-            qkv = qkv.roll(-shift, dims=1)
-        q, k, v = qkv.reshape(B, num_windows, window, 3, h, d).permute(3, 0, 4, 1, 2, 5).unbind(0)  # (B,h,nW,w,d)
+            q, kv = q.roll(-shift, dims=1), kv.roll(-shift, dims=1)
+        q = q.reshape(B, num_windows, window, h, d).permute(0, 3, 1, 2, 4)  # (B, h, nW, w, d)
+        kv = kv.reshape(B, num_windows, window, 2, h, d).permute(3, 0, 4, 1, 2, 5)  # (2, B, h, nW, w, d)
 
-        mask = self.attn_mask(valid, N, window, shift, q.dtype)  # (B|1, h, nW, w, w)
+        win_mask = self.attn_mask(valid, N, window, shift, q.dtype)  # (B|1, h, nW, w, w)
         if r > 0:
-            k = torch.cat([kv_bar[0][:, :, None].expand(B, h, num_windows, r, d), k], dim=3)
-            v = torch.cat([kv_bar[1][:, :, None].expand(B, h, num_windows, r, d), v], dim=3)
-            mask = torch.cat([mask.new_zeros(mask.shape[:-1] + (r,)), mask], dim=-1)
-        mask = mask.expand(-1, h, num_windows, -1, -1).reshape(mask.shape[0], h * num_windows, window, -1)
+            # keys [r projected | w window] of every window in one buffer, each part written once
+            keys = kv.new_empty(2, B, h, num_windows, r + window, d)
+            keys[:, :, :, :, :r] = kv_bar[:, :, :, None]
+            keys[:, :, :, :, r:] = kv
+            kv = keys
+            mask = win_mask.new_zeros(win_mask.shape[0], h, num_windows, window, r + window)
+            mask[..., r:] = win_mask
+        else:
+            mask = win_mask.expand(-1, h, num_windows, -1, -1)
+        mask = mask.reshape(mask.shape[0], h * num_windows, window, -1)
+        k, v = kv.unbind(0)
         out = F.scaled_dot_product_attention(
             q.reshape(B, h * num_windows, window, d),
             k.reshape(B, h * num_windows, -1, d),
@@ -626,7 +634,3 @@ def hsw_flat_tiny(**kwargs) -> FlatEncoder:
     """Flat full-attention counterpart of hsw_tiny: width 96, 3 heads, 8 blocks (as many as hsw_tiny)."""
     return FlatEncoder(**dict(dict(embed_dim=96, depth=8, num_heads=3), **kwargs))
 
-
-def num_stage_tokens(seq_len: int, num_stages: int = 4, merge: int = 4) -> List[int]:
-    """Tokens of each stage for an input of `seq_len` tokens: ceil(N / 4^i)."""
-    return [math.ceil(seq_len / merge ** i) for i in range(num_stages)]
