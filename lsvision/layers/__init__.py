@@ -6,6 +6,7 @@ from .long_short import (
     LinearQkv,
     LongShortAttention2d,
     SepConvQkv,
+    dynamic_projection,
     resize_window_rel_pos_table,
     window_rel_pos_index,
     window_rel_pos_table_size,

@@ -15,7 +15,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,7 @@ from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
-    'resize_window_rel_pos_table',
+    'resize_window_rel_pos_table', 'dynamic_projection',
 ]
 
 
@@ -422,3 +422,34 @@ class LongShortAttention2d(nn.Module):
         x = self.proj(tokens.reshape(B, N, C))
         x = self.proj_drop(x)
         return x
+
+
+def dynamic_projection(
+        kv: torch.Tensor,
+        logits: torch.Tensor,
+        norm_global: nn.Module,
+        valid: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The dynamic projection of any token sequence: k_bar, v_bar = LN_G(P k), LN_G(P v).
+
+    P = softmax over the tokens of the projection logits (fp32 or wider), one row per head and projection; padded
+    tokens get weight exactly 0. An all-padded sample gets a uniform P (finite keys) instead of NaN. The same math as
+    the projected keys of `LongShortAttention2d`, for sequences that are not a 2D map (HSW stages, 1D models).
+
+    Args:
+        kv: Keys and values after LN_L, (2, B, h, N, d).
+        logits: Projection logits (B, N, h * r), channel = head * r + j.
+        norm_global: LN_G over the merged heads (h * d channels), shared by keys and values.
+        valid: (B, N) bool, True on real tokens; None if there is no padding.
+
+    Returns:
+        Projected keys and values (2, B, h, r, d), in the dtype of `norm_global`'s output.
+    """
+    _, B, h, N, d = kv.shape
+    r = logits.shape[-1] // h
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in fp32 at least
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], torch.finfo(logits.dtype).min)
+    proj = logits.transpose(1, 2).reshape(B, h, r, N).softmax(dim=-1).to(kv.dtype)
+    kv_bar = (proj @ kv).transpose(2, 3).reshape(2, B, r, h * d)
+    return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)

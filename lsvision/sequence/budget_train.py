@@ -1,0 +1,151 @@
+"""Time-budgeted training and evaluation of sequence classifiers (for demos on a shared CPU).
+
+Training runs until a wall-clock budget is spent (cosine learning rate over the budget's time, not over steps), so
+a demo takes the same time however busy the machine is; the number of steps it got is part of the result.
+"""
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = [
+    'TrainResult', 'EvalResult', 'train_for_seconds', 'evaluate_for_seconds', 'macro_f1', 'accuracy',
+    'stratified_order',
+]
+
+@dataclass
+class TrainResult:
+    steps: int
+    samples: int
+    seconds: float
+    final_loss: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / max(self.seconds, 1e-9)
+
+
+@dataclass
+class EvalResult:
+    predictions: torch.Tensor  # (n,) for the first n samples of the evaluation order
+    index: torch.Tensor  # (n,) which samples they are
+    seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return len(self.index) / max(self.seconds, 1e-9)
+
+
+def train_for_seconds(
+        model: nn.Module,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        seconds: float,
+        mask: Optional[torch.Tensor] = None,
+        batch_size: int = 8,
+        lr: float = 1e-3,
+        weight_decay: float = 0.05,
+        warmup_fraction: float = 0.05,
+        max_steps: Optional[int] = None,
+        seed: int = 0,
+        log: Optional[Callable[[str], None]] = None,
+        log_every_s: float = 10.,
+) -> TrainResult:
+    """AdamW on shuffled mini-batches until `seconds` have passed (at least one step).
+
+    The learning rate warms up linearly over the first `warmup_fraction` of the time, then follows a cosine to 0
+    at the end of the budget.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and 'relative_position_bias' not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and 'relative_position_bias' not in n)]
+    opt = torch.optim.AdamW(
+        [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.)], lr=lr)
+    model.train()
+    n = inputs.shape[0]
+    order = torch.randperm(n, generator=gen)
+    pos = steps = samples = 0
+    loss_value = float('nan')
+    start = last_log = time.perf_counter()
+    while True:
+        elapsed = time.perf_counter() - start
+        if steps > 0 and (elapsed >= seconds or (max_steps is not None and steps >= max_steps)):
+            break
+        frac = min(elapsed / seconds, 1.)
+        scale = frac / warmup_fraction if frac < warmup_fraction else 0.5 * (1 + math.cos(math.pi * frac))
+        for group in opt.param_groups:
+            group['lr'] = lr * max(scale, 0.01)
+        if pos + batch_size > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        idx = order[pos:pos + batch_size]
+        pos += batch_size
+        logits = model(inputs[idx], None if mask is None else mask[idx])
+        loss = F.cross_entropy(logits, labels[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        steps += 1
+        samples += len(idx)
+        loss_value = loss.item()
+        if log is not None and time.perf_counter() - last_log >= log_every_s:
+            last_log = time.perf_counter()
+            log(f'  step {steps}, {samples} samples, {last_log - start:.0f}/{seconds:.0f} s, loss {loss_value:.3f}')
+    return TrainResult(steps, samples, time.perf_counter() - start, loss_value)
+
+
+def stratified_order(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """An order of the samples that cycles through the classes (a shuffled round-robin), so that any prefix of it
+    is close to class-balanced: the evaluation order when evaluation may stop early."""
+    gen = torch.Generator().manual_seed(seed)
+    per_class = [torch.nonzero(labels == c).flatten() for c in labels.unique().tolist()]
+    per_class = [ids[torch.randperm(len(ids), generator=gen)] for ids in per_class]
+    out: List[int] = []
+    for i in range(max(len(ids) for ids in per_class)):
+        out += [int(ids[i]) for ids in per_class if i < len(ids)]
+    return torch.tensor(out, dtype=torch.long)
+
+
+@torch.inference_mode()
+def evaluate_for_seconds(
+        model: nn.Module,
+        inputs: torch.Tensor,
+        order: torch.Tensor,
+        seconds: Optional[float] = None,
+        mask: Optional[torch.Tensor] = None,
+        batch_size: int = 8,
+) -> EvalResult:
+    """Predictions on the samples in `order`, batch by batch, until all are done or `seconds` have passed (at least
+    one batch)."""
+    model.eval()
+    preds = []
+    start = time.perf_counter()
+    done = 0
+    while done < len(order):
+        if done > 0 and seconds is not None and time.perf_counter() - start >= seconds:
+            break
+        idx = order[done:done + batch_size]
+        preds.append(model(inputs[idx], None if mask is None else mask[idx]).argmax(-1))
+        done += len(idx)
+    return EvalResult(torch.cat(preds), order[:done], time.perf_counter() - start)
+
+
+def macro_f1(predictions: torch.Tensor, labels: torch.Tensor, num_classes: int) -> float:
+    """Mean over classes of F1 = 2 TP / (2 TP + FP + FN); classes absent from both labels and predictions are
+    skipped."""
+    scores = []
+    for c in range(num_classes):
+        tp = int(((predictions == c) & (labels == c)).sum())
+        fp = int(((predictions == c) & (labels != c)).sum())
+        fn = int(((predictions != c) & (labels == c)).sum())
+        if tp + fp + fn:
+            scores.append(2 * tp / (2 * tp + fp + fn))
+    return sum(scores) / max(len(scores), 1)
+
+
+def accuracy(predictions: torch.Tensor, labels: torch.Tensor) -> float:
+    return float((predictions == labels).float().mean()) if len(labels) else float('nan')
