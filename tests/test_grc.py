@@ -464,3 +464,13 @@ def test_ddp_sync_cache_equals_global_batch(tmp_path):
     for a, b, c in zip(r0, r1, single):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('batch,hw', [(1, (14, 14)), (3, (11, 13)), (16, (7, 7)), (2, (3, 5))])
+def test_positional_conv_fast_paths_equal_grouped_conv(batch, hw):
+    # the PE conv runs as shifted multiply-adds (large maps) or 2 depthwise convs (small maps): same sum as self.pe
+    grc = GatedRecurrentCache(dim=32, num_heads=2, cache_len=hw[0] * hw[1], ratio=0.5)
+    torch.nn.init.normal_(grc.pe.bias)
+    x = torch.randn(batch, hw[0] * hw[1], 32)
+    want = grc.pe(x.transpose(1, 2).reshape(batch, 32, *hw)).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(grc._pe(x, list(hw)), want, atol=1e-5, rtol=1e-5)
