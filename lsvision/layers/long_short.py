@@ -15,7 +15,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -26,7 +26,7 @@ from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
-    'resize_window_rel_pos_table',
+    'resize_window_rel_pos_table', 'projection_weights', 'segment_attention',
 ]
 
 
@@ -205,19 +205,72 @@ def _batched_small_attention(
         v: torch.Tensor,
         mask: torch.Tensor,
         dropout_p: float,
+        scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v with batched matmuls; the same math as F.scaled_dot_product_attention."""
+    """softmax(q k^T * scale + mask) v with batched matmuls; the same math as F.scaled_dot_product_attention.
+
+    `scale` defaults to d^-1/2. `mask` broadcasts to (B, n, L, S).
+    """
     B, n, L, d = q.shape
     S = k.shape[2]
     attn = torch.baddbmm(
         mask.expand(B, n, L, S).reshape(B * n, L, S),
         q.reshape(B * n, L, d),
         k.reshape(B * n, S, d).transpose(1, 2),
-        alpha=d ** -0.5,
+        alpha=d ** -0.5 if scale is None else scale,
     )
-    attn = attn.float().softmax(dim=-1).to(q.dtype)
+    if attn.dtype in (torch.float16, torch.bfloat16):
+        attn = attn.float().softmax(dim=-1).to(q.dtype)
+    else:  # fp32 as is, fp64 not truncated
+        attn = attn.softmax(dim=-1)
     attn = F.dropout(attn, p=dropout_p)
     return torch.bmm(attn, v.reshape(B * n, S, v.shape[-1])).reshape(B, n, L, v.shape[-1])
+
+
+def segment_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+        dropout_p: float = 0.,
+        scale: Optional[float] = None,
+        small: bool = False,
+) -> torch.Tensor:
+    """Attention of segment-wise query blocks to their gathered keys (projected + window span [+ prefix]).
+
+    The core shared by the 2D and 1D long-short layers: q (B, n, L, d) against k, v (B, n, S, d) with an additive
+    mask broadcastable to (B, n, L, S). Small blocks on CPU run as batched matmuls (see `_SMALL_SEGMENT`), the rest
+    through `F.scaled_dot_product_attention`. Softmax in fp32 either way.
+    """
+    if small and q.device.type == 'cpu':
+        return _batched_small_attention(q, k, v, mask, dropout_p, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def projection_weights(
+        logits: torch.Tensor,
+        num_heads: int,
+        valid: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Dynamic-projection weights P = softmax over the tokens of the projection logits, in fp32.
+
+    Args:
+        logits: (B, n, h * r) logits, channel = head * r + j (the official layout).
+        num_heads: h.
+        valid: Optional (B, n) bool, False on padded tokens: they get weight exactly 0. An all-padded row gets
+            uniform weights instead of NaN (its outputs are masked downstream anyway).
+
+    Returns:
+        P: (B, h, r, n) in the dtype of `logits`; each row sums to 1 over the valid tokens.
+    """
+    B, n, hr = logits.shape
+    dtype = logits.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], -3.4028234663852886e38)  # fp32 min: exp gives 0
+    proj = logits.transpose(1, 2).reshape(B, num_heads, hr // num_heads, n).softmax(dim=-1)
+    return proj.to(dtype)
 
 
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
@@ -369,8 +422,7 @@ class LongShortAttention2d(nn.Module):
         kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
-        logits = self.dynamic_proj(x[:, num_prefix:], feat_size)  # (B, Np, h * r)
-        proj = logits.transpose(1, 2).reshape(B, h, r, num_patches).float().softmax(dim=-1).to(x.dtype)
+        proj = projection_weights(self.dynamic_proj(x[:, num_prefix:], feat_size), h)  # (B, h, r, Np)
         kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3)  # (2, B, h, Np, d)
         kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
         kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
@@ -397,11 +449,7 @@ class LongShortAttention2d(nn.Module):
         mask = mask.expand(h, -1, -1, -1).reshape(1, h * num_tiles, mq, -1)
 
         dropout_p = self.attn_drop if self.training else 0.
-        if self.small_segment and q.device.type == 'cpu':
-            out = _batched_small_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p)
-        else:
-            out = F.scaled_dot_product_attention(
-                q_tiles, keys_values[0], keys_values[1], attn_mask=mask, dropout_p=dropout_p)
+        out = segment_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p, small=self.small_segment)
         # back to tokens (B, N, h, d), written once into the output buffer
         out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
         tokens = x.new_empty(B, N, h, d)
