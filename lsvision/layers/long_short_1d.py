@@ -417,9 +417,11 @@ class CausalLongShortAttention(nn.Module):
         q = self._heads(self.q(x)) * d ** -0.5
         if Lp > L:
             q = F.pad(q, (0, 0, 0, Lp - L))
-        zw = z[:, Mp - W:]  # window keys/values: from W tokens before position 0
-        win_k = self._heads(self.norm_local(self.k(zw)))  # (B, h, W + Lp, d)
-        win_v = self._heads(self.norm_local(self.v(zw)))
+        # projections, once: from W tokens before position 0 (window), or over the cache too (project-then-average)
+        first = Mp - W if self.compress_hidden_cache else 0
+        k_all, v_all = self.k(z[:, first:]), self.v(z[:, first:])
+        win_k = self._heads(self.norm_local(k_all[:, Mp - W - first:]))  # (B, h, W + Lp, d): LN_L
+        win_v = self._heads(self.norm_local(v_all[:, Mp - W - first:]))
 
         # segment-wise dynamic projection: P = softmax over the l tokens of each segment (fp32)
         num_seg = N // ls
@@ -430,18 +432,20 @@ class CausalLongShortAttention(nn.Module):
         P = logits.reshape(B, num_seg, ls, h, r).softmax(dim=2).to(x.dtype)  # (B, S, l, h, r)
         seg_valid = valid.reshape(num_seg, ls).any(1)
         nsc = Mp // ls
-        cur = torch.einsum('bstir,bstid->bsrid', P[:, nsc:], self.k(z[:, Mp:]).reshape(B, -1, ls, h, d))
-        cur_v = torch.einsum('bstir,bstid->bsrid', P[:, nsc:], self.v(z[:, Mp:]).reshape(B, -1, ls, h, d))
+
+        def average(weights: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            # (B, s, l, h, r) x (B, s * l, D) -> (B, s, r, D): per head slice, weighted by that head's P
+            return torch.einsum('bstir,bstid->bsrid', weights, t.reshape(B, -1, ls, h, d)).flatten(-2)
+
+        cur_k, cur_v = average(P[:, nsc:], k_all[:, Mp - first:]), average(P[:, nsc:], v_all[:, Mp - first:])
         if self.compress_hidden_cache:
             # cache: average the hidden states per head slice, then project (official)
-            hid = torch.einsum('bstir,bstid->bsrid', P[:, :nsc], z[:, :Mp].reshape(B, nsc, ls, h, d)).flatten(-2)
+            hid = average(P[:, :nsc], z[:, :Mp])
             old_k, old_v = self.k(hid), self.v(hid)
         else:
-            old_k = torch.einsum('bstir,bstid->bsrid', P[:, :nsc], self.k(z[:, :Mp]).reshape(B, nsc, ls, h, d))
-            old_v = torch.einsum('bstir,bstid->bsrid', P[:, :nsc], self.v(z[:, :Mp]).reshape(B, nsc, ls, h, d))
-            old_k, old_v = old_k.flatten(-2), old_v.flatten(-2)
-        bar_k = self.norm_global(torch.cat([old_k, cur.flatten(-2)], dim=1))  # (B, S, r, D), LN_G over D
-        bar_v = self.norm_global(torch.cat([old_v, cur_v.flatten(-2)], dim=1))
+            old_k, old_v = average(P[:, :nsc], k_all[:, :Mp]), average(P[:, :nsc], v_all[:, :Mp])
+        bar_k = self.norm_global(torch.cat([old_k, cur_k], dim=1))  # (B, S, r, D), LN_G over D
+        bar_v = self.norm_global(torch.cat([old_v, cur_v], dim=1))
         bar_k = self._heads(bar_k.flatten(1, 2))  # (B, h, S * r, d), ordered (segment, rank)
         bar_v = self._heads(bar_v.flatten(1, 2))
         n_cv = num_seg * r
@@ -458,7 +462,6 @@ class CausalLongShortAttention(nn.Module):
         win_index = (i + W - j).clamp(0, W - 1)
         band = (j >= i + 1) & (j <= i + W)
         vector_seg = torch.arange(n_cv, device=x.device) // r
-        vector_rank = torch.arange(n_cv, device=x.device) % r
 
         u = self.content_bias[:, None].to(x.dtype)
         v = self.pos_bias[:, None].to(x.dtype)
@@ -485,7 +488,6 @@ class CausalLongShortAttention(nn.Module):
                 outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False))
             else:
                 outs.append(_causal_chunk(*args))
-        del vector_rank
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         out = out[:, :, :L].transpose(1, 2).reshape(B, L, C)
         return self.proj_drop(self.proj(out))
