@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt
 CONTRACT := ../shared/tools/timm_contract/run.sh
 CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
 
-.PHONY: install demo test lint unit contract clean
+.PHONY: install demo demo-listops demo-bytelm test lint unit contract clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,13 @@ install: $(STAMP)
 
 demo: install
 	$(PY) tools/demo.py
+
+# sequence demos (no download): each trains long-short attention and its full-attention counterpart for 170 s each
+demo-listops: install
+	$(PY) tools/demo_listops.py --out output/demo/listops.json
+
+demo-bytelm: install
+	$(PY) tools/demo_bytelm.py --out output/demo/bytelm.json
 
 test: lint unit contract
 

@@ -163,8 +163,8 @@ def test_causal_visibility_and_segment_positions():
     orig = mod._causal_chunk
 
     def spy(*args):
-        captured.setdefault('bar_index', []).append(args[9])
-        captured.setdefault('bar_masked', []).append(args[10])
+        captured.setdefault('bar_index', []).append(args[12])
+        captured.setdefault('bar_masked', []).append(args[13])
         return orig(*args)
 
     mod._causal_chunk = spy

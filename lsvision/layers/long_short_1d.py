@@ -247,6 +247,9 @@ def _causal_chunk(
         seg_pos: torch.Tensor,
         win_k: torch.Tensor,
         win_v: torch.Tensor,
+        norm_weight: Optional[torch.Tensor],
+        norm_bias: Optional[torch.Tensor],
+        norm_eps: float,
         win_pos: torch.Tensor,
         content_bias: torch.Tensor,
         pos_bias: torch.Tensor,
@@ -262,7 +265,8 @@ def _causal_chunk(
         q: Scaled queries (B, h, Cq, d).
         bar_k, bar_v: The compressed keys/values the chunk may see (B, h, m, d).
         seg_pos: Segment relative-position embeddings R_c[rho], rho = 0..m-1: (h, m, d).
-        win_k, win_v: Window keys/values of positions [start - W, start + Cq): (B, h, Cq + W, d).
+        win_k, win_v: Window keys/values of positions [start - W, start + Cq) before LN_L: (B, Cq + W, D).
+        norm_weight, norm_bias, norm_eps: LN_L, applied here so that its output is not kept for the backward.
         win_pos: Window relative-position embeddings R_w[delta], delta = 0..W-1: (h, W, d).
         content_bias, pos_bias: u and v (h, 1, d).
         bar_index: (Cq, m) column rho of each (query, vector) pair (clamped); bar_masked (B or 1, 1, Cq, m).
@@ -272,6 +276,8 @@ def _causal_chunk(
     m = bar_k.shape[2]
     W = win_pos.shape[1]
     nb = Cq // W
+    win_k, win_v = (F.layer_norm(t, t.shape[-1:], norm_weight, norm_bias, norm_eps).unflatten(-1, (h, d))
+                    .transpose(1, 2) for t in (win_k, win_v))  # LN_L, heads: (B, h, Cq + W, d)
     # compressed segments: content + relative segment position, masked to strictly earlier segments
     bar_scores = q @ bar_k.transpose(-1, -2) + torch.gather(
         q @ seg_pos.transpose(-1, -2), -1, bar_index.expand(B, h, Cq, m))
@@ -307,7 +313,7 @@ class CausalLongShortAttention(nn.Module):
             segment_size: int = 16,
             dp_rank: int = 1,
             compress_hidden_cache: bool = True,
-            query_chunk_size: Optional[int] = 1024,
+            query_chunk_size: Optional[int] = 256,
             checkpoint_chunks: bool = True,
             attn_drop: float = 0.,
             proj_drop: float = 0.,
@@ -396,36 +402,36 @@ class CausalLongShortAttention(nn.Module):
                 f'({ls}) == 0; pass cache_valid_len to use the masked-cache extension')
         valid_cache = M if cache_valid_len is None else max(0, min(int(cache_valid_len), M))
 
-        # one sequence z = [left pad | cache | x | right pad]: whole segments, W tokens before position 0,
+        # layout [left pad | cache | x | right pad]: whole segments, at least W tokens before position 0,
         # current segments aligned at 0, the queries a multiple of lcm(W, l) (chunks of whole blocks)
         unit = W * ls // math.gcd(W, ls)
         Mp = -(-max(M, W) // ls) * ls
         chunk = -(-L // unit) * unit if self.query_chunk_size is None else -(-self.query_chunk_size // unit) * unit
         Lp = -(-L // unit) * unit
         chunk = min(chunk, Lp)
-        parts = [x.new_zeros(B, Mp - M, C)] if Mp > M else []
+        # the sequence is [left pad | cache | x | right pad]; the part before x is short, so it is built once and
+        # x itself is never copied (projections are concatenated instead: k has no bias, so pads project to 0)
+        pre_parts = [x.new_zeros(B, Mp - M, C)] if Mp > M else []
         if cache is not None:
-            parts.append(cache.to(x.dtype))
-        parts.append(x)
-        if Lp > L:
-            parts.append(x.new_zeros(B, Lp - L, C))
-        z = torch.cat(parts, dim=1) if len(parts) > 1 else x
+            pre_parts.append(cache.to(x.dtype))
+        pre = torch.cat(pre_parts, dim=1) if len(pre_parts) > 1 else pre_parts[0]  # (B, Mp, C)
         N = Mp + Lp
         valid = torch.zeros(N, dtype=torch.bool, device=x.device)
         valid[Mp - valid_cache:Mp + L] = True
+        right = [x.new_zeros(B, Lp - L, C)] if Lp > L else []
 
         q = self._heads(self.q(x)) * d ** -0.5
         if Lp > L:
             q = F.pad(q, (0, 0, 0, Lp - L))
         # projections, once: from W tokens before position 0 (window), or over the cache too (project-then-average)
         first = Mp - W if self.compress_hidden_cache else 0
-        k_all, v_all = self.k(z[:, first:]), self.v(z[:, first:])
-        win_k = self._heads(self.norm_local(k_all[:, Mp - W - first:]))  # (B, h, W + Lp, d): LN_L
-        win_v = self._heads(self.norm_local(v_all[:, Mp - W - first:]))
+        k_all = torch.cat([self.k(pre[:, first:]), self.k(x)] + right, dim=1)  # (B, N - first, C), before LN_L
+        v_all = torch.cat([self.v(pre[:, first:]), self.v(x)] + right, dim=1)
 
         # segment-wise dynamic projection: P = softmax over the l tokens of each segment (fp32)
         num_seg = N // ls
-        logits = self.dynamic_proj(z)
+        logits = torch.cat([self.dynamic_proj(pre), self.dynamic_proj(x)]
+                           + ([x.new_zeros(B, Lp - L, h * r)] if Lp > L else []), dim=1)  # pads: masked below
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         logits = logits.masked_fill(~valid[None, :, None], _MASKED)
@@ -440,7 +446,7 @@ class CausalLongShortAttention(nn.Module):
         cur_k, cur_v = average(P[:, nsc:], k_all[:, Mp - first:]), average(P[:, nsc:], v_all[:, Mp - first:])
         if self.compress_hidden_cache:
             # cache: average the hidden states per head slice, then project (official)
-            hid = average(P[:, :nsc], z[:, :Mp])
+            hid = average(P[:, :nsc], pre)
             old_k, old_v = self.k(hid), self.v(hid)
         else:
             old_k, old_v = average(P[:, :nsc], k_all[:, :Mp]), average(P[:, :nsc], v_all[:, :Mp])
@@ -481,7 +487,9 @@ class CausalLongShortAttention(nn.Module):
             win_masked = ~(band[None] & key_ok[:, None, :])
             args = (
                 q[:, :, start:start + Cq], bar_k[:, :, :m], bar_v[:, :, :m], seg_pos[:, :m],
-                win_k[:, :, start:start + Cq + W], win_v[:, :, start:start + Cq + W], win_pos, u, v,
+                k_all[:, Mp - W - first + start:Mp - first + start + Cq],
+                v_all[:, Mp - W - first + start:Mp - first + start + Cq],
+                self.norm_local.weight, self.norm_local.bias, self.norm_local.eps, win_pos, u, v,
                 bar_index, bar_masked[None, None], win_index, win_masked[None, None], dropout_p,
             )
             if use_ckpt:
