@@ -21,7 +21,7 @@ The window/projection core (`window_span`, `projection_weights`, `segment_attent
 Written for lsvision, Apache-2.0.
 """
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -240,21 +240,36 @@ class FullAttention1d(nn.Module):
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, n, C)))
 
 
+def segment_positions(query_segment: torch.Tensor, num_vectors: int, dp_rank: int):
+    """Relative position rho = r (J - s) - 1 - k of each (query, vector) pair and whether it is hidden.
+
+    Vector m = s * r + k (segment s, rank k) is visible to a query of segment J iff s < J, i.e. rho >= 0.
+
+    Returns:
+        rho (Cq, m) int64 (negative where hidden) and the hidden mask (Cq, m).
+    """
+    rho = dp_rank * query_segment[:, None] - 1 - torch.arange(num_vectors, device=query_segment.device)[None, :]
+    return rho, rho < 0
+
+
 def _causal_chunk(
         q: torch.Tensor,
         bar_k: torch.Tensor,
         bar_v: torch.Tensor,
         seg_pos: torch.Tensor,
-        win_k: torch.Tensor,
-        win_v: torch.Tensor,
+        k_before: torch.Tensor,
+        k_chunk: torch.Tensor,
+        v_before: torch.Tensor,
+        v_chunk: torch.Tensor,
         norm_weight: Optional[torch.Tensor],
         norm_bias: Optional[torch.Tensor],
         norm_eps: float,
         win_pos: torch.Tensor,
         content_bias: torch.Tensor,
         pos_bias: torch.Tensor,
-        bar_index: torch.Tensor,
-        bar_masked: torch.Tensor,
+        query_segment: torch.Tensor,
+        vector_ok: torch.Tensor,
+        dp_rank: int,
         win_index: torch.Tensor,
         win_masked: torch.Tensor,
         dropout_p: float,
@@ -265,22 +280,27 @@ def _causal_chunk(
         q: Scaled queries (B, h, Cq, d).
         bar_k, bar_v: The compressed keys/values the chunk may see (B, h, m, d).
         seg_pos: Segment relative-position embeddings R_c[rho], rho = 0..m-1: (h, m, d).
-        win_k, win_v: Window keys/values of positions [start - W, start + Cq) before LN_L: (B, Cq + W, D).
+        k_before, k_chunk, v_before, v_chunk: Window keys/values before LN_L of positions [start - W, start) and
+            [start, start + Cq): (B, W, D) and (B, Cq, D).
         norm_weight, norm_bias, norm_eps: LN_L, applied here so that its output is not kept for the backward.
         win_pos: Window relative-position embeddings R_w[delta], delta = 0..W-1: (h, W, d).
         content_bias, pos_bias: u and v (h, 1, d).
-        bar_index: (Cq, m) column rho of each (query, vector) pair (clamped); bar_masked (B or 1, 1, Cq, m).
+        query_segment: (Cq,) concatenated segment J of each query; vector_ok: (m,) False for vectors of empty
+            (all-masked) segments; dp_rank: r. The (Cq, m) positions and masks are made here, not kept.
         win_index: (W, 2W) delta of each (query, key) pair of a block; win_masked (B or 1, 1, nb, W, 2W).
     """
     B, h, Cq, d = q.shape
     m = bar_k.shape[2]
     W = win_pos.shape[1]
     nb = Cq // W
-    win_k, win_v = (F.layer_norm(t, t.shape[-1:], norm_weight, norm_bias, norm_eps).unflatten(-1, (h, d))
-                    .transpose(1, 2) for t in (win_k, win_v))  # LN_L, heads: (B, h, Cq + W, d)
+    win_k, win_v = (F.layer_norm(torch.cat(t, dim=1), t[1].shape[-1:], norm_weight, norm_bias, norm_eps)
+                    .unflatten(-1, (h, d)).transpose(1, 2)
+                    for t in ((k_before, k_chunk), (v_before, v_chunk)))  # LN_L, heads: (B, h, W + Cq, d)
     # compressed segments: content + relative segment position, masked to strictly earlier segments
+    rho, bar_masked = segment_positions(query_segment, m, dp_rank)
+    bar_masked = bar_masked | ~vector_ok
     bar_scores = q @ bar_k.transpose(-1, -2) + torch.gather(
-        q @ seg_pos.transpose(-1, -2), -1, bar_index.expand(B, h, Cq, m))
+        q @ seg_pos.transpose(-1, -2), -1, rho.clamp(0, max(m - 1, 0)).expand(B, h, Cq, m))
     bar_scores = bar_scores.masked_fill(bar_masked, _mask_value(q.dtype))
     # window: blocks of W queries against the 2W keys [block start - W, block end), band t-W+1..t
     keys = win_k.unfold(2, 2 * W, W)  # (B, h, nb, d, 2W)
@@ -294,7 +314,7 @@ def _causal_chunk(
     attn = F.dropout(attn, p=dropout_p, training=dropout_p > 0)
     out = attn[..., :m].flatten(2, 3) @ bar_v
     out = out + (attn[..., m:] @ win_v.unfold(2, 2 * W, W).transpose(-1, -2)).flatten(2, 3)
-    return out
+    return out.transpose(1, 2)  # (B, Cq, h, d): the chunks concatenate straight into token order
 
 
 class CausalLongShortAttention(nn.Module):
@@ -313,8 +333,8 @@ class CausalLongShortAttention(nn.Module):
             segment_size: int = 16,
             dp_rank: int = 1,
             compress_hidden_cache: bool = True,
-            query_chunk_size: Optional[int] = 256,
-            checkpoint_chunks: bool = True,
+            query_chunk_size: Optional[int] = 128,
+            checkpoint_chunks: Optional[bool] = None,
             attn_drop: float = 0.,
             proj_drop: float = 0.,
             pos_drop: float = 0.,
@@ -334,7 +354,8 @@ class CausalLongShortAttention(nn.Module):
             query_chunk_size: Queries per chunk (rounded up to a multiple of lcm(W, l)); each chunk scores only the
                 segments its queries may see. None: one chunk, every query scores every segment (official design).
             checkpoint_chunks: Recompute each chunk in the backward pass instead of storing its scores (bounded
-                memory at the price of one more chunk forward).
+                memory at the price of one more chunk forward). None: only when the scores of all chunks together
+                would exceed 2^24 elements (64 MB in fp32).
             attn_drop: Dropout on the attention weights.
             proj_drop: Dropout after the output projection.
             pos_drop: Dropout on the window sinusoids (official: the model's embedding dropout).
@@ -420,7 +441,7 @@ class CausalLongShortAttention(nn.Module):
         valid[Mp - valid_cache:Mp + L] = True
         right = [x.new_zeros(B, Lp - L, C)] if Lp > L else []
 
-        q = self._heads(self.q(x)) * d ** -0.5
+        q = self._heads(F.linear(x, self.q.weight * d ** -0.5))  # scale folded into the weight: one (B, L, D) tensor
         if Lp > L:
             q = F.pad(q, (0, 0, 0, Lp - L))
         # projections, once: from W tokens before position 0 (window), or over the cache too (project-then-average)
@@ -443,13 +464,23 @@ class CausalLongShortAttention(nn.Module):
             # (B, s, l, h, r) x (B, s * l, D) -> (B, s, r, D): per head slice, weighted by that head's P
             return torch.einsum('bstir,bstid->bsrid', weights, t.reshape(B, -1, ls, h, d)).flatten(-2)
 
-        cur_k, cur_v = average(P[:, nsc:], k_all[:, Mp - first:]), average(P[:, nsc:], v_all[:, Mp - first:])
+        def project_average(weights: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+            # sum_tau P_i (t_tau W_i) = (sum_tau P_i t_tau) W_i (k, v have no bias): average the inputs with each
+            # head's weights, then project with that head's slice: no (B, n, D) intermediate is kept
+            avg = torch.einsum('bstj,bstc->bsjc', weights.flatten(3), t.reshape(B, -1, ls, C))  # (B, s, h*r, C)
+            avg = avg.unflatten(2, (h, r))
+            wk, wv = self.k.weight.view(h, d, C), self.v.weight.view(h, d, C)
+            return (torch.einsum('bsirc,idc->bsrid', avg, wk).flatten(-2),
+                    torch.einsum('bsirc,idc->bsrid', avg, wv).flatten(-2))
+
+        x_cur = x if Lp == L else torch.cat([x] + right, dim=1)
+        cur_k, cur_v = project_average(P[:, nsc:], x_cur)
         if self.compress_hidden_cache:
             # cache: average the hidden states per head slice, then project (official)
             hid = average(P[:, :nsc], pre)
             old_k, old_v = self.k(hid), self.v(hid)
         else:
-            old_k, old_v = average(P[:, :nsc], k_all[:, :Mp]), average(P[:, :nsc], v_all[:, :Mp])
+            old_k, old_v = project_average(P[:, :nsc], pre)
         bar_k = self.norm_global(torch.cat([old_k, cur_k], dim=1))  # (B, S, r, D), LN_G over D
         bar_v = self.norm_global(torch.cat([old_v, cur_v], dim=1))
         bar_k = self._heads(bar_k.flatten(1, 2))  # (B, h, S * r, d), ordered (segment, rank)
@@ -472,30 +503,38 @@ class CausalLongShortAttention(nn.Module):
         u = self.content_bias[:, None].to(x.dtype)
         v = self.pos_bias[:, None].to(x.dtype)
         dropout_p = self.attn_drop if self.training else 0.
-        use_ckpt = self.checkpoint_chunks and torch.is_grad_enabled() and chunk < Lp
+        ckpt = self.checkpoint_chunks
+        if ckpt is None:
+            ckpt = B * h * Lp * (r * num_seg + 2 * W) > 2 ** 24
+        use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
+        # split (not slice) the long tensors: one backward concatenation instead of a full-size zero gradient per
+        # chunk; the W window tokens before a chunk come from the previous piece
+        starts = list(range(0, Lp, chunk))
+        sizes = [min(chunk, Lp - st) for st in starts]
+        q_parts = q.split(sizes, dim=2)
+        k_parts = k_all[:, Mp - first:].split(sizes, dim=1)
+        v_parts = v_all[:, Mp - first:].split(sizes, dim=1)
+        k_before, v_before = k_all[:, Mp - first - W:Mp - first], v_all[:, Mp - first - W:Mp - first]
         outs = []
-        for start in range(0, Lp, chunk):
-            Cq = min(chunk, Lp - start)
+        for idx, start in enumerate(starts):
+            Cq = sizes[idx]
             t = torch.arange(start, start + Cq, device=x.device)
             J = (Mp + t) // ls  # concatenated segment of each query
             m = r * int(J[-1])  # vectors of segments before the chunk's last segment
-            rho = r * J[:, None] - 1 - torch.arange(m, device=x.device)[None, :]  # (Cq, m)
-            bar_index = rho.clamp(0, max(m - 1, 0))
-            bar_masked = (rho < 0) | ~seg_valid[vector_seg[:m]][None, :]
             win_ok = valid[Mp - W + start:Mp + start + Cq]
             key_ok = win_ok.unfold(0, 2 * W, W)  # (nb, 2W)
             win_masked = ~(band[None] & key_ok[:, None, :])
             args = (
-                q[:, :, start:start + Cq], bar_k[:, :, :m], bar_v[:, :, :m], seg_pos[:, :m],
-                k_all[:, Mp - W - first + start:Mp - first + start + Cq],
-                v_all[:, Mp - W - first + start:Mp - first + start + Cq],
+                q_parts[idx], bar_k[:, :, :m], bar_v[:, :, :m], seg_pos[:, :m],
+                k_before if idx == 0 else k_parts[idx - 1][:, -W:], k_parts[idx],
+                v_before if idx == 0 else v_parts[idx - 1][:, -W:], v_parts[idx],
                 self.norm_local.weight, self.norm_local.bias, self.norm_local.eps, win_pos, u, v,
-                bar_index, bar_masked[None, None], win_index, win_masked[None, None], dropout_p,
+                J, seg_valid[vector_seg[:m]], r, win_index, win_masked[None, None], dropout_p,
             )
             if use_ckpt:
                 outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False))
             else:
                 outs.append(_causal_chunk(*args))
-        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-        out = out[:, :, :L].transpose(1, 2).reshape(B, L, C)
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (B, Lp, h, d)
+        out = out[:, :L].reshape(B, L, C)
         return self.proj_drop(self.proj(out))

@@ -114,7 +114,7 @@ class CharLM(nn.Module):
             drop: float = 0.2,
             max_len: int = 2048,
             compress_hidden_cache: bool = True,
-            query_chunk_size: Optional[int] = 256,
+            query_chunk_size: Optional[int] = 128,
     ):
         """
         Args:
