@@ -253,14 +253,14 @@ def segment_positions(query_segment: torch.Tensor, num_vectors: int, dp_rank: in
 
 
 def _causal_chunk(
-        q: torch.Tensor,
+        x_before: torch.Tensor,
+        x_chunk: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        v_weight: torch.Tensor,
         bar_k: torch.Tensor,
         bar_v: torch.Tensor,
         seg_pos: torch.Tensor,
-        k_before: torch.Tensor,
-        k_chunk: torch.Tensor,
-        v_before: torch.Tensor,
-        v_chunk: torch.Tensor,
         norm_weight: Optional[torch.Tensor],
         norm_bias: Optional[torch.Tensor],
         norm_eps: float,
@@ -276,12 +276,14 @@ def _causal_chunk(
 ) -> torch.Tensor:
     """One chunk of causal long-short attention (queries of whole segments and whole windows).
 
+    q, k and v are projected here from the chunk's tokens (and the W tokens before it), so that with checkpointing
+    no full-length q, k or v is kept for the backward pass.
+
     Args:
-        q: Scaled queries (B, h, Cq, d).
+        x_before, x_chunk: Input tokens of positions [start - W, start) and [start, start + Cq): (B, W, D), (B, Cq, D).
+        q_weight: The query weight with the scale d^-1/2 folded in; k_weight, v_weight: key and value weights.
         bar_k, bar_v: The compressed keys/values the chunk may see (B, h, m, d).
         seg_pos: Segment relative-position embeddings R_c[rho], rho = 0..m-1: (h, m, d).
-        k_before, k_chunk, v_before, v_chunk: Window keys/values before LN_L of positions [start - W, start) and
-            [start, start + Cq): (B, W, D) and (B, Cq, D).
         norm_weight, norm_bias, norm_eps: LN_L, applied here so that its output is not kept for the backward.
         win_pos: Window relative-position embeddings R_w[delta], delta = 0..W-1: (h, W, d).
         content_bias, pos_bias: u and v (h, 1, d).
@@ -289,13 +291,14 @@ def _causal_chunk(
             (all-masked) segments; dp_rank: r. The (Cq, m) positions and masks are made here, not kept.
         win_index: (W, 2W) delta of each (query, key) pair of a block; win_masked (B or 1, 1, nb, W, 2W).
     """
-    B, h, Cq, d = q.shape
-    m = bar_k.shape[2]
+    B, Cq, C = x_chunk.shape
+    h, m, d = bar_k.shape[1], bar_k.shape[2], bar_k.shape[3]
     W = win_pos.shape[1]
     nb = Cq // W
-    win_k, win_v = (F.layer_norm(torch.cat(t, dim=1), t[1].shape[-1:], norm_weight, norm_bias, norm_eps)
-                    .unflatten(-1, (h, d)).transpose(1, 2)
-                    for t in ((k_before, k_chunk), (v_before, v_chunk)))  # LN_L, heads: (B, h, W + Cq, d)
+    q = F.linear(x_chunk, q_weight).unflatten(-1, (h, d)).transpose(1, 2)  # (B, h, Cq, d), scaled
+    xw = torch.cat([x_before, x_chunk], dim=1)
+    win_k, win_v = (F.layer_norm(F.linear(xw, wt), (C,), norm_weight, norm_bias, norm_eps)
+                    .unflatten(-1, (h, d)).transpose(1, 2) for wt in (k_weight, v_weight))  # LN_L: (B, h, W+Cq, d)
     # compressed segments: content + relative segment position, masked to strictly earlier segments
     rho, bar_masked = segment_positions(query_segment, m, dp_rank)
     bar_masked = bar_masked | ~vector_ok
@@ -430,8 +433,7 @@ class CausalLongShortAttention(nn.Module):
         chunk = -(-L // unit) * unit if self.query_chunk_size is None else -(-self.query_chunk_size // unit) * unit
         Lp = -(-L // unit) * unit
         chunk = min(chunk, Lp)
-        # the sequence is [left pad | cache | x | right pad]; the part before x is short, so it is built once and
-        # x itself is never copied (projections are concatenated instead: k has no bias, so pads project to 0)
+        # the part before x (left pad, cache) is short and built once; x is copied only when it needs right padding
         pre_parts = [x.new_zeros(B, Mp - M, C)] if Mp > M else []
         if cache is not None:
             pre_parts.append(cache.to(x.dtype))
@@ -441,13 +443,7 @@ class CausalLongShortAttention(nn.Module):
         valid[Mp - valid_cache:Mp + L] = True
         right = [x.new_zeros(B, Lp - L, C)] if Lp > L else []
 
-        q = self._heads(F.linear(x, self.q.weight * d ** -0.5))  # scale folded into the weight: one (B, L, D) tensor
-        if Lp > L:
-            q = F.pad(q, (0, 0, 0, Lp - L))
-        # projections, once: from W tokens before position 0 (window), or over the cache too (project-then-average)
-        first = Mp - W if self.compress_hidden_cache else 0
-        k_all = torch.cat([self.k(pre[:, first:]), self.k(x)] + right, dim=1)  # (B, N - first, C), before LN_L
-        v_all = torch.cat([self.v(pre[:, first:]), self.v(x)] + right, dim=1)
+        x_cur = x if Lp == L else torch.cat([x] + right, dim=1)  # (B, Lp, C)
 
         # segment-wise dynamic projection: P = softmax over the l tokens of each segment (fp32)
         num_seg = N // ls
@@ -473,7 +469,6 @@ class CausalLongShortAttention(nn.Module):
             return (torch.einsum('bsirc,idc->bsrid', avg, wk).flatten(-2),
                     torch.einsum('bsirc,idc->bsrid', avg, wv).flatten(-2))
 
-        x_cur = x if Lp == L else torch.cat([x] + right, dim=1)
         cur_k, cur_v = project_average(P[:, nsc:], x_cur)
         if self.compress_hidden_cache:
             # cache: average the hidden states per head slice, then project (official)
@@ -507,14 +502,12 @@ class CausalLongShortAttention(nn.Module):
         if ckpt is None:
             ckpt = B * h * Lp * (r * num_seg + 2 * W) > 2 ** 24
         use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
-        # split (not slice) the long tensors: one backward concatenation instead of a full-size zero gradient per
-        # chunk; the W window tokens before a chunk come from the previous piece
+        # split (not slice) the input: one backward concatenation instead of a full-size zero gradient per chunk;
+        # the W window tokens before a chunk come from the previous piece (or the cache)
         starts = list(range(0, Lp, chunk))
         sizes = [min(chunk, Lp - st) for st in starts]
-        q_parts = q.split(sizes, dim=2)
-        k_parts = k_all[:, Mp - first:].split(sizes, dim=1)
-        v_parts = v_all[:, Mp - first:].split(sizes, dim=1)
-        k_before, v_before = k_all[:, Mp - first - W:Mp - first], v_all[:, Mp - first - W:Mp - first]
+        x_parts = x_cur.split(sizes, dim=1)
+        q_weight = self.q.weight * d ** -0.5  # the scale folded into the weight
         outs = []
         for idx, start in enumerate(starts):
             Cq = sizes[idx]
@@ -525,9 +518,8 @@ class CausalLongShortAttention(nn.Module):
             key_ok = win_ok.unfold(0, 2 * W, W)  # (nb, 2W)
             win_masked = ~(band[None] & key_ok[:, None, :])
             args = (
-                q_parts[idx], bar_k[:, :, :m], bar_v[:, :, :m], seg_pos[:, :m],
-                k_before if idx == 0 else k_parts[idx - 1][:, -W:], k_parts[idx],
-                v_before if idx == 0 else v_parts[idx - 1][:, -W:], v_parts[idx],
+                pre[:, Mp - W:] if idx == 0 else x_parts[idx - 1][:, -W:], x_parts[idx],
+                q_weight, self.k.weight, self.v.weight, bar_k[:, :, :m], bar_v[:, :, :m], seg_pos[:, :m],
                 self.norm_local.weight, self.norm_local.bias, self.norm_local.eps, win_pos, u, v,
                 J, seg_valid[vector_seg[:m]], r, win_index, win_masked[None, None], dropout_p,
             )
