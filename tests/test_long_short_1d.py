@@ -26,7 +26,7 @@ def _mask(B, n, pads, seed=0):
 
 
 @pytest.mark.parametrize('n,w,r,heads,pads', [(64, 8, 32, 2, 13), (48, 16, 2, 2, 5), (40, 1, 1, 2, 7),
-                                              (30, 3, 4, 4, 4), (37, 8, 4, 2, 3)])
+                                              (30, 3, 4, 4, 4), (37, 8, 4, 2, 3), (70, 32, 4, 2, 9)])
 @pytest.mark.parametrize('with_cls', [False, True])
 def test_bidir_matches_dense_reference_fp64(n, w, r, heads, pads, with_cls):
     torch.manual_seed(0)
