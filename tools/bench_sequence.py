@@ -110,6 +110,8 @@ def run(kind: str, lengths: Sequence[int], args) -> List[dict]:
     device = torch.device(args.device)
     rows = []
     names = list(layer_configs()) if kind == 'layer' else list(model_configs(1))
+    if args.names:
+        names = [n for n in names if n in args.names]
     for name in names:
         prev: Optional[dict] = None
         for n in lengths:
@@ -203,7 +205,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--lengths', nargs='+', type=int, default=[1024, 4096, 16384, 65536])
     parser.add_argument('--only', choices=['layer', 'model'], default=None, help='only layers or only models')
-    parser.add_argument('--threads', type=int, default=2, help='torch threads')
+    parser.add_argument('--names', nargs='+', default=None, help='only these configurations (e.g. sdpa_full)')
+    parser.add_argument('--threads', type=int, default=1,
+                        help='torch threads (default 1: on a shared 2-core machine contended threads mostly wait)')
     parser.add_argument('--budget', type=float, default=20., help='seconds of timed runs per point (>= 1 run)')
     parser.add_argument('--max-time', type=float, default=60., help='skip a point predicted slower than this (s)')
     parser.add_argument('--mem-budget-gb', type=float, default=6., help='skip a point predicted above this')
