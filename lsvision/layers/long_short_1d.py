@@ -165,7 +165,7 @@ class LongShortAttention1d(nn.Module):
             pad, span = window_span(w)
             num_seg = (n + w - 1) // w
             np_ = num_seg * w
-            q_tiles = F.pad(qh, (0, 0, 0, np_ - n)).unflatten(2, (num_seg, w))  # (B, h, G, w, d)
+            q_tiles = (qh if np_ == n else F.pad(qh, (0, 0, 0, np_ - n))).unflatten(2, (num_seg, w))  # (B,h,G,w,d)
             padded = F.pad(kv, (0, 0, pad, np_ - n + pad))  # (2, B, h, np + 2e, d), zeros outside [0, n)
             tiles = padded.unfold(3, span, w).transpose(-1, -2)  # (2, B, h, G, T, d)
             # which window keys exist: inside [0, n) and real
