@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt
 CONTRACT := ../shared/tools/timm_contract/run.sh
 CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
 
-.PHONY: install demo models demo-hsw bench-hsw test lint unit contract sweep cards clean
+.PHONY: install demo models demo-listops demo-bytelm demo-hsw bench-hsw test lint unit contract sweep cards clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,13 @@ demo: install
 # builds every lsvision model: params, GFLOPs, output shape
 models: install
 	$(PY) tools/demo.py
+
+# sequence demos (no download): each trains long-short attention and its full-attention counterpart for 170 s each
+demo-listops: install
+	$(PY) tools/demo_listops.py --out output/demo/listops.json
+
+demo-bytelm: install
+	$(PY) tools/demo_bytelm.py --out output/demo/bytelm.json
 
 # HSW long-document demo on the stdlib's source (time-budgeted, <= 5 min on 2 cores) and its speed benchmark
 demo-hsw: install

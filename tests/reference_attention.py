@@ -72,3 +72,125 @@ def dense_long_short_attention_2d(
         cls_out = (q_c @ cls_keys.transpose(-1, -2)).softmax(-1) @ cls_values
         out = torch.cat([cls_out, out], dim=2)
     return F.linear(out.transpose(1, 2).reshape(B, N, C), attn.proj.weight, attn.proj.bias)
+
+
+def dense_long_short_attention_1d(attn, x, mask=None, cls_token=None):
+    """Bidirectional 1D long-short attention as one masked full attention over [projected (r) | all tokens (n)].
+
+    Query i (segment g = i // w) sees every projected key and the real tokens j with g*w - e <= j < g*w + w + e,
+    e = max(w // 2, 1). Padded query rows are zeroed. A cls query sees its own (raw) k/v and the outputs of all
+    real tokens.
+    """
+    B, n, C = x.shape
+    h, d, r, w = attn.num_heads, attn.head_dim, attn.dp_rank, attn.window_size
+    e = max(w // 2, 1)
+    valid = torch.ones(B, n, dtype=torch.bool) if mask is None else mask.bool()
+    wq, wk, wv = attn.qkv.weight.chunk(3)
+    bq, bk, bv = attn.qkv.bias.chunk(3)
+
+    def heads(t):
+        return t.reshape(B, -1, h, d).transpose(1, 2)
+
+    q = heads(F.linear(x, wq, bq)) * d ** -0.5
+    k = heads(attn.norm_local(F.linear(x, wk, bk)))
+    v = heads(attn.norm_local(F.linear(x, wv, bv)))
+    gk, gv = [], []
+    if cls_token is not None:
+        kc, vc = heads(F.linear(cls_token, wk, bk)), heads(F.linear(cls_token, wv, bv))
+        gk.append(kc)
+        gv.append(vc)
+    if r > 0:
+        logits = attn.dynamic_proj(x).masked_fill(~valid[:, :, None], float('-inf'))
+        P = logits.softmax(dim=1).transpose(1, 2).reshape(B, h, r, n)
+        gk.append(P @ k)
+        gv.append(P @ v)
+    g = sum(t.shape[2] for t in gk)
+    if g:
+        def norm_g(t):
+            return heads(attn.norm_global(torch.cat(t, 2).transpose(1, 2).reshape(B, g, C)))
+        kbar, vbar = norm_g(gk), norm_g(gv)
+    else:
+        kbar = vbar = k.new_zeros(B, h, 0, d)
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    lo = (i // w) * w - e if w > 0 else torch.full_like(i, n + 1)
+    hi = lo + w + 2 * e if w > 0 else lo
+    allowed = (j >= lo) & (j < hi)  # (n, n)
+    allowed = allowed[None] & valid[:, None, :]  # (B, n, n)
+    full_mask = torch.cat([torch.ones(B, n, g, dtype=torch.bool), allowed], dim=-1)[:, None]
+    out = F.scaled_dot_product_attention(q, torch.cat([kbar, k], 2), torch.cat([vbar, v], 2),
+                                         attn_mask=full_mask, scale=1.)
+    out = out * valid[:, None, :, None]
+    if cls_token is not None:
+        qc = heads(F.linear(cls_token, wq, bq)) * d ** -0.5
+        cmask = torch.cat([torch.ones(B, 1, dtype=torch.bool), valid], 1)[:, None, None]
+        cls_out = F.scaled_dot_product_attention(qc, torch.cat([kc, out], 2), torch.cat([vc, out], 2),
+                                                 attn_mask=cmask, scale=1.)
+        out = torch.cat([cls_out, out], 2)
+    return attn.proj(out.transpose(1, 2).reshape(B, -1, C))
+
+
+def _sinusoid(pos, dim):
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    a = pos.double()[:, None] * inv[None]
+    return torch.cat([a.sin(), a.cos()], -1)
+
+
+def dense_causal_long_short_attention(attn, x, cache):
+    """Causal long-short attention as one softmax over all compressed vectors and all M + L tokens, masked.
+
+    Query t sees the tokens t-W+1..t (content (q+u).k + position (q+v).R_w[t-j]) and the vectors (s, k) of segments
+    s < J = (M + t) // l (content q.K_bar + position q.R_c[r (J - s) - 1 - k]). Cache segments average the hidden
+    states per head slice and then project (official `compress_hidden_cache`).
+    """
+    B, L, C = x.shape
+    M = cache.shape[1]
+    h, d, r, W, ls = attn.num_heads, attn.head_dim, attn.dp_rank, attn.window_size, attn.segment_size
+    z = torch.cat([cache, x], 1)
+    N = M + L
+    ns = N // ls
+
+    def heads(t):
+        return t.reshape(B, -1, h, d).transpose(1, 2)
+
+    q = heads(attn.q(x)) * d ** -0.5
+    k = heads(attn.norm_local(attn.k(z)))
+    v = heads(attn.norm_local(attn.v(z)))
+    P = attn.dynamic_proj(z).reshape(B, ns, ls, h, r).softmax(2)
+    kb, vb = [], []
+    for s in range(ns):
+        seg = z[:, s * ls:(s + 1) * ls]  # (B, l, C)
+        for kk in range(r):
+            w_tok = P[:, s, :, :, kk]  # (B, l, h)
+            if attn.compress_hidden_cache and s < M // ls:
+                hbar = (w_tok.repeat_interleave(d, dim=2) * seg).sum(1)  # (B, C): head slice i weighted by head i
+                kb.append(attn.k(hbar))
+                vb.append(attn.v(hbar))
+            else:
+                kb.append((w_tok.repeat_interleave(d, dim=2) * attn.k(seg)).sum(1))
+                vb.append((w_tok.repeat_interleave(d, dim=2) * attn.v(seg)).sum(1))
+    kbar = heads(attn.norm_global(torch.stack(kb, 1)))  # (B, h, ns*r, d)
+    vbar = heads(attn.norm_global(torch.stack(vb, 1)))
+    n_cv = ns * r
+    Rw = attn.r_net(_sinusoid(torch.arange(W), C).to(x.dtype)).reshape(W, h, d).transpose(0, 1)  # (h, W, d)
+    Rc = attn.r_net_chunk(_sinusoid(torch.arange(n_cv), C).to(x.dtype)).reshape(n_cv, h, d).transpose(0, 1)
+    u = attn.content_bias[:, None]
+    vv = attn.pos_bias[:, None]
+
+    t = torch.arange(L)[:, None]
+    pos = torch.arange(N)[None, :] - M  # key positions
+    delta = t - pos
+    win_ok = (delta >= 0) & (delta < W)
+    win = (q + u) @ k.transpose(-1, -2)
+    rel_w = (q + vv) @ Rw.transpose(-1, -2)  # (B, h, L, W)
+    win = win + torch.gather(rel_w, -1, delta.clamp(0, W - 1).expand(B, h, L, N))
+    J = (M + t) // ls
+    s = torch.arange(n_cv)[None, :] // r
+    kk = torch.arange(n_cv)[None, :] % r
+    seg_ok = s < J
+    rho = (r * (J - s) - 1 - kk).clamp(0, n_cv - 1)
+    comp = q @ kbar.transpose(-1, -2) + torch.gather(q @ Rc.transpose(-1, -2), -1, rho.expand(B, h, L, n_cv))
+    scores = torch.cat([comp.masked_fill(~seg_ok, float('-inf')), win.masked_fill(~win_ok, float('-inf'))], -1)
+    A = scores.softmax(-1)
+    out = A[..., :n_cv] @ vbar + A[..., n_cv:] @ v
+    return attn.proj(out.transpose(1, 2).reshape(B, L, C))

@@ -7,9 +7,12 @@ from .long_short import (
     LongShortAttention2d,
     SepConvQkv,
     dynamic_projection,
+    projection_weights,
     resize_window_rel_pos_table,
+    segment_attention,
     window_rel_pos_index,
     window_rel_pos_table_size,
     window_size_of_rel_pos_table,
     window_span,
 )
+from .long_short_1d import CausalLongShortAttention, FullAttention1d, LongShortAttention1d, sinusoid_positions

@@ -26,7 +26,7 @@ from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
-    'resize_window_rel_pos_table', 'dynamic_projection',
+    'resize_window_rel_pos_table', 'projection_weights', 'segment_attention', 'dynamic_projection',
 ]
 
 
@@ -205,19 +205,100 @@ def _batched_small_attention(
         v: torch.Tensor,
         mask: torch.Tensor,
         dropout_p: float,
+        scale: Optional[float] = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v with batched matmuls; the same math as F.scaled_dot_product_attention."""
+    """softmax(q k^T * scale + mask) v with batched matmuls; the same math as F.scaled_dot_product_attention.
+
+    `scale` defaults to d^-1/2. `mask` broadcasts to (B, n, L, S).
+    """
     B, n, L, d = q.shape
     S = k.shape[2]
     attn = torch.baddbmm(
         mask.expand(B, n, L, S).reshape(B * n, L, S),
         q.reshape(B * n, L, d),
         k.reshape(B * n, S, d).transpose(1, 2),
-        alpha=d ** -0.5,
+        alpha=d ** -0.5 if scale is None else scale,
     )
-    attn = attn.float().softmax(dim=-1).to(q.dtype)
+    if attn.dtype in (torch.float16, torch.bfloat16):
+        attn = attn.float().softmax(dim=-1).to(q.dtype)
+    else:  # fp32 as is, fp64 not truncated
+        attn = attn.softmax(dim=-1)
     attn = F.dropout(attn, p=dropout_p)
     return torch.bmm(attn, v.reshape(B * n, S, v.shape[-1])).reshape(B, n, L, v.shape[-1])
+
+
+def segment_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor,
+        dropout_p: float = 0.,
+        scale: Optional[float] = None,
+        small: bool = False,
+) -> torch.Tensor:
+    """Attention of segment-wise query blocks to their gathered keys (projected + window span [+ prefix]).
+
+    The core shared by the 2D and 1D long-short layers: q (B, n, L, d) against k, v (B, n, S, d) with an additive
+    mask broadcastable to (B, n, L, S). Small blocks on CPU run as batched matmuls (see `_SMALL_SEGMENT`), the rest
+    through `F.scaled_dot_product_attention`. Softmax in fp32 either way.
+    """
+    if small and q.device.type == 'cpu':
+        return _batched_small_attention(q, k, v, mask, dropout_p, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def projection_weights(
+        logits: torch.Tensor,
+        num_heads: int,
+        valid: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Dynamic-projection weights P = softmax over the tokens of the projection logits, in fp32.
+
+    Args:
+        logits: (B, n, h * r) logits, channel = head * r + j (the official layout).
+        num_heads: h.
+        valid: Optional (B, n) bool, False on padded tokens: they get weight exactly 0. An all-padded row gets
+            uniform weights instead of NaN (its outputs are masked downstream anyway).
+
+    Returns:
+        P: (B, h, r, n) in the dtype of `logits`; each row sums to 1 over the valid tokens.
+    """
+    B, n, hr = logits.shape
+    dtype = logits.dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, :, None], -3.4028234663852886e38)  # fp32 min: exp gives 0
+    proj = logits.transpose(1, 2).reshape(B, num_heads, hr // num_heads, n).softmax(dim=-1)
+    return proj.to(dtype)
+
+
+def dynamic_projection(
+        kv: torch.Tensor,
+        logits: torch.Tensor,
+        norm_global: nn.Module,
+        valid: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The dynamic projection of any token sequence: k_bar, v_bar = LN_G(P k), LN_G(P v).
+
+    P = softmax over the tokens of the projection logits (fp32 or wider), one row per head and projection; padded
+    tokens get weight exactly 0. An all-padded sample gets a uniform P (finite keys) instead of NaN. The projected keys
+    of HSW-LS; `LongShortAttention2d` does the same inline (TorchScript takes no module argument).
+
+    Args:
+        kv: Keys and values after LN_L, (2, B, h, N, d).
+        logits: Projection logits (B, N, h * r), channel = head * r + j.
+        norm_global: LN_G over the merged heads (h * d channels), shared by keys and values.
+        valid: (B, N) bool, True on real tokens; None if there is no padding.
+
+    Returns:
+        Projected keys and values (2, B, h, r, d), in the dtype of `norm_global`'s output.
+    """
+    _, B, h, N, d = kv.shape
+    proj = projection_weights(logits, h, valid).to(kv.dtype)  # (B, h, r, N)
+    r = proj.shape[2]
+    kv_bar = (proj @ kv).transpose(2, 3).reshape(2, B, r, h * d)
+    return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
@@ -369,9 +450,8 @@ class LongShortAttention2d(nn.Module):
         kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
-        logits = self.dynamic_proj(x[:, num_prefix:], feat_size)  # (B, Np, h * r)
-        proj = logits.transpose(1, 2).reshape(B, h, r, num_patches).float().softmax(dim=-1).to(x.dtype)
         kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3)  # (2, B, h, Np, d)
+        proj = projection_weights(self.dynamic_proj(x[:, num_prefix:], feat_size), h)  # (B, h, r, Np)
         kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
         kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
         kv_prefix = kv[:, :, :num_prefix].reshape(2, B, num_prefix, h, d).transpose(2, 3)
@@ -397,11 +477,7 @@ class LongShortAttention2d(nn.Module):
         mask = mask.expand(h, -1, -1, -1).reshape(1, h * num_tiles, mq, -1)
 
         dropout_p = self.attn_drop if self.training else 0.
-        if self.small_segment and q.device.type == 'cpu':
-            out = _batched_small_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p)
-        else:
-            out = F.scaled_dot_product_attention(
-                q_tiles, keys_values[0], keys_values[1], attn_mask=mask, dropout_p=dropout_p)
+        out = segment_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p, small=self.small_segment)
         # back to tokens (B, N, h, d), written once into the output buffer
         out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
         tokens = x.new_empty(B, N, h, d)
@@ -422,34 +498,3 @@ class LongShortAttention2d(nn.Module):
         x = self.proj(tokens.reshape(B, N, C))
         x = self.proj_drop(x)
         return x
-
-
-def dynamic_projection(
-        kv: torch.Tensor,
-        logits: torch.Tensor,
-        norm_global: nn.Module,
-        valid: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """The dynamic projection of any token sequence: k_bar, v_bar = LN_G(P k), LN_G(P v).
-
-    P = softmax over the tokens of the projection logits (fp32 or wider), one row per head and projection; padded
-    tokens get weight exactly 0. An all-padded sample gets a uniform P (finite keys) instead of NaN. The same math as
-    the projected keys of `LongShortAttention2d`, for sequences that are not a 2D map (HSW stages, 1D models).
-
-    Args:
-        kv: Keys and values after LN_L, (2, B, h, N, d).
-        logits: Projection logits (B, N, h * r), channel = head * r + j.
-        norm_global: LN_G over the merged heads (h * d channels), shared by keys and values.
-        valid: (B, N) bool, True on real tokens; None if there is no padding.
-
-    Returns:
-        Projected keys and values (2, B, h, r, d), in the dtype of `norm_global`'s output.
-    """
-    _, B, h, N, d = kv.shape
-    r = logits.shape[-1] // h
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # softmax in fp32 at least
-    if valid is not None:
-        logits = logits.masked_fill(~valid[:, :, None], torch.finfo(logits.dtype).min)
-    proj = logits.transpose(1, 2).reshape(B, h, r, N).softmax(dim=-1).to(kv.dtype)
-    kv_bar = (proj @ kv).transpose(2, 3).reshape(2, B, r, h * d)
-    return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)

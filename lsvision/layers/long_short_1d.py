@@ -1,0 +1,569 @@
+"""1D long-short attention (Transformer-LS): bidirectional (LRA) and causal (character LM).
+
+Paper: `Long-Short Transformer: Efficient Transformers for Language and Vision` - https://arxiv.org/abs/2107.02192
+
+`LongShortAttention1d` follows NVIDIA/transformer-ls `lra/attention_transformer_ls.py::AttentionLS`: every query
+attends, in one joint softmax, to r dynamic-projection keys per head (P = softmax over tokens of Linear(x),
+K_bar = LN_G(P LN_L(K))) and to the keys of its segment-wise window (w queries share the w + 2e keys around their
+segment, e = max(w // 2, 1)); an optional cls (global) token joins the projected keys and then attends to the
+attention outputs of all tokens. Beyond the official code: any length (padded to whole segments, masked, cropped),
+finite outputs for all-padding samples.
+
+`CausalLongShortAttention` follows `autoregressive/model_lib/layer.py::ChunkedLSAttention`: query t attends to the W
+tokens t-W+1..t (Transformer-XL relative positions, the previous tokens coming from a per-layer cache of M tokens)
+and to r dynamic projections of every segment of l tokens that ends before its own segment starts (cache segments
+first), with relative segment positions. Beyond the official code: queries are blocked by segment and processed in
+chunks, so a query only scores the segments it may see and memory stays bounded (`query_chunk_size`); any length;
+an optional masked (not yet filled) cache.
+
+The window/projection core (`window_span`, `projection_weights`, `segment_attention`) is shared with the 2D layer.
+
+Written for lsvision, Apache-2.0.
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .long_short import projection_weights, segment_attention, window_span
+
+__all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
+
+_MASKED = -3.4028234663852886e38  # fp32 min: masked scores get exactly 0 weight, all-masked rows stay finite
+
+
+def _mask_value(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
+
+
+def _softmax_fp32(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Softmax in at least fp32 (half precision is upcast; fp64 stays fp64), cast back."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.float().softmax(dim=dim).to(t.dtype)
+    return t.softmax(dim=dim)
+
+
+def sinusoid_positions(positions: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Transformer-XL sinusoids [sin(p w) | cos(p w)] (two halves), w_k = 10000^(-2k/dim): (len(positions), dim).
+
+    Computed in fp32 (fp64 if `dtype` is fp64) and returned in `dtype`.
+    """
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=work, device=positions.device) / dim))
+    angles = positions.to(work)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1).to(dtype)
+
+
+class LongShortAttention1d(nn.Module):
+    """Bidirectional long-short attention over a token sequence, with an optional cls (global) token.
+
+    Parameters map one to one to the official `AttentionLS`: `qkv` = [W_q; W_k; W_v], `dynamic_proj` = dconv_fc,
+    `norm_local` = dual_ln_l (LN_L, on K and V), `norm_global` = dual_ln_s (LN_G, on the projected K and V and the
+    cls k/v), `proj` = W_o.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 2,
+            window_size: int = 8,
+            dp_rank: int = 32,
+            qkv_bias: bool = True,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            dual_ln_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            dim: Channels D.
+            num_heads: Heads h; head dim D / h.
+            window_size: Segment size w (0: no window, dynamic projection only).
+            dp_rank: Dynamic projections r per head (0: window only).
+            qkv_bias: Bias in the q, k, v Linear.
+            attn_drop: Dropout on the joint attention weights.
+            proj_drop: Dropout after the output projection.
+            dual_ln_eps: Epsilon of LN_L and LN_G.
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'dim {dim} must be divisible by num_heads {num_heads}')
+        if window_size < 0 or dp_rank < 0:
+            raise ValueError(f'window_size and dp_rank must be >= 0, got {window_size} and {dp_rank}')
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.window_size = window_size
+        self.dp_rank = dp_rank
+        self.attn_drop = attn_drop
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **dd)
+        self.dynamic_proj = nn.Linear(dim, num_heads * dp_rank, **dd) if dp_rank > 0 else None
+        self.norm_local = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)
+        self.norm_global = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(..., B, n, D) -> (..., B, h, n, d)."""
+        return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(-2, -3)
+
+    def _merge(self, t: torch.Tensor) -> torch.Tensor:
+        """(..., B, h, n, d) -> (..., B, n, D)."""
+        return t.transpose(-2, -3).flatten(-2)
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            mask: Optional[torch.Tensor] = None,
+            cls_token: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            x: Tokens (B, n, D) (the LN1 output in a block).
+            mask: Optional (B, n) key-padding mask, True (or 1) on real tokens.
+            cls_token: Optional un-normalized global token (B, 1, D) (official `cls_embed`).
+
+        Returns:
+            (B, n, D), or (B, 1 + n, D) with the cls output first when `cls_token` is given. Padded positions hold
+            `proj.bias` (their attention output is 0), as in the official code.
+        """
+        B, n, C = x.shape
+        h, d, r, w = self.num_heads, self.head_dim, self.dp_rank, self.window_size
+        if r == 0 and w == 0 and cls_token is None:
+            raise ValueError('LongShortAttention1d needs dp_rank > 0, window_size > 0 or a cls token')
+        valid = None if mask is None else mask.to(torch.bool)
+        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).unflatten(-1, (3, C))
+        q = qkv[:, :, 0] * d ** -0.5  # scale once, before any product (official)
+        kv = self._heads(self.norm_local(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d): LN_L over all D
+
+        # global keys: [cls k/v (without LN_L) | P K, P V], then LN_G over D
+        global_kv = []
+        kv_cls = None
+        if cls_token is not None:
+            w_kv = self.qkv.weight[C:]
+            b_kv = None if self.qkv.bias is None else self.qkv.bias[C:]
+            kv_cls = self._heads(F.linear(cls_token, w_kv, b_kv).unflatten(-1, (2, C)).movedim(2, 0))
+            global_kv.append(kv_cls)
+        if r > 0:
+            proj = projection_weights(self.dynamic_proj(x), h, valid)  # (B, h, r, n)
+            global_kv.append(proj @ kv)
+        if global_kv:
+            kv_bar = torch.cat(global_kv, dim=3) if len(global_kv) > 1 else global_kv[0]
+            kv_bar = self._heads(self.norm_global(self._merge(kv_bar)))  # (2, B, h, g, d)
+        else:
+            kv_bar = kv.new_zeros(2, B, h, 0, d)
+        g = kv_bar.shape[3]
+        dropout_p = self.attn_drop if self.training else 0.
+        qh = self._heads(q)  # (B, h, n, d)
+
+        if w > 0:
+            pad, span = window_span(w)
+            num_seg = (n + w - 1) // w
+            np_ = num_seg * w
+            q_tiles = (qh if np_ == n else F.pad(qh, (0, 0, 0, np_ - n))).unflatten(2, (num_seg, w))  # (B,h,G,w,d)
+            padded = F.pad(kv, (0, 0, pad, np_ - n + pad))  # (2, B, h, np + 2e, d), zeros outside [0, n)
+            tiles = padded.unfold(3, span, w).transpose(-1, -2)  # (2, B, h, G, T, d)
+            # which window keys exist: inside [0, n) and real
+            key_ok = torch.zeros(B if valid is not None else 1, np_ + 2 * pad, dtype=torch.bool, device=x.device)
+            key_ok[:, pad:pad + n] = True if valid is None else valid
+            key_ok = key_ok.unfold(1, span, w)  # (B or 1, G, T)
+            win_mask = torch.zeros(key_ok.shape, dtype=q.dtype, device=x.device).masked_fill(
+                ~key_ok, _mask_value(q.dtype))
+            if w <= _SMALL_WINDOW:
+                out = _global_window_attention(q_tiles, kv_bar, tiles, win_mask[:, None, :, None, :], dropout_p)
+            else:
+                # per segment: [global | window] keys gathered into one buffer, attention through SDPA
+                keys = kv.new_empty(2, B, h, num_seg, g + span, d)
+                keys[:, :, :, :, :g] = kv_bar[:, :, :, None]
+                keys[:, :, :, :, g:] = tiles
+                attn_mask = torch.cat([win_mask.new_zeros(win_mask.shape[:2] + (g,)), win_mask], dim=-1)
+                attn_mask = attn_mask[:, None, :, None, :].expand(-1, h, -1, -1, -1)  # (B, h, G, 1, g + T)
+                out = segment_attention(
+                    q_tiles.flatten(1, 2), keys[0].flatten(1, 2), keys[1].flatten(1, 2),
+                    attn_mask.flatten(1, 2), dropout_p, scale=1., small=False)
+            out = out.reshape(B, h, np_, d)[:, :, :n]
+        else:
+            out = F.scaled_dot_product_attention(qh, kv_bar[0], kv_bar[1], dropout_p=dropout_p, scale=1.)
+        if valid is not None:
+            out = out * valid[:, None, :, None].to(out.dtype)  # padded queries: attention output 0 (official)
+
+        if cls_token is not None:
+            # the cls query attends to its own (un-LN_G-ed) k/v and to the attention outputs C of all tokens
+            q_cls = self._heads(F.linear(cls_token, self.qkv.weight[:C],
+                                         None if self.qkv.bias is None else self.qkv.bias[:C])) * d ** -0.5
+            cls_keys = torch.cat([kv_cls[0], out], dim=2)
+            cls_values = torch.cat([kv_cls[1], out], dim=2)
+            cls_mask = None
+            if valid is not None:
+                cls_mask = torch.zeros(B, 1, 1, 1 + n, dtype=q.dtype, device=x.device)
+                cls_mask[:, 0, 0, 1:] = cls_mask[:, 0, 0, 1:].masked_fill(~valid, _mask_value(q.dtype))
+            cls_out = F.scaled_dot_product_attention(q_cls, cls_keys, cls_values, attn_mask=cls_mask, scale=1.)
+            out = torch.cat([cls_out, out], dim=2)
+        x = self.proj(self._merge(out))
+        return self.proj_drop(x)
+
+
+# Windows of at most this many queries score the global keys once for all queries (one matmul) instead of
+# gathering them into every segment's key buffer: with w = 8 and r = 32, 2/3 of that buffer would be copies of K_bar.
+_SMALL_WINDOW = 16
+
+
+def _global_window_attention(
+        q_tiles: torch.Tensor,
+        kv_bar: torch.Tensor,
+        tiles: torch.Tensor,
+        win_mask: torch.Tensor,
+        dropout_p: float,
+) -> torch.Tensor:
+    """One joint softmax over [global keys | window keys] without copying the global keys per segment.
+
+    Args:
+        q_tiles: Scaled queries (B, h, G, w, d).
+        kv_bar: Global keys and values (2, B, h, g, d).
+        tiles: Window keys and values of each segment (2, B, h, G, T, d) (a strided view).
+        win_mask: Additive mask of the window keys, broadcastable to (B, h, G, w, T).
+
+    Returns:
+        (B, h, G * w, d).
+    """
+    B, h, G, w, d = q_tiles.shape
+    g = kv_bar.shape[3]
+    scores_g = (q_tiles.flatten(2, 3) @ kv_bar[0].transpose(-1, -2)).unflatten(2, (G, w))  # (B, h, G, w, g)
+    scores_w = q_tiles @ tiles[0].transpose(-1, -2) + win_mask  # (B, h, G, w, T)
+    attn = _softmax_fp32(torch.cat([scores_g, scores_w], dim=-1), -1)
+    attn = F.dropout(attn, p=dropout_p, training=dropout_p > 0)
+    out = attn[..., :g].flatten(2, 3) @ kv_bar[1]
+    return out + (attn[..., g:] @ tiles[1]).flatten(2, 3)
+
+
+class FullAttention1d(nn.Module):
+    """Full (quadratic) multi-head attention with the same interface as `LongShortAttention1d`: the counterpart.
+
+    A cls token, if given, is prepended as one more (un-normalized) token; padded keys are masked.
+    """
+
+    def __init__(self, dim: int, num_heads: int = 2, qkv_bias: bool = True, attn_drop: float = 0.,
+                 proj_drop: float = 0., device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f'dim {dim} must be divisible by num_heads {num_heads}')
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.attn_drop = attn_drop
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias, **dd)
+        self.proj = nn.Linear(dim, dim, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                cls_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Same arguments and output layout as `LongShortAttention1d.forward`."""
+        if cls_token is not None:
+            x = torch.cat([cls_token, x], dim=1)
+            if mask is not None:
+                mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
+        B, n, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        attn_mask = None if mask is None else mask.to(torch.bool)[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.)
+        if mask is not None:
+            out = out * mask.to(out.dtype)[:, None, :, None]
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, n, C)))
+
+
+def segment_positions(query_segment: torch.Tensor, num_vectors: int, dp_rank: int):
+    """Relative position rho = r (J - s) - 1 - k of each (query, vector) pair and whether it is hidden.
+
+    Vector m = s * r + k (segment s, rank k) is visible to a query of segment J iff s < J, i.e. rho >= 0.
+
+    Returns:
+        rho (Cq, m) int64 (negative where hidden) and the hidden mask (Cq, m).
+    """
+    rho = dp_rank * query_segment[:, None] - 1 - torch.arange(num_vectors, device=query_segment.device)[None, :]
+    return rho, rho < 0
+
+
+def _causal_chunk(
+        x_before: torch.Tensor,
+        x_chunk: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        v_weight: torch.Tensor,
+        bar_k: torch.Tensor,
+        bar_v: torch.Tensor,
+        seg_pos: torch.Tensor,
+        norm_weight: Optional[torch.Tensor],
+        norm_bias: Optional[torch.Tensor],
+        norm_eps: float,
+        win_pos: torch.Tensor,
+        content_bias: torch.Tensor,
+        pos_bias: torch.Tensor,
+        query_segment: torch.Tensor,
+        vector_ok: torch.Tensor,
+        dp_rank: int,
+        win_index: torch.Tensor,
+        win_masked: torch.Tensor,
+        dropout_p: float,
+) -> torch.Tensor:
+    """One chunk of causal long-short attention (queries of whole segments and whole windows).
+
+    q, k and v are projected here from the chunk's tokens (and the W tokens before it), so that with checkpointing
+    no full-length q, k or v is kept for the backward pass.
+
+    Args:
+        x_before, x_chunk: Input tokens of positions [start - W, start) and [start, start + Cq): (B, W, D), (B, Cq, D).
+        q_weight: The query weight with the scale d^-1/2 folded in; k_weight, v_weight: key and value weights.
+        bar_k, bar_v: The compressed keys/values the chunk may see (B, h, m, d).
+        seg_pos: Segment relative-position embeddings R_c[rho], rho = 0..m-1: (h, m, d).
+        norm_weight, norm_bias, norm_eps: LN_L, applied here so that its output is not kept for the backward.
+        win_pos: Window relative-position embeddings R_w[delta], delta = 0..W-1: (h, W, d).
+        content_bias, pos_bias: u and v (h, 1, d).
+        query_segment: (Cq,) concatenated segment J of each query; vector_ok: (m,) False for vectors of empty
+            (all-masked) segments; dp_rank: r. The (Cq, m) positions and masks are made here, not kept.
+        win_index: (W, 2W) delta of each (query, key) pair of a block; win_masked (B or 1, 1, nb, W, 2W).
+    """
+    B, Cq, C = x_chunk.shape
+    h, m, d = bar_k.shape[1], bar_k.shape[2], bar_k.shape[3]
+    W = win_pos.shape[1]
+    nb = Cq // W
+    q = F.linear(x_chunk, q_weight).unflatten(-1, (h, d)).transpose(1, 2)  # (B, h, Cq, d), scaled
+    xw = torch.cat([x_before, x_chunk], dim=1)
+    win_k, win_v = (F.layer_norm(F.linear(xw, wt), (C,), norm_weight, norm_bias, norm_eps)
+                    .unflatten(-1, (h, d)).transpose(1, 2) for wt in (k_weight, v_weight))  # LN_L: (B, h, W+Cq, d)
+    # compressed segments: content + relative segment position, masked to strictly earlier segments
+    rho, bar_masked = segment_positions(query_segment, m, dp_rank)
+    bar_masked = bar_masked | ~vector_ok
+    bar_scores = q @ bar_k.transpose(-1, -2) + torch.gather(
+        q @ seg_pos.transpose(-1, -2), -1, rho.clamp(0, max(m - 1, 0)).expand(B, h, Cq, m))
+    bar_scores = bar_scores.masked_fill(bar_masked, _mask_value(q.dtype))
+    # window: blocks of W queries against the 2W keys [block start - W, block end), band t-W+1..t
+    keys = win_k.unfold(2, 2 * W, W)  # (B, h, nb, d, 2W)
+    q_blocks = q.unflatten(2, (nb, W))
+    win_scores = (q_blocks + content_bias[:, None]) @ keys
+    rel = ((q + pos_bias) @ win_pos.transpose(-1, -2)).unflatten(2, (nb, W))  # (B, h, nb, W, W) by delta
+    win_scores = win_scores + torch.gather(rel, -1, win_index.expand(B, h, nb, W, 2 * W))
+    win_scores = win_scores.masked_fill(win_masked, _mask_value(q.dtype))
+    scores = torch.cat([bar_scores.unflatten(2, (nb, W)), win_scores], dim=-1)
+    attn = _softmax_fp32(scores, -1)
+    attn = F.dropout(attn, p=dropout_p, training=dropout_p > 0)
+    out = attn[..., :m].flatten(2, 3) @ bar_v
+    out = out + (attn[..., m:] @ win_v.unfold(2, 2 * W, W).transpose(-1, -2)).flatten(2, 3)
+    return out.transpose(1, 2)  # (B, Cq, h, d): the chunks concatenate straight into token order
+
+
+class CausalLongShortAttention(nn.Module):
+    """Causal long-short attention with a cache of the previous M tokens (Transformer-LS char-LM).
+
+    Parameters map to the official `ChunkedLSAttention`: proj_query/key/val/out -> q/k/v/proj (no bias),
+    dconv_1 -> dynamic_proj, r_net -> r_net, r_net_chunk -> r_net_chunk, r_w_bias -> content_bias (u),
+    r_r_bias -> pos_bias (v), dual_ln_win -> norm_local (LN_L), dual_ln_dproj -> norm_global (LN_G).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            window_size: int = 512,
+            segment_size: int = 16,
+            dp_rank: int = 1,
+            compress_hidden_cache: bool = True,
+            query_chunk_size: Optional[int] = 128,
+            checkpoint_chunks: Optional[bool] = None,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            pos_drop: float = 0.,
+            dual_ln_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            dim: Channels D.
+            num_heads: Heads h.
+            window_size: W: query t sees the tokens t-W+1..t directly.
+            segment_size: l: tokens per dynamic-projection segment.
+            dp_rank: r: projections per segment and head.
+            compress_hidden_cache: Cache segments average the hidden states and then project (official, True) or
+                project and then average like the current segments (False).
+            query_chunk_size: Queries per chunk (rounded up to a multiple of lcm(W, l)); each chunk scores only the
+                segments its queries may see. None: one chunk, every query scores every segment (official design).
+            checkpoint_chunks: Recompute each chunk in the backward pass instead of storing its scores (bounded
+                memory at the price of one more chunk forward). None: only when the scores of all chunks together
+                would exceed 2^24 elements (64 MB in fp32).
+            attn_drop: Dropout on the attention weights.
+            proj_drop: Dropout after the output projection.
+            pos_drop: Dropout on the window sinusoids (official: the model's embedding dropout).
+            dual_ln_eps: Epsilon of LN_L and LN_G.
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        if dim % num_heads or dim % 2:
+            raise ValueError(f'dim {dim} must be even and divisible by num_heads {num_heads}')
+        if min(window_size, segment_size, dp_rank) < 1:
+            raise ValueError('window_size, segment_size and dp_rank must be >= 1')
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.window_size = window_size
+        self.segment_size = segment_size
+        self.dp_rank = dp_rank
+        self.compress_hidden_cache = compress_hidden_cache
+        self.query_chunk_size = query_chunk_size
+        self.checkpoint_chunks = checkpoint_chunks
+        self.attn_drop = attn_drop
+        self.q = nn.Linear(dim, dim, bias=False, **dd)
+        self.k = nn.Linear(dim, dim, bias=False, **dd)
+        self.v = nn.Linear(dim, dim, bias=False, **dd)
+        self.dynamic_proj = nn.Linear(dim, num_heads * dp_rank, **dd)
+        self.r_net = nn.Linear(dim, dim, bias=False, **dd)
+        self.r_net_chunk = nn.Linear(dim, dim, **dd)
+        self.content_bias = nn.Parameter(torch.zeros(num_heads, self.head_dim, **dd))
+        self.pos_bias = nn.Parameter(torch.zeros(num_heads, self.head_dim, **dd))
+        self.norm_local = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)
+        self.norm_global = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)
+        self.proj = nn.Linear(dim, dim, bias=False, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+        self.pos_drop = nn.Dropout(pos_drop)
+        nn.init.normal_(self.content_bias, std=0.02)
+        nn.init.normal_(self.pos_bias, std=0.02)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, n, D) -> (B, h, n, d)."""
+        return t.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            cache: Optional[torch.Tensor] = None,
+            cache_valid_len: Optional[int] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            x: Current tokens (B, L, D) (LN1 output in a block), positions 0..L-1.
+            cache: LN1 of the previous M raw layer inputs (B, M, D), positions -M..-1, or None (no cache).
+            cache_valid_len: None: every cache token is real (official; a zero initial cache is attended too).
+                k: only the last k cache tokens are real, the rest are masked (the masked-cache extension, which
+                also allows M < W and M % l != 0).
+
+        Returns:
+            (B, L, D).
+        """
+        B, L, C = x.shape
+        h, d, r, W, ls = self.num_heads, self.head_dim, self.dp_rank, self.window_size, self.segment_size
+        M = 0 if cache is None else cache.shape[1]
+        if cache is not None and cache_valid_len is None and (M < W or M % ls):
+            raise ValueError(
+                f'cache of {M} tokens: the official layout needs M >= window_size ({W}) and M % segment_size '
+                f'({ls}) == 0; pass cache_valid_len to use the masked-cache extension')
+        valid_cache = M if cache_valid_len is None else max(0, min(int(cache_valid_len), M))
+
+        # layout [left pad | cache | x | right pad]: whole segments, at least W tokens before position 0,
+        # current segments aligned at 0, the queries a multiple of lcm(W, l) (chunks of whole blocks)
+        unit = W * ls // math.gcd(W, ls)
+        Mp = -(-max(M, W) // ls) * ls
+        chunk = -(-L // unit) * unit if self.query_chunk_size is None else -(-self.query_chunk_size // unit) * unit
+        Lp = -(-L // unit) * unit
+        chunk = min(chunk, Lp)
+        # the part before x (left pad, cache) is short and built once; x is copied only when it needs right padding
+        pre_parts = [x.new_zeros(B, Mp - M, C)] if Mp > M else []
+        if cache is not None:
+            pre_parts.append(cache.to(x.dtype))
+        pre = torch.cat(pre_parts, dim=1) if len(pre_parts) > 1 else pre_parts[0]  # (B, Mp, C)
+        N = Mp + Lp
+        valid = torch.zeros(N, dtype=torch.bool, device=x.device)
+        valid[Mp - valid_cache:Mp + L] = True
+        right = [x.new_zeros(B, Lp - L, C)] if Lp > L else []
+
+        x_cur = x if Lp == L else torch.cat([x] + right, dim=1)  # (B, Lp, C)
+
+        # segment-wise dynamic projection: P = softmax over the l tokens of each segment (fp32)
+        num_seg = N // ls
+        logits = torch.cat([self.dynamic_proj(pre), self.dynamic_proj(x)]
+                           + ([x.new_zeros(B, Lp - L, h * r)] if Lp > L else []), dim=1)  # pads: masked below
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        logits = logits.masked_fill(~valid[None, :, None], _MASKED)
+        P = logits.reshape(B, num_seg, ls, h, r).softmax(dim=2).to(x.dtype)  # (B, S, l, h, r)
+        seg_valid = valid.reshape(num_seg, ls).any(1)
+        nsc = Mp // ls
+
+        def average(weights: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            # (B, s, l, h, r) x (B, s * l, D) -> (B, s, r, D): per head slice, weighted by that head's P
+            return torch.einsum('bstir,bstid->bsrid', weights, t.reshape(B, -1, ls, h, d)).flatten(-2)
+
+        def project_average(weights: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+            # sum_tau P_i (t_tau W_i) = (sum_tau P_i t_tau) W_i (k, v have no bias): average the inputs with each
+            # head's weights, then project with that head's slice: no (B, n, D) intermediate is kept
+            avg = torch.einsum('bstj,bstc->bsjc', weights.flatten(3), t.reshape(B, -1, ls, C))  # (B, s, h*r, C)
+            avg = avg.unflatten(2, (h, r))
+            wk, wv = self.k.weight.view(h, d, C), self.v.weight.view(h, d, C)
+            return (torch.einsum('bsirc,idc->bsrid', avg, wk).flatten(-2),
+                    torch.einsum('bsirc,idc->bsrid', avg, wv).flatten(-2))
+
+        cur_k, cur_v = project_average(P[:, nsc:], x_cur)
+        if self.compress_hidden_cache:
+            # cache: average the hidden states per head slice, then project (official)
+            hid = average(P[:, :nsc], pre)
+            old_k, old_v = self.k(hid), self.v(hid)
+        else:
+            old_k, old_v = project_average(P[:, :nsc], pre)
+        bar_k = self.norm_global(torch.cat([old_k, cur_k], dim=1))  # (B, S, r, D), LN_G over D
+        bar_v = self.norm_global(torch.cat([old_v, cur_v], dim=1))
+        bar_k = self._heads(bar_k.flatten(1, 2))  # (B, h, S * r, d), ordered (segment, rank)
+        bar_v = self._heads(bar_v.flatten(1, 2))
+        n_cv = num_seg * r
+
+        # relative positions: window delta = 0..W-1, segments rho = 0..n_cv-1
+        sin_w = self.pos_drop(sinusoid_positions(torch.arange(W, device=x.device), C, x.dtype))
+        win_pos = self.r_net(sin_w).reshape(W, h, d).transpose(0, 1)
+        seg_pos = self.r_net_chunk(sinusoid_positions(torch.arange(n_cv, device=x.device), C, x.dtype))
+        seg_pos = seg_pos.reshape(n_cv, h, d).transpose(0, 1)
+
+        # window index/mask of one block: query i sees keys j in [i + 1, i + W] (of 2W), delta = i + W - j
+        i = torch.arange(W, device=x.device)[:, None]
+        j = torch.arange(2 * W, device=x.device)[None, :]
+        win_index = (i + W - j).clamp(0, W - 1)
+        band = (j >= i + 1) & (j <= i + W)
+        vector_seg = torch.arange(n_cv, device=x.device) // r
+
+        u = self.content_bias[:, None].to(x.dtype)
+        v = self.pos_bias[:, None].to(x.dtype)
+        dropout_p = self.attn_drop if self.training else 0.
+        ckpt = self.checkpoint_chunks
+        if ckpt is None:
+            ckpt = B * h * Lp * (r * num_seg + 2 * W) > 2 ** 24
+        use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
+        # split (not slice) the input: one backward concatenation instead of a full-size zero gradient per chunk;
+        # the W window tokens before a chunk come from the previous piece (or the cache)
+        starts = list(range(0, Lp, chunk))
+        sizes = [min(chunk, Lp - st) for st in starts]
+        x_parts = x_cur.split(sizes, dim=1)
+        q_weight = self.q.weight * d ** -0.5  # the scale folded into the weight
+        outs = []
+        for idx, start in enumerate(starts):
+            Cq = sizes[idx]
+            t = torch.arange(start, start + Cq, device=x.device)
+            J = (Mp + t) // ls  # concatenated segment of each query
+            m = r * int(J[-1])  # vectors of segments before the chunk's last segment
+            win_ok = valid[Mp - W + start:Mp + start + Cq]
+            key_ok = win_ok.unfold(0, 2 * W, W)  # (nb, 2W)
+            win_masked = ~(band[None] & key_ok[:, None, :])
+            args = (
+                pre[:, Mp - W:] if idx == 0 else x_parts[idx - 1][:, -W:], x_parts[idx],
+                q_weight, self.k.weight, self.v.weight, bar_k[:, :, :m], bar_v[:, :, :m], seg_pos[:, :m],
+                self.norm_local.weight, self.norm_local.bias, self.norm_local.eps, win_pos, u, v,
+                J, seg_valid[vector_seg[:m]], r, win_index, win_masked[None, None], dropout_p,
+            )
+            if use_ckpt:
+                outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False))
+            else:
+                outs.append(_causal_chunk(*args))
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (B, Lp, h, d)
+        out = out[:, :L].reshape(B, L, C)
+        return self.proj_drop(self.proj(out))

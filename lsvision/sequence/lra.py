@@ -1,0 +1,196 @@
+"""Long Range Arena encoders and heads of Transformer-LS (ListOps, Text, Retrieval), and full-attention counterparts.
+
+Paper: `Long-Short Transformer: Efficient Transformers for Language and Vision` - https://arxiv.org/abs/2107.02192
+
+The structure is the official `lra/model.py` + `lra/model_wrapper.py`: token + learned absolute position embeddings
+(N(0, 0.02)), pre-LN blocks (attention, GELU MLP), a final LayerNorm. With `pool='cls'` (official `--cls_last_layer`)
+a zero-initialised cls vector is passed as the global token to the last layer's attention only (un-normalized), and
+the normalized cls output is pooled; `pool='mean'` averages the real tokens instead. Heads: Linear -> ReLU ->
+Linear on the pooled vector (ListOps, Text), or on [u, v, u * v, u - v] of the two documents (Retrieval).
+
+Written for lsvision, Apache-2.0.
+"""
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from timm.layers import Mlp
+
+from lsvision.layers import FullAttention1d, LongShortAttention1d
+
+from ._registry import register_model
+
+__all__ = ['LraEncoder', 'LraClassifier', 'LraDualClassifier']
+
+
+class LraBlock(nn.Module):
+    """Pre-LN block: x + Attn(LN1 x [, cls]); x + MLP(LN2 x)."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, attn: str = 'ls', window_size: int = 8,
+                 dp_rank: int = 32, drop: float = 0., attn_drop: float = 0.):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        if attn == 'ls':
+            self.attn = LongShortAttention1d(dim, num_heads, window_size, dp_rank, attn_drop=attn_drop)
+        elif attn == 'full':
+            self.attn = FullAttention1d(dim, num_heads, attn_drop=attn_drop)
+        else:
+            raise ValueError(f"attn must be 'ls' or 'full', got {attn!r}")
+        self.drop = nn.Dropout(drop)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, mlp_hidden, act_layer=nn.GELU, drop=drop)
+
+    def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                cls_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = self.attn(self.norm1(x), mask, cls_token)
+        if cls_token is not None:
+            x = torch.cat([cls_token, x], dim=1)  # the un-normalized cls joins the residual stream
+        x = x + self.drop(out)
+        return x + self.mlp(self.norm2(x))
+
+
+class LraEncoder(nn.Module):
+    """Token ids (B, n), 0 = padding -> pooled features (B, D)."""
+
+    def __init__(
+            self,
+            vocab_size: int = 512,
+            max_len: int = 2048,
+            dim: int = 64,
+            depth: int = 2,
+            num_heads: int = 2,
+            mlp_hidden: int = 128,
+            attn: str = 'ls',
+            window_size: int = 8,
+            dp_rank: int = 32,
+            drop: float = 0.,
+            attn_drop: float = 0.,
+            pool: str = 'cls',
+            pad_id: int = 0,
+    ):
+        """
+        Args:
+            vocab_size: Rows of the token embedding (official table: 512).
+            max_len: Rows of the learned position embedding (longest input).
+            dim: Width D.
+            depth: Blocks.
+            num_heads: Heads.
+            mlp_hidden: MLP hidden width.
+            attn: 'ls' (long-short) or 'full' (quadratic counterpart).
+            window_size: w of the long-short attention.
+            dp_rank: r of the long-short attention.
+            drop: Dropout (embeddings, residual branches, MLP).
+            attn_drop: Attention-weight dropout.
+            pool: 'cls' (official cls_last_layer) or 'mean' (mean of the real tokens).
+            pad_id: Token id of padding (official: 0); the key-padding mask is `ids != pad_id`.
+        """
+        super().__init__()
+        if pool not in ('cls', 'mean'):
+            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+        self.max_len = max_len
+        self.pool = pool
+        self.pad_id = pad_id
+        self.num_features = dim
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.pos_embed = nn.Embedding(max_len, dim)
+        self.drop = nn.Dropout(drop)
+        self.blocks = nn.ModuleList([
+            LraBlock(dim, num_heads, mlp_hidden, attn, window_size, dp_rank, drop, attn_drop) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if pool == 'cls' else None
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos_embed.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        B, n = ids.shape
+        if n > self.max_len:
+            raise ValueError(f'input of {n} tokens is longer than max_len={self.max_len}; build the model with a '
+                             f'larger max_len or truncate the input')
+        mask = ids != self.pad_id
+        x = self.embed(ids) + self.pos_embed(torch.arange(n, device=ids.device))[None]
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            last = i == len(self.blocks) - 1
+            cls = self.cls_token.expand(B, -1, -1) if (last and self.cls_token is not None) else None
+            x = block(x, mask, cls)
+        x = self.norm(x)
+        if self.cls_token is not None:
+            return x[:, 0]
+        m = mask.to(x.dtype)[:, :, None]
+        return (x * m).sum(1) / m.sum(1).clamp(min=1.)
+
+
+class LraClassifier(nn.Module):
+    """Encoder + SCHead (Linear -> ReLU -> Linear): ids (B, n) -> logits (B, classes)."""
+
+    def __init__(self, num_classes: int, mlp_hidden: int = 128, **encoder_kwargs):
+        super().__init__()
+        self.encoder = LraEncoder(mlp_hidden=mlp_hidden, **encoder_kwargs)
+        dim = self.encoder.num_features
+        self.head = nn.Sequential(nn.Linear(dim, mlp_hidden), nn.ReLU(), nn.Linear(mlp_hidden, num_classes))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(ids))
+
+
+class LraDualClassifier(nn.Module):
+    """Shared encoder on two documents + SCHeadDual on [u, v, u * v, u - v]: (ids1, ids2) -> logits (B, classes)."""
+
+    def __init__(self, num_classes: int = 2, mlp_hidden: int = 128, **encoder_kwargs):
+        super().__init__()
+        self.encoder = LraEncoder(mlp_hidden=mlp_hidden, **encoder_kwargs)
+        dim = self.encoder.num_features
+        self.head = nn.Sequential(nn.Linear(4 * dim, mlp_hidden), nn.ReLU(), nn.Linear(mlp_hidden, num_classes))
+
+    def forward(self, ids1: torch.Tensor, ids2: torch.Tensor) -> torch.Tensor:
+        u, v = self.encoder(ids1), self.encoder(ids2)
+        return self.head(torch.cat([u, v, u * v, u - v], dim=-1))
+
+
+# official scripts: 2 layers, D 64, 2 heads, FFN 128, vocab table 512; (w, r) = (8, 32)
+_LISTOPS = dict(num_classes=10, max_len=2048, drop=0., attn_drop=0.)
+_TEXT = dict(num_classes=2, max_len=4096, drop=0., attn_drop=0.)
+_RETRIEVAL = dict(num_classes=2, max_len=4096, drop=0.1, attn_drop=0.1)
+
+
+def _lra(cls, defaults, attn, **kwargs):
+    cfg = dict(defaults, attn=attn)
+    cfg.update(kwargs)
+    return cls(**cfg)
+
+
+@register_model
+def ls_lra_listops(**kwargs) -> LraClassifier:
+    """Transformer-LS (w, r = 8, 32) on LRA ListOps: ids (B, 2048) -> (B, 10). Best of Table 7: w=16, r=2."""
+    return _lra(LraClassifier, _LISTOPS, 'ls', **kwargs)
+
+
+@register_model
+def ls_lra_text(**kwargs) -> LraClassifier:
+    """Transformer-LS (w, r = 8, 32) on LRA Text (IMDb bytes): ids (B, 4096) -> (B, 2). Best: w=1, r=1."""
+    return _lra(LraClassifier, _TEXT, 'ls', **kwargs)
+
+
+@register_model
+def ls_lra_retrieval(**kwargs) -> LraDualClassifier:
+    """Transformer-LS (w, r = 8, 32) on LRA Retrieval (AAN): 2 x (B, 4096) -> (B, 2). Best: w=1, r=254."""
+    return _lra(LraDualClassifier, _RETRIEVAL, 'ls', **kwargs)
+
+
+@register_model
+def full_lra_listops(**kwargs) -> LraClassifier:
+    """Full-attention counterpart of `ls_lra_listops` (same shapes)."""
+    return _lra(LraClassifier, _LISTOPS, 'full', **kwargs)
+
+
+@register_model
+def full_lra_text(**kwargs) -> LraClassifier:
+    """Full-attention counterpart of `ls_lra_text`."""
+    return _lra(LraClassifier, _TEXT, 'full', **kwargs)
+
+
+@register_model
+def full_lra_retrieval(**kwargs) -> LraDualClassifier:
+    """Full-attention counterpart of `ls_lra_retrieval`."""
+    return _lra(LraDualClassifier, _RETRIEVAL, 'full', **kwargs)
