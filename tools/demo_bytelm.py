@@ -10,7 +10,6 @@ bits per byte on the held-out last 10 % of the corpus.
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,21 +20,7 @@ import lsvision.sequence as seq
 from lsvision.data import stdlib_bytes
 from lsvision.flops import parameter_count
 from lsvision.measure import machine_description
-
-
-def auto_threads(max_threads: int = 2) -> int:
-    """2 threads on an idle machine; 1 when the load leaves less than a core per thread (OpenMP threads then
-    spend their time waiting for each other: measured 3-5x slower steps at load 6 on 2 cores)."""
-    cores = os.cpu_count() or 1
-    free = cores - os.getloadavg()[0]
-    return max(1, min(max_threads, cores, int(free + 0.5)))
-
-
-def lr_factor(step: int, spent: float, warmup: int = 30, decay_from: float = 0.6) -> float:
-    """Linear warm-up over `warmup` steps, flat, then linear decay to 2 % over the last 40 % of the wall-clock budget
-    (`spent` = fraction of the budget used): the schedule follows time, since the step count is unknown upfront."""
-    decay = 1. if spent < decay_from else max(0.02, (1. - spent) / (1. - decay_from))
-    return min(1., (step + 1) / warmup) * decay
+from lsvision.sequence.budget_train import auto_threads, lr_factor
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -30,6 +30,7 @@ import torch.nn as nn
 from lsvision.data.stdlib_docs import PAD_ID, VOCAB_SIZE, build_stdlib_docs
 from lsvision.sequence.budget_train import (
     accuracy,
+    auto_threads,
     evaluate_for_seconds,
     macro_f1,
     stratified_order,
@@ -77,9 +78,7 @@ def main(argv: Optional[list] = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     if args.threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-        busy = round(os.getloadavg()[0]) if hasattr(os, 'getloadavg') else 0
-        args.threads = max(1, min(cores, cores - busy))
+        args.threads = auto_threads(max_threads=os.cpu_count() or 1)
     torch.set_num_threads(args.threads)
 
     train, test = build_stdlib_docs(doc_len=args.doc_len, max_train_per_class=args.max_train_per_class,
