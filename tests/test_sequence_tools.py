@@ -4,6 +4,8 @@ Tiny budgets: they check that every code path runs and that the reports have the
 """
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,18 @@ def test_bench_sequence(tmp_path, capsys):
     assert 'ls_causal_blocked/sdpa_causal time @512' in report['ratios']
     assert stem.with_suffix('.png').stat().st_size > 1000
     assert '| layer | ls_causal_blocked |' in stem.with_suffix('.md').read_text()
+
+
+def test_bench_sequence_reusing_allocator(tmp_path):
+    # the tool restarts itself with the allocator settings and says so in its report
+    stem = tmp_path / 'bench'
+    proc = subprocess.run(
+        [sys.executable, str(TOOLS / 'bench_sequence.py'), '--lengths', '256', '--only', 'layer', '--names',
+         'ls_bidir_w8_r32', '--budget', '0', '--allocator', 'reuse', '--out', str(stem)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(stem.with_suffix('.json').read_text())
+    assert report['allocator'] == 'reuse' and [r['name'] for r in report['rows']] == ['ls_bidir_w8_r32']
+    assert 'allocator reuse' in proc.stdout
+    with pytest.raises(SystemExit):  # in-process calls cannot restart the interpreter
+        load_tool('bench_sequence').main(['--lengths', '256', '--allocator', 'reuse', '--out', str(stem)])

@@ -26,7 +26,14 @@ import torch.nn as nn
 
 import lsvision.sequence as seq
 from lsvision.layers import CausalLongShortAttention, FullAttention1d, LongShortAttention1d
-from lsvision.measure import _peak_cpu, _peak_cuda, machine_description, machine_info
+from lsvision.measure import (
+    _peak_cpu,
+    _peak_cuda,
+    allocator_reuses_memory,
+    machine_description,
+    machine_info,
+    reexec_with_reusing_allocator,
+)
 from lsvision.sequence.char_lm import CausalFullAttention
 
 D, HEADS = 256, 4
@@ -213,7 +220,16 @@ def main(argv=None) -> int:
     parser.add_argument('--mem-budget-gb', type=float, default=6., help='skip a point predicted above this')
     parser.add_argument('--device', default='cpu')
     parser.add_argument('--out', type=Path, default=Path('output/bench_sequence'), help='path stem of the reports')
+    parser.add_argument('--allocator', choices=['glibc', 'reuse'], default='glibc',
+                        help="CPU memory allocator settings: glibc's defaults, or 'reuse' (restarts the tool with "
+                             'lsvision.measure.REUSING_ALLOCATOR_ENV: freed memory is kept and reused, as a caching '
+                             'allocator does, so large tensors are not page-faulted again on every call)')
     args = parser.parse_args(argv)
+    if args.allocator == 'reuse' and not allocator_reuses_memory():
+        if argv is not None:
+            parser.error('--allocator reuse restarts the process: run the tool as a command, or set '
+                         'lsvision.measure.REUSING_ALLOCATOR_ENV in the environment before Python starts')
+        reexec_with_reusing_allocator()
     torch.set_num_threads(args.threads)
     rows = []
     for kind in ('layer', 'model'):
@@ -221,11 +237,13 @@ def main(argv=None) -> int:
             rows += run(kind, args.lengths, args)
     summary = ratios(rows)
     table = markdown(rows, args.lengths)
-    print(f'\n{machine_description(args.device)}, {args.threads} threads\n\n{table}\n')
+    allocator = 'reuse' if allocator_reuses_memory() else 'glibc'
+    print(f'\n{machine_description(args.device)}, {args.threads} threads, allocator {allocator}\n\n{table}\n')
     for k, v in summary.items():
         print(f'{k}: {v:.3f}')
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = dict(machine=machine_info(args.device), threads=args.threads, rows=rows, ratios=summary)
+    report = dict(machine=machine_info(args.device), threads=args.threads, allocator=allocator, rows=rows,
+                  ratios=summary)
     tmp = args.out.with_suffix('.json.tmp')
     tmp.write_text(json.dumps(report, indent=2))
     tmp.replace(args.out.with_suffix('.json'))
