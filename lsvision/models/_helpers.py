@@ -1,9 +1,59 @@
 """Small pieces shared by the lsvision model families."""
+from typing import Any, Dict
+
 import torch
+import torch.nn as nn
 
-from timm.layers import _assert, register_notrace_function
+from timm.layers import _assert, register_notrace_function, trunc_normal_
 
-__all__ = ['check_image_input']
+from lsvision.layers import GatedRecurrentCache
+
+__all__ = ['check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'GrcModelMixin', 'GRC_CHECKPOINT_ERROR']
+
+GRC_CHECKPOINT_ERROR = (
+    'gradient checkpointing is not supported with GRC: the recompute in backward would update the cache a second '
+    'time and use the new cache (wrong gradients)')
+
+
+def grc_layer_kwargs(
+        ratio: float,
+        lam_init: float,
+        summary_src: str,
+        eval_update: bool,
+        interp_mode: str,
+        sync_cache: bool,
+) -> Dict[str, Any]:
+    """The `GatedRecurrentCache` arguments a GRC model takes as its `grc_*` constructor arguments."""
+    return dict(ratio=ratio, lam_init=lam_init, summary_src=summary_src, eval_update=eval_update,
+                interp_mode=interp_mode, sync_cache=sync_cache)
+
+
+def init_linear_trunc_normal(m: nn.Module) -> None:
+    """timm's Linear init (weights trunc normal std .02, biases 0), for `module.apply` on new GRC attention."""
+    if isinstance(m, nn.Linear):
+        trunc_normal_(m.weight, std=.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+
+class GrcModelMixin:
+    """`reset_cache` and a guarded `set_grad_checkpointing` for timm models whose attention carries GRC caches.
+
+    Put it before the timm model class in the bases, so its methods come first.
+    """
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        if enable:
+            raise RuntimeError(GRC_CHECKPOINT_ERROR)
+        super().set_grad_checkpointing(False)
+
+    @torch.jit.ignore
+    def reset_cache(self) -> None:
+        """Zero every GRC cache."""
+        for m in self.modules():
+            if isinstance(m, GatedRecurrentCache):
+                m.reset_cache()
 
 
 @register_notrace_function  # asserts on the input shape: a leaf for torch.fx

@@ -37,6 +37,7 @@ from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs,
 
 from lsvision.layers import GatedRecurrentCache
 
+from ._helpers import GRC_CHECKPOINT_ERROR, GrcModelMixin, grc_layer_kwargs
 from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
 __all__ = ['PyramidVisionTransformer']
@@ -248,7 +249,7 @@ class PvtStage(HierarchicalStage):
         return x, prefix
 
 
-class PyramidVisionTransformer(HierarchicalTransformer):
+class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
     """PVT v1 (https://arxiv.org/abs/2102.12122), optionally with GRC-Attention in every block."""
 
     def __init__(
@@ -320,14 +321,8 @@ class PyramidVisionTransformer(HierarchicalTransformer):
         self.grc = grc
         self.min_input_size = patch_size * 2 ** (num_stages - 1) * max(1, max(
             sr // 2 ** (num_stages - 1 - i) for i, sr in enumerate(sr_ratios)))
-        grc_cfg = dict(
-            ratio=grc_ratio,
-            lam_init=grc_lam_init,
-            summary_src=grc_summary_src,
-            eval_update=grc_eval_update,
-            interp_mode=grc_interp_mode,
-            sync_cache=grc_sync_cache,
-        ) if grc else None
+        grc_cfg = grc_layer_kwargs(
+            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache) if grc else None
 
         dpr = calculate_drop_path_rates(drop_path_rate, depths, stagewise=True)
         stages = []
@@ -371,18 +366,8 @@ class PyramidVisionTransformer(HierarchicalTransformer):
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         if enable and self.grc:
-            raise RuntimeError(
-                'gradient checkpointing is not supported with GRC: the recompute in backward would update the '
-                'cache a second time and use the new cache (wrong gradients)')
-        for s in self.stages:
-            s.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def reset_cache(self) -> None:
-        """Zero every GRC cache."""
-        for m in self.modules():
-            if isinstance(m, GatedRecurrentCache):
-                m.reset_cache()
+            raise RuntimeError(GRC_CHECKPOINT_ERROR)
+        HierarchicalTransformer.set_grad_checkpointing(self, enable)  # plain PVT checkpoints (the mixin refuses)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:

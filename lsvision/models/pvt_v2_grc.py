@@ -29,7 +29,7 @@ from timm.models.pvt_v2 import checkpoint_filter_fn as _pvt_v2_filter_fn
 
 from lsvision.layers import GatedRecurrentCache
 
-from ._helpers import check_image_input
+from ._helpers import GrcModelMixin, check_image_input, grc_layer_kwargs
 
 __all__ = ['PvtV2GrcAttention', 'PyramidVisionTransformerV2Grc']
 
@@ -107,7 +107,7 @@ def _grid_sizes(img_size: Tuple[int, int], num_stages: int) -> List[Tuple[int, i
     return sizes
 
 
-class PyramidVisionTransformerV2Grc(PyramidVisionTransformerV2):
+class PyramidVisionTransformerV2Grc(GrcModelMixin, PyramidVisionTransformerV2):
     """timm PVT v2 with GRC-Attention in every block."""
 
     def __init__(
@@ -170,14 +170,8 @@ class PyramidVisionTransformerV2Grc(PyramidVisionTransformerV2):
         )
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.min_input_size = 32
-        grc_cfg = dict(
-            ratio=grc_ratio,
-            lam_init=grc_lam_init,
-            summary_src=grc_summary_src,
-            eval_update=grc_eval_update,
-            interp_mode=grc_interp_mode,
-            sync_cache=grc_sync_cache,
-        )
+        grc_cfg = grc_layer_kwargs(
+            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache)
         grids = _grid_sizes(img_size, len(depths))
         for i, stage in enumerate(self.stages):
             for blk in stage.blocks:
@@ -195,21 +189,6 @@ class PyramidVisionTransformerV2Grc(PyramidVisionTransformerV2):
                     **dd,
                 )
                 blk.attn.apply(self._init_weights)
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise RuntimeError(
-                'gradient checkpointing is not supported with GRC: the recompute in backward would update the '
-                'cache a second time and use the new cache (wrong gradients)')
-        super().set_grad_checkpointing(False)
-
-    @torch.jit.ignore
-    def reset_cache(self) -> None:
-        """Zero every GRC cache."""
-        for m in self.modules():
-            if isinstance(m, GatedRecurrentCache):
-                m.reset_cache()
 
     @torch.jit.ignore
     def resize_cache(self, img_size: Union[int, Tuple[int, int]]) -> None:

@@ -22,12 +22,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import resize_rel_pos_bias_table, to_2tuple, trunc_normal_
+from timm.layers import resize_rel_pos_bias_table, to_2tuple
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.swin_transformer import SwinTransformer, WindowAttention
 from timm.models.swin_transformer import checkpoint_filter_fn as _swin_filter_fn
 
 from lsvision.layers import GatedRecurrentCache, GrcMemoryAttention
+
+from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal
 
 __all__ = ['SwinGrcWindowAttention', 'SwinTransformerGrc']
 
@@ -125,14 +127,7 @@ class SwinGrcWindowAttention(WindowAttention):
         return self.grc(x, self.forward_self(x, mask), [ws[0], ws[1]])
 
 
-def _init_linear(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        trunc_normal_(m.weight, std=.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-class SwinTransformerGrc(SwinTransformer):
+class SwinTransformerGrc(GrcModelMixin, SwinTransformer):
     """timm Swin Transformer with GRC-Attention in every block."""
 
     def __init__(
@@ -157,14 +152,8 @@ class SwinTransformerGrc(SwinTransformer):
         """
         super().__init__(**kwargs)
         dd = {'device': kwargs.get('device'), 'dtype': kwargs.get('dtype')}
-        grc_cfg = dict(
-            ratio=grc_ratio,
-            lam_init=grc_lam_init,
-            summary_src=grc_summary_src,
-            eval_update=grc_eval_update,
-            interp_mode=grc_interp_mode,
-            sync_cache=grc_sync_cache,
-        )
+        grc_cfg = grc_layer_kwargs(
+            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache)
         for layer in self.layers:
             for blk in layer.blocks:
                 old = blk.attn
@@ -179,22 +168,7 @@ class SwinTransformerGrc(SwinTransformer):
                     grc_cfg=grc_cfg,
                     **dd,
                 )
-                blk.attn.apply(_init_linear)
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise RuntimeError(
-                'gradient checkpointing is not supported with GRC: the recompute in backward would update the '
-                'cache a second time and use the new cache (wrong gradients)')
-        super().set_grad_checkpointing(False)
-
-    @torch.jit.ignore
-    def reset_cache(self) -> None:
-        """Zero every GRC cache."""
-        for m in self.modules():
-            if isinstance(m, GatedRecurrentCache):
-                m.reset_cache()
+                blk.attn.apply(init_linear_trunc_normal)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -22,13 +22,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
-from timm.layers import Attention, trunc_normal_
+from timm.layers import Attention
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_filter_fn
 
 from lsvision.layers import GatedRecurrentCache
+
+from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal
 
 __all__ = ['VitGrcAttention', 'VisionTransformerGrc']
 
@@ -103,14 +105,7 @@ class VitGrcAttention(Attention):
         return self.grc(x, self.forward_self(x, attn_mask, is_causal), None)
 
 
-def _init_linear(m: nn.Module) -> None:
-    if isinstance(m, nn.Linear):
-        trunc_normal_(m.weight, std=.02)
-        if m.bias is not None:
-            nn.init.zeros_(m.bias)
-
-
-class VisionTransformerGrc(VisionTransformer):
+class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
     """timm Vision Transformer with GRC-Attention in every block."""
 
     def __init__(
@@ -135,14 +130,8 @@ class VisionTransformerGrc(VisionTransformer):
         """
         super().__init__(**kwargs)
         dd = {'device': kwargs.get('device'), 'dtype': kwargs.get('dtype')}
-        grc_cfg = dict(
-            ratio=grc_ratio,
-            lam_init=grc_lam_init,
-            summary_src=grc_summary_src,
-            eval_update=grc_eval_update,
-            interp_mode=grc_interp_mode,
-            sync_cache=grc_sync_cache,
-        )
+        grc_cfg = grc_layer_kwargs(
+            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache)
         grid = tuple(self.patch_embed.grid_size)
         for blk in self.blocks:
             old = blk.attn
@@ -157,22 +146,7 @@ class VisionTransformerGrc(VisionTransformer):
                 grc_cfg=grc_cfg,
                 **dd,
             )
-            blk.attn.apply(_init_linear)
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable: bool = True) -> None:
-        if enable:
-            raise RuntimeError(
-                'gradient checkpointing is not supported with GRC: the recompute in backward would update the '
-                'cache a second time and use the new cache (wrong gradients)')
-        super().set_grad_checkpointing(False)
-
-    @torch.jit.ignore
-    def reset_cache(self) -> None:
-        """Zero every GRC cache."""
-        for m in self.modules():
-            if isinstance(m, GatedRecurrentCache):
-                m.reset_cache()
+            blk.attn.apply(init_linear_trunc_normal)
 
 
 def checkpoint_filter_fn(
