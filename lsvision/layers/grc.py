@@ -430,10 +430,11 @@ class GatedRecurrentCache(nn.Module):
         x = F.pad(x.view(B, H, W, D), (0, 0, 1, 1, 1, 1))
         x_pair = F.pad(x_pair.view(B, H, W, D), (0, 0, 1, 1, 1, 1))
         w_own, w_pair = w_own.view(D, 9).t(), w_pair.view(D, 9).t()
-        if self.pe.bias is None:
+        bias = self.pe.bias
+        if bias is None:
             out = x.new_zeros(B, H, W, D)
         else:
-            out = self.pe.bias.to(x.dtype).expand(B, H, W, D).clone()
+            out = bias.to(x.dtype).expand(B, H, W, D).clone()
         for k in range(9):
             dy, dx = divmod(k, 3)
             out.addcmul_(x[:, dy:dy + H, dx:dx + W], w_own[k]).addcmul_(x_pair[:, dy:dy + H, dx:dx + W], w_pair[k])
