@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt 2>/dev/null | cksum | cut -d' ' -f1)
 CONTRACT := ../shared/tools/timm_contract/run.sh
-CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium
+CONTRACT_MODELS ?= cvt_ls_13,cvt_13,vil_ls_medium,pvt_v2_b0_grc
 
 .PHONY: install demo models demo-listops demo-bytelm demo-hsw bench-hsw test lint unit contract sweep cards clean
 
