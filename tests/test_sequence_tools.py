@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lsvision.sequence.budget_train import lr_factor
+
 TOOLS = Path(__file__).resolve().parents[1] / 'tools'
 
 
@@ -47,8 +49,8 @@ def test_demo_bytelm(tmp_path, capsys):
     assert '| causal long-short (W 64, l 8, r 1) | 497,160 |' in stdout
     report = json.loads(out.read_text())
     assert all(0 < r['val_bits_per_byte'] < 9 for r in report['results'])
-    assert tool.lr_factor(0, 0.) == pytest.approx(1 / 30) and tool.lr_factor(100, 0.5) == 1.
-    assert tool.lr_factor(100, 0.8) == pytest.approx(0.5) and tool.lr_factor(100, 1.) == 0.02
+    assert lr_factor(0, 0.) == pytest.approx(1 / 30) and lr_factor(100, 0.5) == 1.
+    assert lr_factor(100, 0.8) == pytest.approx(0.5) and lr_factor(100, 1.) == 0.02
 
 
 def test_bench_sequence(tmp_path, capsys):

@@ -11,7 +11,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -20,7 +19,7 @@ import lsvision.sequence as seq
 from lsvision.data import stdlib_bytes
 from lsvision.flops import parameter_count
 from lsvision.measure import machine_description
-from lsvision.sequence.budget_train import auto_threads, lr_factor
+from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,34 +68,16 @@ def bits_per_byte(model, val: torch.Tensor, args) -> float:
 
 
 def train(model, train_data, args) -> dict:
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed)
-    model.train()
-    start = time.perf_counter()
-    step, last_log, loss_avg = 0, start, None
-    while True:
-        elapsed = time.perf_counter() - start
-        if elapsed >= args.budget:
-            break
-        lr = args.lr * lr_factor(step, elapsed / args.budget)
-        for group in opt.param_groups:
-            group['lr'] = lr
+    def batch_loss(gen: torch.Generator) -> torch.Tensor:
         starts = torch.randint(0, len(train_data) - args.block_len - 1, (args.batch_size,), generator=gen)
         x, y = batch(train_data, starts, args.block_len)
         logp, _ = model(x)
-        loss = -logp.gather(-1, y[..., None]).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
-        if time.perf_counter() - last_log > 15:
-            last_log = time.perf_counter()
-            print(f'  {last_log - start:5.0f}s  step {step}  loss {loss_avg / math.log(2):.3f} bits  lr {lr:.2e}',
-                  file=sys.stderr, flush=True)
-    return dict(steps=step, train_s=round(time.perf_counter() - start, 1),
-                train_bits=round(loss_avg / math.log(2), 4))
+        return -logp.gather(-1, y[..., None]).mean()
+
+    steps, seconds, loss_avg = train_on_lr_factor(
+        model, batch_loss, args.budget, args.lr, seed=args.seed, clip_grad=1.0,
+        describe_loss=lambda avg: f'loss {avg / math.log(2):.3f} bits')
+    return dict(steps=steps, train_s=round(seconds, 1), train_bits=round(loss_avg / math.log(2), 4))
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ import lsvision.sequence as seq
 from lsvision.data import LISTOPS_LRA, LISTOPS_MINI, generate_listops, listops_vocab
 from lsvision.flops import parameter_count
 from lsvision.measure import machine_description
-from lsvision.sequence.budget_train import auto_threads, lr_factor
+from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,30 +66,13 @@ def evaluate(model, ids, labels, batch_size=250) -> float:
 
 def train(model, data, args) -> dict:
     ids, labels = data['train']
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    gen = torch.Generator().manual_seed(args.seed)
-    model.train()
-    start = time.perf_counter()
-    step, last_log, loss_avg = 0, start, None
-    while True:
-        elapsed = time.perf_counter() - start
-        if elapsed >= args.budget:
-            break
-        lr = args.lr * lr_factor(step, elapsed / args.budget)
-        for group in opt.param_groups:
-            group['lr'] = lr
+
+    def batch_loss(gen: torch.Generator) -> torch.Tensor:
         idx = torch.randint(0, len(ids), (args.batch_size,), generator=gen)
-        loss = F.cross_entropy(model(crop(ids[idx])), labels[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        step += 1
-        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
-        if time.perf_counter() - last_log > 15:
-            last_log = time.perf_counter()
-            print(f'  {last_log - start:5.0f}s  step {step}  loss {loss_avg:.3f}  lr {lr:.2e}', file=sys.stderr,
-                  flush=True)
-    return dict(steps=step, train_s=round(time.perf_counter() - start, 1), train_loss=round(loss_avg, 4))
+        return F.cross_entropy(model(crop(ids[idx])), labels[idx])
+
+    steps, seconds, loss_avg = train_on_lr_factor(model, batch_loss, args.budget, args.lr, seed=args.seed)
+    return dict(steps=steps, train_s=round(seconds, 1), train_loss=round(loss_avg, 4))
 
 
 def main(argv=None) -> int:

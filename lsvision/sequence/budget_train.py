@@ -5,9 +5,10 @@ a demo takes the same time however busy the machine is; the number of steps it g
 """
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 __all__ = [
     'TrainResult', 'EvalResult', 'train_for_seconds', 'evaluate_for_seconds', 'macro_f1', 'accuracy',
-    'stratified_order', 'auto_threads', 'lr_factor',
+    'stratified_order', 'auto_threads', 'lr_factor', 'train_on_lr_factor',
 ]
 
 
@@ -113,6 +114,49 @@ def train_for_seconds(
             last_log = time.perf_counter()
             log(f'  step {steps}, {samples} samples, {last_log - start:.0f}/{seconds:.0f} s, loss {loss_value:.3f}')
     return TrainResult(steps, samples, time.perf_counter() - start, loss_value)
+
+
+def train_on_lr_factor(
+        model: nn.Module,
+        batch_loss: Callable[[torch.Generator], torch.Tensor],
+        seconds: float,
+        lr: float,
+        seed: int = 0,
+        clip_grad: Optional[float] = None,
+        describe_loss: Callable[[float], str] = lambda avg: f'loss {avg:.3f}',
+        log_every_s: float = 15.,
+) -> Tuple[int, float, float]:
+    """AdamW (weight decay 0.01) until `seconds` have passed, the learning rate following `lr_factor`.
+
+    `batch_loss(generator)` draws a batch with the generator (seeded with `seed`) and returns its loss. A line with
+    the elapsed time, step, `describe_loss` of the running loss average and the learning rate goes to stderr every
+    `log_every_s`. Returns (steps, seconds spent, running loss average).
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    start = time.perf_counter()
+    step, last_log, loss_avg = 0, start, None
+    while True:
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            break
+        step_lr = lr * lr_factor(step, elapsed / seconds)
+        for group in opt.param_groups:
+            group['lr'] = step_lr
+        loss = batch_loss(gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad)
+        opt.step()
+        step += 1
+        loss_avg = loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * loss.item()
+        if time.perf_counter() - last_log > log_every_s:
+            last_log = time.perf_counter()
+            print(f'  {last_log - start:5.0f}s  step {step}  {describe_loss(loss_avg)}  lr {step_lr:.2e}',
+                  file=sys.stderr, flush=True)
+    return step, time.perf_counter() - start, loss_avg
 
 
 def stratified_order(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
