@@ -259,3 +259,66 @@ def test_window_arguments_are_checked():
         attn(torch.randn(1, 32, 16), window=16)
     with pytest.raises(ValueError, match='shift'):
         attn(torch.randn(1, 32, 16), window=8, shift=8)
+
+
+def _demo_options(**kwargs) -> dict:
+    """The options the long-document demo adds to the paper's HSW (byte patches, mean-path merges, fc_norm, avg+max
+    pool)."""
+    return dict(dict(patch_size=4, patch_embed_dim=8, merge_init='mean', fc_norm=True, global_pool='catavgmax'),
+                **kwargs)
+
+
+def test_patch_embedding_stage_shapes_and_feature_info():
+    model = _small(**_demo_options()).eval()
+    assert [f['reduction'] for f in model.feature_info] == [4, 16, 64, 256]
+    with torch.no_grad():
+        feats = model.forward_intermediates(torch.randint(0, 40, (2, 1000)), intermediates_only=True)
+        pooled = model.forward_head(*model.forward_features(torch.randint(0, 40, (2, 1000))), pre_logits=True)
+    assert [tuple(f.shape) for f in feats] == [(2, 250, 16), (2, 63, 32), (2, 16, 64), (2, 4, 128)]
+    assert model.head_hidden_size == 256 and pooled.shape == (2, 256)
+    model.reset_classifier(7)
+    assert model(torch.randint(0, 40, (1, 64))).shape == (1, 7)
+    # the paper's configuration keeps its names (no patch merge before stage 1, no fc_norm parameters)
+    assert not any(n.startswith(('patch_embed.', 'fc_norm.')) for n, _ in _small().named_parameters())
+
+
+@pytest.mark.parametrize('attn', ['window', 'ls'])
+def test_demo_options_padding_invariance(attn):
+    """Byte patches that straddle the end of a document, and the max pool, ignore padding."""
+    torch.manual_seed(0)
+    model = _small(attn, **_demo_options()).eval()
+    x = torch.randint(1, 40, (2, 300))
+    mask = torch.arange(300)[None] < torch.tensor([300, 197])[:, None]
+    x2 = torch.where(mask, x, torch.randint(1, 40, x.shape))
+    with torch.no_grad():
+        out, out2 = model(x, mask), model(x2, mask)
+        short = model(x[1:2, :197])
+    torch.testing.assert_close(out, out2, rtol=0, atol=0)
+    torch.testing.assert_close(out[1:2], short, rtol=0, atol=1e-6)
+
+
+def test_mean_merge_init_passes_the_token_sum():
+    from lsvision.sequence.hsw import PatchMerging1d
+    torch.manual_seed(0)
+    merge = PatchMerging1d(6, 12)
+    merge.init_mean_path()
+    x = torch.randn(2, 8, 6)
+    out, _ = merge(x)
+    normed = merge.norm(x.reshape(2, 2, 24))
+    torch.testing.assert_close(out[..., :6], normed.reshape(2, 2, 4, 6).sum(2) / 2)
+    assert out[..., 6:].abs().max() > 0  # the other channels stay random
+    with pytest.raises(ValueError, match='merge_init'):
+        _small(merge_init='zeros')
+    with pytest.raises(ValueError, match='global_pool'):
+        _small(global_pool='max')
+
+
+def test_demo_options_train_step_finite_gradients():
+    torch.manual_seed(0)
+    model = _small(**_demo_options()).train()
+    x = torch.randint(0, 40, (2, 200))
+    mask = torch.ones(2, 200, dtype=torch.bool)
+    mask[1, 150:] = False
+    loss = F.cross_entropy(model(x, mask), torch.tensor([1, 3]))
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -120,3 +120,24 @@ def test_bench_runs_small(tmp_path):
     assert flat512['blocks_timed'] == '1 of 8, time x 8' and flat512['params'] == report['rows'][2]['params'] + 256 * 96
     assert all(r['median_s'] > 0 for r in report['rows'])
     assert out.with_suffix('.png').stat().st_size > 0 and '| 512 |' in out.with_suffix('.md').read_text()
+
+
+def test_random_crop_stays_within_real_tokens_and_balanced_batches():
+    from lsvision.sequence.budget_train import random_crop
+    gen = torch.Generator().manual_seed(0)
+    x = torch.arange(3 * 100).reshape(3, 100)
+    mask = torch.arange(100)[None] < torch.tensor([100, 60, 20])[:, None]
+    for _ in range(20):
+        cx, cm = random_crop(x, mask, 30, gen)
+        assert cx.shape == cm.shape == (3, 30)
+        assert (cx[:, 1:] - cx[:, :-1] == 1).all()  # contiguous windows
+        assert cm[:2].all() and cm[2].sum() == 20  # inside the real tokens; a short row keeps all of them
+    # class-balanced training on a 1:9 imbalanced set still learns the rare class
+    labels = torch.tensor([0] * 4 + [1] * 36)
+    x = torch.randint(0, 10, (40, 50)) + 10 * labels[:, None]
+    model = BagOfTokens(21, 2)
+    fit = train_for_seconds(model, x, labels, seconds=30., batch_size=8, lr=5e-2, max_steps=40, warmup_fraction=0.,
+                            crop=25, class_balanced=True)
+    assert fit.steps == 40
+    ev = evaluate_for_seconds(model, x, torch.arange(40), None, batch_size=40)
+    assert accuracy(ev.predictions, labels) == 1.0

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 __all__ = [
     'TrainResult', 'EvalResult', 'train_for_seconds', 'evaluate_for_seconds', 'macro_f1', 'accuracy',
-    'stratified_order', 'auto_threads', 'lr_factor', 'train_on_lr_factor',
+    'stratified_order', 'auto_threads', 'lr_factor', 'train_on_lr_factor', 'random_crop',
 ]
 
 
@@ -69,6 +69,8 @@ def train_for_seconds(
         weight_decay: float = 0.05,
         warmup_fraction: float = 0.05,
         max_steps: Optional[int] = None,
+        crop: Optional[int] = None,
+        class_balanced: bool = False,
         seed: int = 0,
         log: Optional[Callable[[str], None]] = None,
         log_every_s: float = 10.,
@@ -76,7 +78,10 @@ def train_for_seconds(
     """AdamW on shuffled mini-batches until `seconds` have passed (at least one step).
 
     The learning rate warms up linearly over the first `warmup_fraction` of the time, then follows a cosine to 0
-    at the end of the budget.
+    at the end of the budget. `crop` trains on a random window of `crop` positions of each sample (within its real
+    tokens when `mask` is given): more, cheaper steps for a model whose prediction pools over positions.
+    `class_balanced` draws each sample's class uniformly, then a sample of that class (instead of epochs over the
+    shuffled data): a short run then does not learn the class frequencies first.
     """
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and 'relative_position_bias' not in n]
@@ -86,6 +91,7 @@ def train_for_seconds(
     model.train()
     n = inputs.shape[0]
     order = torch.randperm(n, generator=gen)
+    by_class = [torch.nonzero(labels == c).flatten() for c in labels.unique().tolist()]
     pos = steps = samples = 0
     loss_value = float('nan')
     start = last_log = time.perf_counter()
@@ -97,11 +103,18 @@ def train_for_seconds(
         scale = frac / warmup_fraction if frac < warmup_fraction else 0.5 * (1 + math.cos(math.pi * frac))
         for group in opt.param_groups:
             group['lr'] = lr * max(scale, 0.01)
-        if pos + batch_size > n:
-            order, pos = torch.randperm(n, generator=gen), 0
-        idx = order[pos:pos + batch_size]
-        pos += batch_size
-        logits = model(inputs[idx], None if mask is None else mask[idx])
+        if class_balanced:
+            classes = torch.randint(len(by_class), (batch_size,), generator=gen).tolist()
+            idx = torch.stack([by_class[c][torch.randint(len(by_class[c]), (1,), generator=gen)[0]] for c in classes])
+        else:
+            if pos + batch_size > n:
+                order, pos = torch.randperm(n, generator=gen), 0
+            idx = order[pos:pos + batch_size]
+            pos += batch_size
+        x, m = inputs[idx], None if mask is None else mask[idx]
+        if crop is not None and crop < x.shape[1]:
+            x, m = random_crop(x, m, crop, gen)
+        logits = model(x, m)
         loss = F.cross_entropy(logits, labels[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -114,6 +127,21 @@ def train_for_seconds(
             last_log = time.perf_counter()
             log(f'  step {steps}, {samples} samples, {last_log - start:.0f}/{seconds:.0f} s, loss {loss_value:.3f}')
     return TrainResult(steps, samples, time.perf_counter() - start, loss_value)
+
+
+def random_crop(
+        inputs: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        length: int,
+        generator: torch.Generator,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """A random window of `length` positions of each row of `inputs` (B, N) (and of its `mask`), drawn within the
+    row's real tokens (the mask's count of ones, assumed to be a prefix) where there are more than `length`."""
+    B, N = inputs.shape
+    real = mask.sum(1) if mask is not None else torch.full((B,), N)
+    start = (torch.rand(B, generator=generator) * ((real - length).clamp(min=0) + 1)).long()
+    index = start[:, None] + torch.arange(length)
+    return inputs.gather(1, index), None if mask is None else mask.gather(1, index)
 
 
 def train_on_lr_factor(

@@ -295,6 +295,20 @@ class PatchMerging1d(nn.Module):
         x = F.pad(x, (0, 0, 0, pad)).reshape(B, (N + pad) // m, m * C)
         return self.reduction(self.norm(x)), valid
 
+    @torch.no_grad()
+    def init_mean_path(self, std: float = .02) -> None:
+        """Starts the first `dim` outputs as the sum / 2 of the merged tokens (the rest random, std `std`): the token
+        statistics then reach the pooled features unscrambled from the first step (a random 4C -> 2C projection after
+        LayerNorm loses most of them, and every merge compounds the loss)."""
+        in_dim = self.reduction.in_features
+        dim = in_dim // self.merge
+        weight = torch.empty_like(self.reduction.weight)
+        trunc_normal_(weight, std=std)
+        keep = min(dim, self.out_dim)
+        for k in range(self.merge):
+            weight[:keep, k * dim:(k + 1) * dim] = torch.eye(keep, dim, dtype=weight.dtype, device=weight.device) / 2
+        self.reduction.weight.copy_(weight)
+
 
 class HSWStage(nn.Module):
     """Optional 4-token merge, then `depth` blocks alternating window (even) and shifted-window (odd) attention."""
@@ -347,6 +361,14 @@ def _masked_mean(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor
     return (x * w).sum(dim=1) / w.sum(dim=1).clamp(min=1.)
 
 
+def _masked_max(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """Max over the real tokens (B, N, C) -> (B, C); an all-padded sample gives 0."""
+    if valid is None:
+        return x.amax(dim=1)
+    out = x.masked_fill(~valid[:, :, None], float('-inf')).amax(dim=1)
+    return out.masked_fill(~valid.any(dim=1, keepdim=True), 0.)
+
+
 def _validate_tokens(x: torch.Tensor, vocab_size: int, mask: Optional[torch.Tensor]) -> None:
     if x.dim() != 2 or x.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
         raise ValueError(f'expected token ids (B, N) of an integer dtype, got {tuple(x.shape)} {x.dtype}')
@@ -389,6 +411,11 @@ class HSW(nn.Module):
             attn: str = 'window',
             dp_ranks: Sequence[int] = (16, 8, 4, 0),
             pad_token_id: Optional[int] = None,
+            patch_size: int = 1,
+            patch_embed_dim: Optional[int] = None,
+            merge_init: str = 'random',
+            fc_norm: bool = False,
+            global_pool: str = 'avg',
             drop_rate: float = 0.,
             proj_drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
@@ -410,6 +437,16 @@ class HSW(nn.Module):
             attn: 'window' (HSW) or 'ls' (HSW-LS: window + dynamic-projection keys).
             dp_ranks: Dynamic projections r per head and stage (`attn='ls'`; 0 = plain window attention there).
             pad_token_id: Tokens with this id are padding when no mask is given.
+            patch_size: Tokens per stage-1 token. 1 (the paper): Embedding -> LayerNorm. p > 1 (for byte input, like
+                Swin's 4x4 pixel patches): Embedding(vocab, patch_embed_dim), p consecutive tokens merged as the
+                stage merges do (concat -> LayerNorm -> Linear to embed_dim), then LayerNorm; stage i then holds
+                N / (p 4^i) tokens.
+            patch_embed_dim: Embedding width when patch_size > 1 (default embed_dim // 2).
+            merge_init: 'random' (the paper) or 'mean': every merge (and the patch embedding) starts by passing the
+                sum / 2 of its tokens in its first channels (`PatchMerging1d.init_mean_path`), so a short training
+                run starts from the token statistics instead of a random projection of them.
+            fc_norm: LayerNorm after the mean pool too (timm ViT's fc_norm): documents differ little in their mean
+                token, so normalizing the pooled vector speeds up training from scratch.
             drop_rate: Dropout before the classifier.
             proj_drop_rate: Dropout after attention and MLP projections.
             attn_drop_rate: Dropout on attention weights.
@@ -419,6 +456,12 @@ class HSW(nn.Module):
         super().__init__()
         if attn not in ('window', 'ls'):
             raise ValueError(f"attn must be 'window' or 'ls', got {attn!r}")
+        if merge_init not in ('random', 'mean'):
+            raise ValueError(f"merge_init must be 'random' or 'mean', got {merge_init!r}")
+        if global_pool not in ('avg', 'catavgmax'):
+            raise ValueError(f"global_pool must be 'avg' or 'catavgmax', got {global_pool!r}")
+        if patch_size < 1:
+            raise ValueError(f'patch_size must be >= 1, got {patch_size}')
         num_stages = len(depths)
         dims = [embed_dim * 2 ** i for i in range(num_stages)]
         num_heads = list(num_heads) if num_heads is not None else [d // head_dim for d in dims]
@@ -429,11 +472,20 @@ class HSW(nn.Module):
         self.num_classes = num_classes
         self.pad_token_id = pad_token_id
         self.attn_type = attn
-        self.num_features = self.head_hidden_size = dims[-1]
+        self.global_pool = global_pool
+        self.num_features = dims[-1]
+        self.head_hidden_size = dims[-1] * (2 if global_pool == 'catavgmax' else 1)
+        self.patch_size = patch_size
         self.feature_info = [
-            dict(num_chs=d, reduction=4 ** i, module=f'stages.{i}') for i, d in enumerate(dims)]
+            dict(num_chs=d, reduction=patch_size * 4 ** i, module=f'stages.{i}') for i, d in enumerate(dims)]
 
-        self.embed = nn.Embedding(vocab_size, embed_dim, **dd)
+        if patch_size == 1:
+            self.embed = nn.Embedding(vocab_size, embed_dim, **dd)
+            self.patch_embed = None
+        else:
+            patch_embed_dim = patch_embed_dim or embed_dim // 2
+            self.embed = nn.Embedding(vocab_size, patch_embed_dim, **dd)
+            self.patch_embed = PatchMerging1d(patch_embed_dim, embed_dim, merge=patch_size, **dd)
         self.embed_norm = nn.LayerNorm(embed_dim, **dd)
         dpr = [x.tolist() for x in torch.linspace(0, drop_path_rate, sum(depths)).split(list(depths))]
         self.stages = nn.ModuleList([
@@ -443,9 +495,14 @@ class HSW(nn.Module):
                 attn_drop=attn_drop_rate, drop_path=dpr[i], **dd)
             for i in range(num_stages)])
         self.norm = nn.LayerNorm(self.num_features, **dd)
+        self.fc_norm = nn.LayerNorm(self.head_hidden_size, **dd) if fc_norm else nn.Identity()
         self.head_drop = nn.Dropout(drop_rate)
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head = nn.Linear(self.head_hidden_size, num_classes, **dd) if num_classes > 0 else nn.Identity()
         self.apply(self._init_weights)
+        if merge_init == 'mean':
+            for m in self.modules():
+                if isinstance(m, PatchMerging1d):
+                    m.init_mean_path()
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
@@ -465,12 +522,15 @@ class HSW(nn.Module):
 
     def reset_classifier(self, num_classes: int) -> None:
         self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        self.head = nn.Linear(self.head_hidden_size, num_classes) if num_classes > 0 else nn.Identity()
 
     def _embed(self, x: torch.Tensor, mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         _validate_tokens(x, self.vocab_size, mask)
         valid = _resolve_mask(x, mask, self.pad_token_id)
-        return self.embed_norm(self.embed(x.long())), valid
+        x = self.embed(x.long())
+        if self.patch_embed is not None:
+            x, valid = self.patch_embed(x, valid)
+        return self.embed_norm(x), valid
 
     def forward_intermediates(
             self,
@@ -490,8 +550,8 @@ class HSW(nn.Module):
             intermediates_only: Return only the list.
 
         Returns:
-            [(B, ceil(N / 4^i), C_i) for the chosen stages i], or (final tokens, their (B, N') bool mask or None,
-            that list).
+            [(B, ceil(N / (patch_size 4^i)), C_i) for the chosen stages i], or (final tokens, their (B, N') bool mask
+            or None, that list).
         """
         num_stages = len(self.stages)
         if indices is None:
@@ -515,14 +575,17 @@ class HSW(nn.Module):
             x: torch.Tensor,
             mask: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Normed last-stage tokens (B, N / 64, C) and their (B, N / 64) bool mask of real tokens (None: all real)."""
+        """Normed last-stage tokens (B, N', C) and their (B, N') bool mask of real tokens (None: all real)."""
         x, valid = self._embed(x, mask)
         for stage in self.stages:
             x, valid = stage(x, valid)
         return self.norm(x), valid
 
     def forward_head(self, x: torch.Tensor, valid: Optional[torch.Tensor] = None, pre_logits: bool = False):
-        x = self.head_drop(_masked_mean(x, valid))
+        pooled = _masked_mean(x, valid)
+        if self.global_pool == 'catavgmax':
+            pooled = torch.cat([pooled, _masked_max(x, valid)], dim=-1)
+        x = self.head_drop(self.fc_norm(pooled))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
