@@ -468,7 +468,7 @@ def test_ddp_sync_cache_equals_global_batch(tmp_path):
 
 @pytest.mark.parametrize('batch,hw', [(1, (14, 14)), (3, (11, 13)), (16, (7, 7)), (2, (3, 5))])
 def test_positional_conv_fast_paths_equal_grouped_conv(batch, hw):
-    # the PE conv runs as shifted multiply-adds (large maps) or 2 depthwise convs (small maps): same sum as self.pe
+    # the PE conv runs as 2 depthwise convs on channels-last views (own channel, pair partner): same sum as self.pe
     grc = GatedRecurrentCache(dim=32, num_heads=2, cache_len=hw[0] * hw[1], ratio=0.5)
     torch.nn.init.normal_(grc.pe.bias)
     x = torch.randn(batch, hw[0] * hw[1], 32)
