@@ -24,7 +24,7 @@ cache grid, Swin relative position bias over the window slots).
 Written for lsvision, Apache-2.0.
 """
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -265,6 +265,9 @@ class GatedRecurrentCache(nn.Module):
         self.lam = nn.Parameter(torch.full((num_heads,), float(lam_init), **dd))
         self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
+        # eval memo of the frozen terms (see `_eval_memo`): not state, never saved
+        self._memo_key: Optional[tuple] = None
+        self._memo: Optional[Dict[str, torch.Tensor]] = None
 
     def extra_repr(self) -> str:
         return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
@@ -313,7 +316,65 @@ class GatedRecurrentCache(nn.Module):
         grid = F.interpolate(grid, size=hw, mode='bilinear', align_corners=False)
         return torch.cat([s[:, :p], grid.flatten(2).transpose(1, 2)], dim=1)
 
-    def update(self, cache: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    def _gate_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Summary halves [W_rS; W_uS; W_cS] (3 D_m x D_m), their biases, cache halves [W_rP; W_uP] (2 D_m x D_m)."""
+        dm = self.cache_dim
+        w_r, w_u, w_c = self.linear_reset.weight, self.linear_update.weight, self.linear_candidate.weight
+        w_s = torch.cat([w_r[:, dm:], w_u[:, dm:], w_c[:, dm:]], dim=0)
+        b_s = _cat_bias(self.linear_reset.bias, self.linear_update.bias, self.linear_candidate.bias)
+        return w_s, b_s, torch.cat([w_r[:, :dm], w_u[:, :dm]], dim=0)
+
+    def _pe_filters(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The PE conv (2 channels per group) as 2 depthwise filters (D, 1, 3, 3): own channel, pair partner."""
+        G, D = self.cache_dim, self.dim
+        w = self.pe.weight.view(G, 2, 2, 3, 3)  # (group, out, in, 3, 3)
+        w_own = torch.diagonal(w, dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        w_pair = torch.diagonal(w.flip(2), dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        return w_own, w_pair
+
+    def train(self, mode: bool = True) -> 'GatedRecurrentCache':
+        self._memo_key = self._memo = None  # a mode switch always rebuilds the eval memo
+        return super().train(mode)
+
+    @torch.jit.unused
+    def _eval_memo(self, dtype: torch.dtype) -> Optional[Dict[str, torch.Tensor]]:
+        """The terms of an eval forward that depend only on the parameters and the frozen cache, computed once.
+
+        In eval the cache is frozen, so the cache halves of the reset and update gates, [W_rP; W_uP] C, are the same
+        for every sample of every call (the spec's per-sample update starts from the frozen buffer); so are the
+        fused gate weights, the PE filters and the mixing weights. They are kept here and recomputed when the cache
+        or a parameter of this layer changes: an in-place write (optimizer step, load_state_dict, copy_ under
+        no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and every train()/eval()
+        call drops the memo. Writes through `.data` are invisible to versions: call train()/eval() after them.
+        Only in eval without autograd and autocast, and never traced (the FLOP counter and exports see the full
+        computation), compiled or scripted. Returns None where the memo does not apply.
+        """
+        if self.training or torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling() \
+                or torch.is_autocast_enabled(self.cache.device.type):
+            return None
+        tensors = [self.cache] + [p for p in self.parameters(recurse=False)] + [
+            p for m in (self.linear_reset, self.linear_update, self.linear_candidate, self.pe) for p in m.parameters()]
+        try:
+            key = tuple((t.data_ptr(), t._version) for t in tensors) + (dtype,)
+        except RuntimeError:  # inference tensors (a model built under inference_mode) have no version counter
+            return None
+        if key != self._memo_key or self._memo is None:
+            w_s, b_s, w_p = self._gate_weights()
+            memo = {'w_s': w_s, 'ru': F.linear(self.cache.to(dtype), w_p.to(dtype))}
+            if b_s is not None:
+                memo['b_s'] = b_s
+            memo['w_own'], memo['w_pair'] = self._pe_filters()
+            w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
+            memo['mix_mem'], memo['mix_self'] = w, 1. - w
+            self._memo_key, self._memo = key, memo
+        return self._memo
+
+    def update(
+            self,
+            cache: torch.Tensor,
+            summary: torch.Tensor,
+            frozen: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """Per-sample GRU-style update: cache (B or 1, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m).
 
         Same math as `W [P, S]` on the concatenation, with each gate weight split into its cache and summary halves:
@@ -322,14 +383,16 @@ class GatedRecurrentCache(nn.Module):
         or expanded copies of the activations are made.
         """
         B, T, dm = summary.shape
-        w_r, w_u, w_c = self.linear_reset.weight, self.linear_update.weight, self.linear_candidate.weight
-        # [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B * T_m, 3 D_m); the reshape is a view of a channel slice
-        w_s = torch.cat([w_r[:, dm:], w_u[:, dm:], w_c[:, dm:]], dim=0)
-        b_s = _cat_bias(self.linear_reset.bias, self.linear_update.bias, self.linear_candidate.bias)
+        w_c = self.linear_candidate.weight
+        if frozen is None:
+            w_s, b_s, w_p = self._gate_weights()
+            # [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
+            ru = F.linear(cache, w_p)
+        else:  # eval: the same terms, computed once for the frozen cache and parameters
+            w_s, b_s, ru = frozen['w_s'], frozen.get('b_s'), frozen['ru']
+        # + [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B * T_m, 3 D_m); the reshape is a view of a channel slice
         summary2d = summary.reshape(B * T, dm)
         s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
-        # + [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
-        ru = F.linear(cache, torch.cat([w_r[:, :dm], w_u[:, :dm]], dim=0))
         gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + ru)
         g_r, g_u = gates[..., :dm], gates[..., dm:]
         # W_cP (g_r * C) + (W_cS S + b_c)
@@ -384,8 +447,11 @@ class GatedRecurrentCache(nn.Module):
         # clone: the buffer is written in place below (train) while this step's graph still uses its value; without
         # a graph or a store (eval, no grad) the buffer is read as is
         cache = self.cache.to(dtype=summary.dtype, copy=self.training or torch.is_grad_enabled())
+        frozen: Optional[Dict[str, torch.Tensor]] = None
+        if not torch.jit.is_scripting():
+            frozen = self._eval_memo(summary.dtype)
         if self.training or self.eval_update:
-            cache = self.update(cache, summary)
+            cache = self.update(cache, summary, frozen)
             if self.training:
                 self._store(cache)
         else:
@@ -393,16 +459,25 @@ class GatedRecurrentCache(nn.Module):
         o_mem = self.mem_attn(x[..., :dm], cache)
 
         H = self.num_heads
-        w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
+        if frozen is None:
+            w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
+            w_self = 1. - w
+        else:
+            w, w_self = frozen['mix_mem'], frozen['mix_self']
         # = w * [o_mem, 0] + (1 - w) * o_self per head, without the zero-padded copy of o_mem
-        out = o_self.reshape(B, T, H, D // H) * (1. - w)
+        out = o_self.reshape(B, T, H, D // H) * w_self
         out[..., :dm // H].addcmul_(o_mem.reshape(B, T, H, dm // H), w)
         out = out.reshape(B, T, D)
 
-        out[:, p:] += self._pe(x[:, p:], feat_size)  # prefix tokens get no PE
+        out[:, p:] += self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
         return out
 
-    def _pe(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+    def _pe(
+            self,
+            x: torch.Tensor,
+            feat_size: List[int],
+            frozen: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """`self.pe` on patch tokens (B, H*W, D), returned as tokens (B, H*W, D).
 
         With 2 channels per group (r = 0.5), each output channel sums a 3x3 depthwise filter over its own channel and
@@ -417,9 +492,10 @@ class GatedRecurrentCache(nn.Module):
             patches = x.transpose(1, 2).reshape(B, D, H, W)
             return self.pe(patches).flatten(2).transpose(1, 2)
         G = self.cache_dim
-        w = self.pe.weight.view(G, 2, 2, 3, 3)  # (group, out, in, 3, 3)
-        w_own = torch.diagonal(w, dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
-        w_pair = torch.diagonal(w.flip(2), dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        if frozen is None:
+            w_own, w_pair = self._pe_filters()
+        else:
+            w_own, w_pair = frozen['w_own'], frozen['w_pair']
         x = x.contiguous()
         x2 = x.view(B, N, G, 2)
         x_pair = torch.stack([x2[..., 1], x2[..., 0]], dim=-1)  # each channel's pair partner in its place
