@@ -333,7 +333,8 @@ class GatedRecurrentCache(nn.Module):
         return w_own, w_pair
 
     def train(self, mode: bool = True) -> 'GatedRecurrentCache':
-        self._memo_key = self._memo = None  # a mode switch always rebuilds the eval memo
+        if mode != self.training:  # a mode switch always rebuilds the eval memo (eval() in eval mode keeps it)
+            self._memo_key = self._memo = None
         return super().train(mode)
 
     @torch.jit.unused
@@ -344,8 +345,8 @@ class GatedRecurrentCache(nn.Module):
         for every sample of every call (the spec's per-sample update starts from the frozen buffer); so are the
         fused gate weights, the PE filters and the mixing weights. They are kept here and recomputed when the cache
         or a parameter of this layer changes: an in-place write (optimizer step, load_state_dict, copy_ under
-        no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and every train()/eval()
-        call drops the memo. Writes through `.data` are invisible to versions: call train()/eval() after them.
+        no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and a switch between train
+        and eval mode drops the memo. Writes through `.data` are invisible to versions: switch modes after them.
         Only in eval without autograd and autocast, and never traced (the FLOP counter and exports see the full
         computation), compiled or scripted. Returns None where the memo does not apply.
         """
