@@ -197,8 +197,9 @@ EXTRA_ACTIVATION_HANDLES: Dict[str, Handle] = {
 
 UNCOUNTED_OPS: Set[str] = {
     # elementwise arithmetic and comparisons
-    'aten::abs', 'aten::add', 'aten::add_', 'aten::addcmul', 'aten::addcdiv', 'aten::clamp_max', 'aten::clamp_min',
-    'aten::cos', 'aten::div', 'aten::div_', 'aten::erf', 'aten::exp', 'aten::fill_', 'aten::le', 'aten::lerp',
+    'aten::abs', 'aten::add', 'aten::add_', 'aten::addcmul', 'aten::addcmul_', 'aten::addcdiv', 'aten::clamp_max',
+    'aten::clamp_min', 'aten::cos', 'aten::div', 'aten::div_', 'aten::erf', 'aten::exp', 'aten::fill_', 'aten::le',
+    'aten::lerp', 'aten::lerp_',
     'aten::log', 'aten::logical_and', 'aten::logical_not', 'aten::logical_or', 'aten::lt', 'aten::masked_fill_',
     'aten::maximum', 'aten::minimum', 'aten::mul', 'aten::mul_', 'aten::ne', 'aten::neg', 'aten::pow',
     'aten::reciprocal', 'aten::rsqrt', 'aten::rsub', 'aten::sign', 'aten::sin', 'aten::sqrt', 'aten::square',

@@ -200,6 +200,36 @@ def test_eval_batch_independent_and_frozen(name):
     assert all(not torch.equal(a, b) for a, b in zip(caches, _caches(model)))
 
 
+@pytest.mark.parametrize('name', [SWIN_T, VIT_S])
+def test_eval_memo_equals_full_computation_and_follows_changes(name):
+    # eval without autograd computes the frozen-cache terms once (GatedRecurrentCache._eval_memo); the outputs must
+    # equal the full computation (autograd on: no memo) and follow in-place changes of the cache and the weights
+    model = _tiny(name).eval()
+    grcs = _grcs(model)
+    x = torch.randn(2, 3, 64, 64)
+
+    def full():
+        with torch.enable_grad():
+            return model(x).detach()
+
+    with torch.no_grad():
+        for g in grcs:
+            g.cache.normal_()
+            g.lam.fill_(2.)  # weight the memory branch
+        memo = model(x)
+        assert all(g._memo is not None for g in grcs)
+        torch.testing.assert_close(memo, full(), atol=1e-6, rtol=0)
+        grcs[0].cache.mul_(-2.)
+        grcs[0].linear_update.weight.mul_(5.)
+        grcs[-1].pe.weight.normal_()
+        changed = model(x)
+        torch.testing.assert_close(changed, full(), atol=1e-6, rtol=0)
+        assert (changed - memo).abs().max() > 1e-3
+        model.load_state_dict(_tiny(name).state_dict())
+        torch.testing.assert_close(model(x), full(), atol=1e-6, rtol=0)
+        assert (model(x) - changed).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize('name', list(TINY))
 def test_state_dict_round_trip(name, tmp_path):
     model = _tiny(name).train()
@@ -468,7 +498,7 @@ def test_ddp_sync_cache_equals_global_batch(tmp_path):
 
 @pytest.mark.parametrize('batch,hw', [(1, (14, 14)), (3, (11, 13)), (16, (7, 7)), (2, (3, 5))])
 def test_positional_conv_fast_paths_equal_grouped_conv(batch, hw):
-    # the PE conv runs as shifted multiply-adds (large maps) or 2 depthwise convs (small maps): same sum as self.pe
+    # the PE conv runs as 2 depthwise convs on channels-last views (own channel, pair partner): same sum as self.pe
     grc = GatedRecurrentCache(dim=32, num_heads=2, cache_len=hw[0] * hw[1], ratio=0.5)
     torch.nn.init.normal_(grc.pe.bias)
     x = torch.randn(batch, hw[0] * hw[1], 32)

@@ -24,7 +24,7 @@ cache grid, Swin relative position bias over the window slots).
 Written for lsvision, Apache-2.0.
 """
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -109,8 +109,9 @@ class GrcMemoryAttention(nn.Module):
         if (self.sr is not None) and self.cache_hw is None:
             raise ValueError('spatial reduction on the cache needs cache_hw')
         self.window_size = tuple(window_size) if window_size is not None else None
-        # like the self branch: timm's window attention uses SDPA only when asked for (slower for small windows)
-        self.fused_attn = use_fused_attn(experimental=self.window_size is not None)
+        # SDPA also for the window memory branch (timm's self branch asks for it only as 'experimental'): with the
+        # relative-position bias as its mask it is 1.4-2.9x faster on CPU than matmul + softmax for 49-slot windows
+        self.fused_attn = use_fused_attn()
         if self.window_size is not None:
             wh, ww = self.window_size
             self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads, **dd))
@@ -147,7 +148,8 @@ class GrcMemoryAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D_m) queries' source, cache: (B, T_m, D_m). Returns (B, T, D_m)."""
         B, N, C = x.shape
-        q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+        # 2-D: a channel slice of a contiguous (B, T, D) input then goes to the matmul as is, without a copy
+        q = self.q(x.reshape(B * N, C)).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         kv = self.kv(self._reduce(cache)).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = kv.unbind(0)
         bias: Optional[torch.Tensor] = None
@@ -263,6 +265,9 @@ class GatedRecurrentCache(nn.Module):
         self.lam = nn.Parameter(torch.full((num_heads,), float(lam_init), **dd))
         self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
+        # eval memo of the frozen terms (see `_eval_memo`): not state, never saved
+        self._memo_key: Optional[tuple] = None
+        self._memo: Optional[Dict[str, torch.Tensor]] = None
 
     def extra_repr(self) -> str:
         return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
@@ -311,31 +316,90 @@ class GatedRecurrentCache(nn.Module):
         grid = F.interpolate(grid, size=hw, mode='bilinear', align_corners=False)
         return torch.cat([s[:, :p], grid.flatten(2).transpose(1, 2)], dim=1)
 
-    def update(self, cache: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    def _gate_weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+        """Summary halves [W_rS; W_uS; W_cS] (3 D_m x D_m), their biases, cache halves [W_rP; W_uP] (2 D_m x D_m)."""
+        dm = self.cache_dim
+        w_r, w_u, w_c = self.linear_reset.weight, self.linear_update.weight, self.linear_candidate.weight
+        w_s = torch.cat([w_r[:, dm:], w_u[:, dm:], w_c[:, dm:]], dim=0)
+        b_s = _cat_bias(self.linear_reset.bias, self.linear_update.bias, self.linear_candidate.bias)
+        return w_s, b_s, torch.cat([w_r[:, :dm], w_u[:, :dm]], dim=0)
+
+    def _pe_filters(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The PE conv (2 channels per group) as 2 depthwise filters (D, 1, 3, 3): own channel, pair partner."""
+        G, D = self.cache_dim, self.dim
+        w = self.pe.weight.view(G, 2, 2, 3, 3)  # (group, out, in, 3, 3)
+        w_own = torch.diagonal(w, dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        w_pair = torch.diagonal(w.flip(2), dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
+        return w_own, w_pair
+
+    def train(self, mode: bool = True) -> 'GatedRecurrentCache':
+        if mode != self.training:  # a mode switch always rebuilds the eval memo (eval() in eval mode keeps it)
+            self._memo_key = self._memo = None
+        return super().train(mode)
+
+    @torch.jit.unused
+    def _eval_memo(self, dtype: torch.dtype) -> Optional[Dict[str, torch.Tensor]]:
+        """The terms of an eval forward that depend only on the parameters and the frozen cache, computed once.
+
+        In eval the cache is frozen, so the cache halves of the reset and update gates, [W_rP; W_uP] C, are the same
+        for every sample of every call (the spec's per-sample update starts from the frozen buffer); so are the
+        fused gate weights, the PE filters and the mixing weights. They are kept here and recomputed when the cache
+        or a parameter of this layer changes: an in-place write (optimizer step, load_state_dict, copy_ under
+        no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and a switch between train
+        and eval mode drops the memo. Writes through `.data` are invisible to versions: switch modes after them.
+        Only in eval without autograd and autocast, and never traced (the FLOP counter and exports see the full
+        computation), compiled or scripted. Returns None where the memo does not apply.
+        """
+        if self.training or torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling() \
+                or torch.is_autocast_enabled(self.cache.device.type):
+            return None
+        tensors = [self.cache] + [p for p in self.parameters(recurse=False)] + [
+            p for m in (self.linear_reset, self.linear_update, self.linear_candidate, self.pe) for p in m.parameters()]
+        try:
+            key = tuple((t.data_ptr(), t._version) for t in tensors) + (dtype,)
+        except RuntimeError:  # inference tensors (a model built under inference_mode) have no version counter
+            return None
+        if key != self._memo_key or self._memo is None:
+            w_s, b_s, w_p = self._gate_weights()
+            memo = {'w_s': w_s, 'ru': F.linear(self.cache.to(dtype), w_p.to(dtype))}
+            if b_s is not None:
+                memo['b_s'] = b_s
+            memo['w_own'], memo['w_pair'] = self._pe_filters()
+            w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
+            memo['mix_mem'], memo['mix_self'] = w, 1. - w
+            self._memo_key, self._memo = key, memo
+        return self._memo
+
+    def update(
+            self,
+            cache: torch.Tensor,
+            summary: torch.Tensor,
+            frozen: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """Per-sample GRU-style update: cache (B or 1, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m).
 
         Same math as `W [P, S]` on the concatenation, with each gate weight split into its cache and summary halves:
-        for B > 1 the cache halves of W_r and W_u act on the batch-independent cache once (not once per sample), the
-        three summary halves run as one matmul, and no concatenated or expanded copies of the activations are made.
+        the three summary halves run as one matmul on the summary as it lies (a channel slice: no copy), and the
+        cache halves of W_r and W_u act on the batch-independent cache once (not once per sample). No concatenated
+        or expanded copies of the activations are made.
         """
         B, T, dm = summary.shape
-        w_r, w_u, w_c = self.linear_reset.weight, self.linear_update.weight, self.linear_candidate.weight
-        if B == 1:  # nothing to share: W_r and W_u as one matmul on [C, S] (fewest ops)
-            b_ru = _cat_bias(self.linear_reset.bias, self.linear_update.bias, None)
-            g_r, g_u = torch.sigmoid(F.linear(torch.cat([cache, summary], dim=-1), torch.cat([w_r, w_u]), b_ru)).chunk(
-                2, dim=-1)
-            cand = self.linear_candidate(torch.cat([g_r * cache, summary], dim=-1))
-            return cache + g_u * (self.norm_candidate(self.act(cand)) - cache)
-        # [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B, T_m, 3 D_m)
-        s3 = F.linear(summary, torch.cat([w_r[:, dm:], w_u[:, dm:], w_c[:, dm:]], dim=0),
-                      _cat_bias(self.linear_reset.bias, self.linear_update.bias, self.linear_candidate.bias))
-        # + [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
-        ru = F.linear(cache, torch.cat([w_r[:, :dm], w_u[:, :dm]], dim=0))
-        g_r, g_u = torch.sigmoid(s3[..., :2 * dm] + ru).chunk(2, dim=-1)
+        w_c = self.linear_candidate.weight
+        if frozen is None:
+            w_s, b_s, w_p = self._gate_weights()
+            # [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
+            ru = F.linear(cache, w_p)
+        else:  # eval: the same terms, computed once for the frozen cache and parameters
+            w_s, b_s, ru = frozen['w_s'], frozen.get('b_s'), frozen['ru']
+        # + [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B * T_m, 3 D_m); the reshape is a view of a channel slice
+        summary2d = summary.reshape(B * T, dm)
+        s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
+        gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + ru)
+        g_r, g_u = gates[..., :dm], gates[..., dm:]
         # W_cP (g_r * C) + (W_cS S + b_c)
-        cand = torch.addmm(s3[..., 2 * dm:].reshape(B * T, dm), (g_r * cache).reshape(B * T, dm), w_c[:, :dm].t())
+        cand = torch.addmm(s3[:, 2 * dm:], (g_r * cache).reshape(B * T, dm), w_c[:, :dm].t())
         cand = self.norm_candidate(self.act(cand.view(B, T, dm)))
-        return cache + g_u * (cand - cache)  # = g_u * cand + (1 - g_u) * cache
+        return torch.lerp(cache, cand, g_u)  # = g_u * cand + (1 - g_u) * cache
 
     @torch.jit.unused
     def _all_reduce_mean(self, x: torch.Tensor) -> torch.Tensor:
@@ -381,10 +445,14 @@ class GatedRecurrentCache(nn.Module):
         src = o_self if self.summary_src == 'self' else x
         summary = self._resize_summary(src[..., :dm], feat_size)
 
-        # clone: the buffer is written in place below while this step's graph still uses its value
-        cache = self.cache.to(dtype=summary.dtype, copy=True)
+        # clone: the buffer is written in place below (train) while this step's graph still uses its value; without
+        # a graph or a store (eval, no grad) the buffer is read as is
+        cache = self.cache.to(dtype=summary.dtype, copy=self.training or torch.is_grad_enabled())
+        frozen: Optional[Dict[str, torch.Tensor]] = None
+        if not torch.jit.is_scripting():
+            frozen = self._eval_memo(summary.dtype)
         if self.training or self.eval_update:
-            cache = self.update(cache, summary)
+            cache = self.update(cache, summary, frozen)
             if self.training:
                 self._store(cache)
         else:
@@ -392,23 +460,32 @@ class GatedRecurrentCache(nn.Module):
         o_mem = self.mem_attn(x[..., :dm], cache)
 
         H = self.num_heads
-        w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
+        if frozen is None:
+            w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
+            w_self = 1. - w
+        else:
+            w, w_self = frozen['mix_mem'], frozen['mix_self']
         # = w * [o_mem, 0] + (1 - w) * o_self per head, without the zero-padded copy of o_mem
-        out = o_self.reshape(B, T, H, D // H) * (1. - w)
-        out[..., :dm // H] += w * o_mem.reshape(B, T, H, dm // H)
+        out = o_self.reshape(B, T, H, D // H) * w_self
+        out[..., :dm // H].addcmul_(o_mem.reshape(B, T, H, dm // H), w)
         out = out.reshape(B, T, D)
 
-        out[:, p:] += self._pe(x[:, p:], feat_size)  # prefix tokens get no PE
+        out[:, p:] += self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
         return out
 
-    def _pe(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+    def _pe(
+            self,
+            x: torch.Tensor,
+            feat_size: List[int],
+            frozen: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> torch.Tensor:
         """`self.pe` on patch tokens (B, H*W, D), returned as tokens (B, H*W, D).
 
         With 2 channels per group (r = 0.5), each output channel sums a 3x3 depthwise filter over its own channel and
-        one over its pair partner; oneDNN's grouped kernel is slow on CPU for this shape (~1.7 GMAC/s). Many small
-        maps (Swin windows) run as 2 depthwise convs (2-3x faster); larger maps as 18 shifted multiply-adds on the
-        token-major input (1.5-2.5x faster, no layout copies). The same sum either way. Traced (FLOP counting,
-        export), it stays the conv, which fvcore counts.
+        one over its pair partner; oneDNN's grouped kernel is slow on CPU for this shape. So it runs as 2 depthwise
+        convs on channels-last views of the token-major input (no layout copies; only the pair-swapped copy of x),
+        3-9x faster than the grouped conv. The same sum either way. Traced (FLOP counting, export), it stays the
+        conv, which fvcore counts.
         """
         B, N, D = x.shape
         H, W = feat_size
@@ -416,29 +493,17 @@ class GatedRecurrentCache(nn.Module):
             patches = x.transpose(1, 2).reshape(B, D, H, W)
             return self.pe(patches).flatten(2).transpose(1, 2)
         G = self.cache_dim
-        w = self.pe.weight.view(G, 2, 2, 3, 3)  # (group, out, in, 3, 3)
-        w_own = torch.diagonal(w, dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
-        w_pair = torch.diagonal(w.flip(2), dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
-        x = x.contiguous()
-        x_pair = x.view(B, N, G, 2).flip(-1).reshape(B, N, D)  # each channel's pair partner in its place
-        if H * W < 100:
-            x = x.transpose(1, 2).reshape(B, D, H, W)
-            x_pair = x_pair.transpose(1, 2).reshape(B, D, H, W)
-            y = F.conv2d(x, w_own, self.pe.bias, padding=1, groups=D) + \
-                F.conv2d(x_pair, w_pair, None, padding=1, groups=D)
-            return y.flatten(2).transpose(1, 2)
-        x = F.pad(x.view(B, H, W, D), (0, 0, 1, 1, 1, 1))
-        x_pair = F.pad(x_pair.view(B, H, W, D), (0, 0, 1, 1, 1, 1))
-        w_own, w_pair = w_own.view(D, 9).t(), w_pair.view(D, 9).t()
-        bias = self.pe.bias
-        if bias is None:
-            out = x.new_zeros(B, H, W, D)
+        if frozen is None:
+            w_own, w_pair = self._pe_filters()
         else:
-            out = bias.to(x.dtype).expand(B, H, W, D).clone()
-        for k in range(9):
-            dy, dx = divmod(k, 3)
-            out.addcmul_(x[:, dy:dy + H, dx:dx + W], w_own[k]).addcmul_(x_pair[:, dy:dy + H, dx:dx + W], w_pair[k])
-        return out.view(B, N, D)
+            w_own, w_pair = frozen['w_own'], frozen['w_pair']
+        x = x.contiguous()
+        x2 = x.view(B, N, G, 2)
+        x_pair = torch.stack([x2[..., 1], x2[..., 0]], dim=-1)  # each channel's pair partner in its place
+        # (B, H*W, D) token-major is (B, D, H, W) channels-last: oneDNN's depthwise kernel reads it as is
+        y = F.conv2d(x.view(B, H, W, D).permute(0, 3, 1, 2), w_own, self.pe.bias, padding=1, groups=D)
+        y.add_(F.conv2d(x_pair.view(B, H, W, D).permute(0, 3, 1, 2), w_pair, None, padding=1, groups=D))
+        return y.permute(0, 2, 3, 1).reshape(B, N, D)
 
 
 class GrcAttention(nn.Module):
