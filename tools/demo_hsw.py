@@ -81,7 +81,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument('--hsw-dim', type=int, default=16, help='stage-1 width of the demo HSW models')
     parser.add_argument('--patch-size', type=int, default=4, help='bytes per stage-1 token of the demo HSW models')
     parser.add_argument('--doc-len', type=int, default=4096, help='bytes per document')
-    parser.add_argument('--max-train-per-class', type=int, default=120)
+    parser.add_argument('--max-train-per-class', type=int, default=0,
+                        help='cap on the train documents per class (0: all; batches are class-balanced anyway)')
     parser.add_argument('--max-test-per-class', type=int, default=30)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', default='output/demo_hsw/results.json', help='JSON report path')
@@ -91,7 +92,7 @@ def main(argv: Optional[list] = None) -> int:
         args.threads = auto_threads(max_threads=os.cpu_count() or 1)
     torch.set_num_threads(args.threads)
 
-    train, test = build_stdlib_docs(doc_len=args.doc_len, max_train_per_class=args.max_train_per_class,
+    train, test = build_stdlib_docs(doc_len=args.doc_len, max_train_per_class=args.max_train_per_class or None,
                                     max_test_per_class=args.max_test_per_class, seed=args.seed)
     classes = train.classes
     print(f'Python {sys.version.split()[0]} standard library: {len(classes)} packages, {args.doc_len}-byte '
