@@ -15,6 +15,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
     'resize_window_rel_pos_table', 'projection_weights', 'segment_attention', 'dynamic_projection',
+    'segment_padding_mask',
 ]
 
 
@@ -301,6 +303,38 @@ def dynamic_projection(
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
+def segment_padding_mask(
+        feat_size: Tuple[int, int],
+        window_size: int,
+        num_proj: int,
+        num_prefix: int,
+        repeat: int,
+        dtype: torch.dtype,
+        device: torch.device,
+) -> torch.Tensor:
+    """Additive mask of the keys of every segment, [projected (r) | window span (K^2) | prefix (g)].
+
+    -inf on the window keys that fall on the zero padding (outside the H x W map), 0 elsewhere. Segments are in
+    row-major order, the whole set repeated `repeat` times (once per head).
+
+    Returns:
+        (1, repeat * Gy * Gx, 1, r + K^2 + g) mask.
+    """
+    H, W = feat_size
+    pad, span = window_span(window_size)
+    gy, gx = (H + window_size - 1) // window_size, (W + window_size - 1) // window_size
+    valid = torch.zeros(gy * window_size + 2 * pad, gx * window_size + 2 * pad, dtype=torch.bool, device=device)
+    valid[pad:pad + H, pad:pad + W] = True
+    valid = valid.unfold(0, span, window_size).unfold(1, span, window_size).reshape(gy * gx, span * span)
+    mask = torch.zeros(repeat, gy * gx, num_proj + span * span + num_prefix, dtype=dtype, device=device)
+    mask[:, :, num_proj:num_proj + span * span].masked_fill_(~valid, float('-inf'))
+    return mask.reshape(1, repeat * gy * gx, 1, mask.shape[-1])
+
+
+# Padding masks depend on the shapes only: each is built once; the 64 built last are kept.
+_PADDING_MASKS: 'OrderedDict[Tuple, torch.Tensor]' = OrderedDict()
+_PADDING_MASKS_MAX = 64
+
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
 _DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
 
@@ -372,29 +406,55 @@ class LongShortAttention2d(nn.Module):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _window_mask(
+    @torch.jit.unused
+    def _cached_padding_mask(
             self,
             feat_size: Tuple[int, int],
-            grid: Tuple[int, int],
+            num_prefix: int,
+            repeat: int,
             dtype: torch.dtype,
             device: torch.device,
     ) -> torch.Tensor:
-        """Additive mask (+ bias) of the window keys: (1 or h, Gy * Gx, 1 or w^2, K^2)."""
-        H, W = feat_size
-        ws = self.window_size
-        pad, span = window_span(ws)
-        valid = torch.zeros(grid[0] * ws + 2 * pad, grid[1] * ws + 2 * pad, dtype=torch.bool, device=device)
-        valid[pad:pad + H, pad:pad + W] = True
-        valid = valid.unfold(0, span, ws).unfold(1, span, ws)  # (Gy, Gx, K, K)
-        num_tiles = grid[0] * grid[1]
-        mask = torch.zeros(num_tiles, span * span, dtype=dtype, device=device)
-        mask = mask.masked_fill(~valid.reshape(num_tiles, span * span), float('-inf'))
-        mask = mask[None, :, None, :]
-        if self.rel_pos_table is not None:
-            idx = window_rel_pos_index(ws, device)
-            bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads)
-            mask = mask + bias.permute(2, 0, 1)[:, None].to(dtype)  # (h, G, w^2, K^2)
+        """`segment_padding_mask`, built once per shape, dtype and device (it depends on nothing else)."""
+        key = (feat_size[0], feat_size[1], self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
+        mask = _PADDING_MASKS.get(key)
+        if mask is None:
+            # a normal tensor even when first built under inference mode, so that training can use it later
+            with torch.inference_mode(False), torch.no_grad():
+                mask = segment_padding_mask(
+                    feat_size, self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
+            _PADDING_MASKS[key] = mask
+            if len(_PADDING_MASKS) > _PADDING_MASKS_MAX:
+                _PADDING_MASKS.popitem(last=False)
         return mask
+
+    def _attention_mask(
+            self,
+            feat_size: Tuple[int, int],
+            num_prefix: int,
+            dtype: torch.dtype,
+            device: torch.device,
+    ) -> torch.Tensor:
+        """Additive mask over [projected (r) | window (K^2) | prefix (g)] keys: (1, h * Gy * Gx, 1 or w^2, L).
+
+        -inf on the zero-padded window keys, plus the window relative-position bias if the layer has one.
+        """
+        h = self.num_heads
+        if self.rel_pos_table is None:
+            if torch.jit.is_scripting():
+                return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, h, dtype, device)
+            return self._cached_padding_mask(feat_size, num_prefix, h, dtype, device)
+        if torch.jit.is_scripting():
+            base = segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, 1, dtype, device)
+        else:
+            base = self._cached_padding_mask(feat_size, num_prefix, 1, dtype, device)
+        ws = self.window_size
+        _, span = window_span(ws)
+        idx = window_rel_pos_index(ws, device)
+        bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, h).permute(2, 0, 1)
+        bias = F.pad(bias.to(dtype), (self.dp_rank, num_prefix))[:, None]  # (h, 1, w^2, L): 0 on r and g
+        num_tiles = base.shape[1]
+        return (base + bias).reshape(1, h * num_tiles, ws * ws, base.shape[-1])
 
     def _gather_keys(
             self,
@@ -467,14 +527,7 @@ class LongShortAttention2d(nn.Module):
         keys_values = self._gather_keys(kv_patch, kv_bar, kv_prefix, feat_size, (gy, gx))
 
         # additive mask over [dp (r) | window (K^2) | prefix (g)]: -inf on padded keys, window bias if any
-        win_mask = self._window_mask(feat_size, (gy, gx), q.dtype, q.device)
-        mh, mq = win_mask.shape[0], win_mask.shape[2]
-        mask = torch.cat([
-            win_mask.new_zeros(mh, num_tiles, mq, r),
-            win_mask,
-            win_mask.new_zeros(mh, num_tiles, mq, num_prefix),
-        ], dim=-1)
-        mask = mask.expand(h, -1, -1, -1).reshape(1, h * num_tiles, mq, -1)
+        mask = self._attention_mask(feat_size, num_prefix, q.dtype, q.device)
 
         dropout_p = self.attn_drop if self.training else 0.
         out = segment_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p, small=self.small_segment)
