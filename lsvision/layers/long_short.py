@@ -194,6 +194,9 @@ class ConvDynamicProjection(nn.Module):
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
 
 
+# The window attention runs over blocks of samples or segment rows whose gathered keys take about this many bytes.
+_CHUNK_BYTES = 4 << 20
+
 # Segments of at most this many queries skip SDPA on CPU: its flash kernel costs a few microseconds per
 # (batch x head x segment) block, which dominates when a block is 4 queries against ~20 keys (w = 2: measured 2.4 ms
 # against 0.6 ms for the batched matmuls below, for CvT-LS stage 3 at 384 px on 2 cores). Larger segments, and every
@@ -215,8 +218,9 @@ def _batched_small_attention(
     """
     B, n, L, d = q.shape
     S = k.shape[2]
+    # the mask broadcasts over the queries inside baddbmm; only its batch dimension is materialized
     attn = torch.baddbmm(
-        mask.expand(B, n, L, S).reshape(B * n, L, S),
+        mask.expand(B, n, mask.shape[-2], S).reshape(B * n, mask.shape[-2], S),
         q.reshape(B * n, L, d),
         k.reshape(B * n, S, d).transpose(1, 2),
         alpha=d ** -0.5 if scale is None else scale,
@@ -390,6 +394,7 @@ class LongShortAttention2d(nn.Module):
         self.dp_rank = dp_rank
         self.attn_drop = attn_drop
         self.small_segment = window_size * window_size <= _SMALL_SEGMENT
+        self.chunk_bytes = _CHUNK_BYTES
 
         if qkv_layer == 'linear':
             self.qkv = LinearQkv(dim, bias=qkv_bias, **dd)
@@ -456,38 +461,46 @@ class LongShortAttention2d(nn.Module):
         num_tiles = base.shape[1]
         return (base + bias).reshape(1, h * num_tiles, ws * ws, base.shape[-1])
 
-    def _gather_keys(
+    def _window_attention(
             self,
-            kv_patch: torch.Tensor,
+            q_rows: torch.Tensor,
+            kv_rows: torch.Tensor,
             kv_bar: torch.Tensor,
             kv_prefix: torch.Tensor,
-            feat_size: Tuple[int, int],
-            grid: Tuple[int, int],
+            mask: torch.Tensor,
+            dropout_p: float,
     ) -> torch.Tensor:
-        """Keys and values of every segment, [projected (r) | window span (K^2) | prefix (g)]: (2, B, h*G, L, d).
+        """Attention of a block of segment rows to [projected (r) | window span (K^2) | prefix (g)] keys.
 
         Args:
-            kv_patch: Patch keys and values (2, B, h, H*W, d).
-            kv_bar: Projected keys and values (2, B, h, r, d).
-            kv_prefix: Prefix keys and values (2, B, h, g, d).
+            q_rows: Queries of b samples and n segment rows, (b, n, w, gx, w, h, d) (a view of the padded map).
+            kv_rows: Zero-padded keys and values of the same rows plus the 2s rows around them,
+                (2, b, h, n * w + 2s, gx * w + 2s, d).
+            kv_bar: Projected keys and values (2, b, h, r, d).
+            kv_prefix: Prefix keys and values (2, b, h, g, d).
+            mask: Additive mask (1, h * n * gx, 1 or w^2, r + K^2 + g).
+
+        Returns:
+            Outputs (b, n, w, gx, w, h, d), a permuted view.
         """
-        _, B, h, _, d = kv_patch.shape
-        H, W = feat_size
-        gy, gx = grid
-        ws = self.window_size
+        b, n, ws, gx, _, h, d = q_rows.shape
         pad, span = window_span(ws)
         r, g = kv_bar.shape[3], kv_prefix.shape[3]
-        # zero padding: s around the map, plus the rows/cols that complete the last segments
-        padded = kv_patch.new_zeros(2, B, h, gy * ws + 2 * pad, gx * ws + 2 * pad, d)
-        padded[:, :, :, pad:pad + H, pad:pad + W] = kv_patch.reshape(2, B, h, H, W, d)
-        tiles = padded.unfold(3, span, ws).unfold(4, span, ws)  # (2, B, h, gy, gx, d, K, K)
-        # one buffer, each part written once (no concatenation copies)
-        out = kv_patch.new_empty(2, B, h, gy, gx, r + span * span + g, d)
-        out[:, :, :, :, :, :r] = kv_bar[:, :, :, None, None]
-        out[:, :, :, :, :, r:r + span * span].unflatten(5, (span, span)).copy_(tiles.permute(0, 1, 2, 3, 4, 6, 7, 5))
+        num_tiles = n * gx
+        q_tiles = q_rows.permute(0, 5, 1, 3, 2, 4, 6).reshape(b, h * num_tiles, ws * ws, d)
+        # keys and values of every segment in one buffer, each part written once (no concatenation copies); the
+        # shared projected and prefix keys as flat rows of r * d and g * d
+        tiles = kv_rows.unfold(3, span, ws).unfold(4, span, ws)  # (2, b, h, n, gx, d, K, K)
+        kv = kv_rows.new_empty(2 * b * h, num_tiles, r + span * span + g, d)
+        kv[:, :, :r].view(2 * b * h, num_tiles, r * d).copy_(
+            kv_bar.reshape(2 * b * h, 1, r * d).expand(-1, num_tiles, -1))
+        kv[:, :, r:r + span * span].view(2, b, h, n, gx, span, span, d).copy_(tiles.permute(0, 1, 2, 3, 4, 6, 7, 5))
         if g > 0:
-            out[:, :, :, :, :, r + span * span:] = kv_prefix[:, :, :, None, None]
-        return out.reshape(2, B, h * gy * gx, r + span * span + g, d)
+            kv[:, :, r + span * span:].view(2 * b * h, num_tiles, g * d).copy_(
+                kv_prefix.reshape(2 * b * h, 1, g * d).expand(-1, num_tiles, -1))
+        kv = kv.view(2, b, h * num_tiles, r + span * span + g, d)
+        out = segment_attention(q_tiles, kv[0], kv[1], mask, dropout_p, small=self.small_segment)
+        return out.view(b, h, n, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
@@ -518,27 +531,48 @@ class LongShortAttention2d(nn.Module):
 
         # segment-wise windows: queries in w x w tiles (map padded to whole segments), keys in K x K spans
         gy, gx = (H + ws - 1) // ws, (W + ws - 1) // ws
-        num_tiles = gy * gx
+        pad, span = window_span(ws)
         q_patch = q[:, num_prefix:].reshape(B, H, W, h, d)
         if H != gy * ws or W != gx * ws:
             q_patch = F.pad(q_patch, (0, 0, 0, 0, 0, gx * ws - W, 0, gy * ws - H))
-        q_tiles = q_patch.reshape(B, gy, ws, gx, ws, h, d).permute(0, 5, 1, 3, 2, 4, 6)
-        q_tiles = q_tiles.reshape(B, h * num_tiles, ws * ws, d)
-        keys_values = self._gather_keys(kv_patch, kv_bar, kv_prefix, feat_size, (gy, gx))
-
+        q_patch = q_patch.reshape(B, gy, ws, gx, ws, h, d)
+        # zero padding: s around the map, plus the rows/cols that complete the last segments
+        kv_padded = F.pad(kv_patch.reshape(2, B, h, H, W, d), (0, 0, pad, gx * ws + pad - W, pad, gy * ws + pad - H))
         # additive mask over [dp (r) | window (K^2) | prefix (g)]: -inf on padded keys, window bias if any
         mask = self._attention_mask(feat_size, num_prefix, q.dtype, q.device)
+        mq, num_keys = mask.shape[2], mask.shape[3]
 
-        dropout_p = self.attn_drop if self.training else 0.
-        out = segment_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p, small=self.small_segment)
-        # back to tokens (B, N, h, d), written once into the output buffer
-        out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
+        # outputs go straight into the token buffer (B, N, h, d) where the map has whole segments
         tokens = x.new_empty(B, N, h, d)
-        patches = tokens[:, num_prefix:].unflatten(1, (H, W))
         if H == gy * ws and W == gx * ws:
-            patches.unflatten(1, (gy, ws)).unflatten(3, (gx, ws)).copy_(out)
+            out_map = tokens[:, num_prefix:].view(B, gy, ws, gx, ws, h, d)
         else:
-            patches.copy_(out.reshape(B, gy * ws, gx * ws, h, d)[:, :H, :W])
+            out_map = x.new_empty(B, gy, ws, gx, ws, h, d)
+        # blocks of samples (small maps) or segment rows (large maps) whose gathered keys take at most about
+        # `chunk_bytes`: they stay in cache, and glibc does not map (and page-fault) fresh memory for them per call
+        sample_bytes = 2 * h * gy * gx * num_keys * d * x.element_size()
+        samples = max(1, min(B, self.chunk_bytes // sample_bytes))
+        rows = gy if sample_bytes <= self.chunk_bytes else max(1, self.chunk_bytes * gy // sample_bytes)
+        dropout_p = self.attn_drop if self.training else 0.
+        for s0 in range(0, B, samples):
+            s1 = min(B, s0 + samples)
+            for y0 in range(0, gy, rows):
+                y1 = min(gy, y0 + rows)
+                if y1 - y0 == gy:
+                    mask_rows = mask
+                else:
+                    mask_rows = mask.view(mask.shape[0], h, gy, gx, mq, num_keys)[:, :, y0:y1]
+                    mask_rows = mask_rows.reshape(mask.shape[0], h * (y1 - y0) * gx, mq, num_keys)
+                out_map[s0:s1, y0:y1] = self._window_attention(
+                    q_patch[s0:s1, y0:y1],
+                    kv_padded[:, s0:s1, :, y0 * ws:y1 * ws + 2 * pad],
+                    kv_bar[:, s0:s1],
+                    kv_prefix[:, s0:s1],
+                    mask_rows,
+                    dropout_p,
+                )
+        if H != gy * ws or W != gx * ws:
+            tokens[:, num_prefix:].unflatten(1, (H, W)).copy_(out_map.reshape(B, gy * ws, gx * ws, h, d)[:, :H, :W])
 
         if num_prefix > 0:
             # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs
