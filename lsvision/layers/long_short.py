@@ -195,7 +195,7 @@ class ConvDynamicProjection(nn.Module):
 
 
 # The window attention runs over blocks of samples or segment rows whose gathered keys take about this many bytes.
-_CHUNK_BYTES = 4 << 20
+_CHUNK_BYTES = 8 << 20
 
 # Segments of at most this many queries skip SDPA on CPU: its flash kernel costs a few microseconds per
 # (batch x head x segment) block, which dominates when a block is 4 queries against ~20 keys (w = 2: measured 2.4 ms
