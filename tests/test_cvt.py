@@ -176,3 +176,29 @@ def test_meta_device_and_factory_kwargs():
     assert out.shape == (1, 1000)
     model = timm.create_model('cvt_13', dtype=torch.float64, **TINY_CONV)
     assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+def test_inference_fast_path_matches_module_path():
+    """Eval without autograd folds BatchNorm into the depthwise convs and caches the standardized weights: same
+    outputs as the plain modules (grad enabled), and the caches follow in-place parameter and statistics updates."""
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', embed_dims=(32, 64, 64), num_heads=(1, 2, 2), depths=(1, 1, 1)).eval()
+    x = torch.randn(2, 3, 64, 48)
+
+    def randomize():
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.running_mean.normal_()
+                    m.running_var.uniform_(0.5, 2.)
+                    m.weight.normal_()
+                    m.bias.normal_()
+                elif isinstance(m, torch.nn.Conv2d) and m.groups > 1:
+                    m.weight.normal_()
+
+    for _ in range(2):  # the second round checks that the caches see the in-place updates
+        randomize()
+        ref = model(x)
+        with torch.inference_mode():
+            fast = model(x)
+        torch.testing.assert_close(fast, ref.detach(), rtol=1e-5, atol=1e-5)

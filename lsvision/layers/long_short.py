@@ -15,6 +15,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
+from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
@@ -27,6 +28,7 @@ __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
     'resize_window_rel_pos_table', 'projection_weights', 'segment_attention', 'dynamic_projection',
+    'segment_padding_mask',
 ]
 
 
@@ -115,6 +117,16 @@ def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
     return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
 
 
+def _eval_fast_path(training: bool) -> bool:
+    """True in eager inference without autograd: layers may then use cached, folded weights.
+
+    Never while tracing or scripting, so that FLOP counting and exported graphs see the modules as they are.
+    """
+    if training or torch.is_grad_enabled() or torch.jit.is_scripting() or torch.jit.is_tracing():
+        return False
+    return not torch.compiler.is_compiling()
+
+
 class LinearQkv(nn.Linear):
     """Fused q, k, v Linear over all tokens (ViL-LS). Output rows [0:C] = q, [C:2C] = k, [2C:3C] = v."""
 
@@ -137,9 +149,33 @@ class SepConv2d(nn.Module):
         self.bn = nn.BatchNorm2d(dim, **dd)
         self.pw = nn.Conv2d(dim, dim, 1, **dd)
 
+        self._folded = None  # eval cache: (key, weight, bias) of dw with bn folded in
+
+    @torch.jit.unused
+    def _folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Weight and bias of the depthwise conv with the BatchNorm (running stats) folded in, cached per version."""
+        tensors = (self.dw.weight, self.dw.bias, self.bn.weight, self.bn.bias, self.bn.running_mean,
+                   self.bn.running_var)
+        key = tuple((t._version, t.data_ptr()) for t in tensors) + (self.bn.eps,)
+        if self._folded is None or self._folded[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                scale = self.bn.weight * torch.rsqrt(self.bn.running_var + self.bn.eps)
+                weight = self.dw.weight * scale[:, None, None, None]
+                bias = (self.dw.bias - self.bn.running_mean) * scale + self.bn.bias
+            self._folded = (key, weight, bias)
+        return self._folded[1], self._folded[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
-        x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
+        if torch.jit.is_scripting():
+            x = self.bn(self.dw(x))
+        elif _eval_fast_path(self.training) and self.bn.running_var is not None:
+            # inference: one conv instead of conv + BatchNorm (traced and scripted graphs keep both)
+            weight, bias = self._folded_dw()
+            x = F.conv2d(x, weight, bias, padding=1, groups=weight.shape[0])
+        else:
+            x = self.bn(self.dw(x))
+        x = x.flatten(2).transpose(1, 2)
         # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
 
@@ -187,10 +223,37 @@ class ConvDynamicProjection(nn.Module):
         self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
         self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
 
+        self._std_weight = None  # eval cache: (key, standardized dw weight)
+
+    @torch.jit.unused
+    def _standardized_dw_weight(self) -> torch.Tensor:
+        """The depthwise weight standardized as StdConv2d does it, cached per parameter version."""
+        w = self.dw.weight
+        key = (w._version, w.data_ptr(), self.dw.eps)
+        if self._std_weight is None or self._std_weight[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                std = F.batch_norm(
+                    w.reshape(1, self.dw.out_channels, -1), None, None, training=True, momentum=0.,
+                    eps=self.dw.eps).reshape_as(w)
+            self._std_weight = (key, std)
+        return self._std_weight[1]
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
+        x = _tokens_to_map(x, feat_size)
+        if torch.jit.is_scripting():
+            x = self.dw(x)
+        elif _eval_fast_path(self.training):
+            # inference: the standardized weight once per parameter version (traced and scripted graphs keep it)
+            x = F.conv2d(x, self._standardized_dw_weight(), self.dw.bias, self.dw.stride, self.dw.padding,
+                         self.dw.dilation, self.dw.groups)
+        else:
+            x = self.dw(x)
+        x = x.flatten(2).transpose(1, 2)
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
 
+
+# The window attention runs over blocks of samples or segment rows whose gathered keys take about this many bytes.
+_CHUNK_BYTES = 8 << 20
 
 # Segments of at most this many queries skip SDPA on CPU: its flash kernel costs a few microseconds per
 # (batch x head x segment) block, which dominates when a block is 4 queries against ~20 keys (w = 2: measured 2.4 ms
@@ -213,8 +276,9 @@ def _batched_small_attention(
     """
     B, n, L, d = q.shape
     S = k.shape[2]
+    # the mask broadcasts over the queries inside baddbmm; only its batch dimension is materialized
     attn = torch.baddbmm(
-        mask.expand(B, n, L, S).reshape(B * n, L, S),
+        mask.expand(B, n, mask.shape[-2], S).reshape(B * n, mask.shape[-2], S),
         q.reshape(B * n, L, d),
         k.reshape(B * n, S, d).transpose(1, 2),
         alpha=d ** -0.5 if scale is None else scale,
@@ -301,6 +365,38 @@ def dynamic_projection(
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
+def segment_padding_mask(
+        feat_size: Tuple[int, int],
+        window_size: int,
+        num_proj: int,
+        num_prefix: int,
+        repeat: int,
+        dtype: torch.dtype,
+        device: torch.device,
+) -> torch.Tensor:
+    """Additive mask of the keys of every segment, [projected (r) | window span (K^2) | prefix (g)].
+
+    -inf on the window keys that fall on the zero padding (outside the H x W map), 0 elsewhere. Segments are in
+    row-major order, the whole set repeated `repeat` times (once per head).
+
+    Returns:
+        (1, repeat * Gy * Gx, 1, r + K^2 + g) mask.
+    """
+    H, W = feat_size
+    pad, span = window_span(window_size)
+    gy, gx = (H + window_size - 1) // window_size, (W + window_size - 1) // window_size
+    valid = torch.zeros(gy * window_size + 2 * pad, gx * window_size + 2 * pad, dtype=torch.bool, device=device)
+    valid[pad:pad + H, pad:pad + W] = True
+    valid = valid.unfold(0, span, window_size).unfold(1, span, window_size).reshape(gy * gx, span * span)
+    mask = torch.zeros(repeat, gy * gx, num_proj + span * span + num_prefix, dtype=dtype, device=device)
+    mask[:, :, num_proj:num_proj + span * span].masked_fill_(~valid, float('-inf'))
+    return mask.reshape(1, repeat * gy * gx, 1, mask.shape[-1])
+
+
+# Padding masks depend on the shapes only: each is built once; the 64 built last are kept.
+_PADDING_MASKS: 'OrderedDict[Tuple, torch.Tensor]' = OrderedDict()
+_PADDING_MASKS_MAX = 64
+
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
 _DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
 
@@ -356,6 +452,7 @@ class LongShortAttention2d(nn.Module):
         self.dp_rank = dp_rank
         self.attn_drop = attn_drop
         self.small_segment = window_size * window_size <= _SMALL_SEGMENT
+        self.chunk_bytes = _CHUNK_BYTES
 
         if qkv_layer == 'linear':
             self.qkv = LinearQkv(dim, bias=qkv_bias, **dd)
@@ -372,62 +469,96 @@ class LongShortAttention2d(nn.Module):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def _window_mask(
+    @torch.jit.unused
+    def _cached_padding_mask(
             self,
             feat_size: Tuple[int, int],
-            grid: Tuple[int, int],
+            num_prefix: int,
+            repeat: int,
             dtype: torch.dtype,
             device: torch.device,
     ) -> torch.Tensor:
-        """Additive mask (+ bias) of the window keys: (1 or h, Gy * Gx, 1 or w^2, K^2)."""
-        H, W = feat_size
-        ws = self.window_size
-        pad, span = window_span(ws)
-        valid = torch.zeros(grid[0] * ws + 2 * pad, grid[1] * ws + 2 * pad, dtype=torch.bool, device=device)
-        valid[pad:pad + H, pad:pad + W] = True
-        valid = valid.unfold(0, span, ws).unfold(1, span, ws)  # (Gy, Gx, K, K)
-        num_tiles = grid[0] * grid[1]
-        mask = torch.zeros(num_tiles, span * span, dtype=dtype, device=device)
-        mask = mask.masked_fill(~valid.reshape(num_tiles, span * span), float('-inf'))
-        mask = mask[None, :, None, :]
-        if self.rel_pos_table is not None:
-            idx = window_rel_pos_index(ws, device)
-            bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads)
-            mask = mask + bias.permute(2, 0, 1)[:, None].to(dtype)  # (h, G, w^2, K^2)
+        """`segment_padding_mask`, built once per shape, dtype and device (it depends on nothing else)."""
+        key = (feat_size[0], feat_size[1], self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
+        mask = _PADDING_MASKS.get(key)
+        if mask is None:
+            # a normal tensor even when first built under inference mode, so that training can use it later
+            with torch.inference_mode(False), torch.no_grad():
+                mask = segment_padding_mask(
+                    feat_size, self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
+            _PADDING_MASKS[key] = mask
+            if len(_PADDING_MASKS) > _PADDING_MASKS_MAX:
+                _PADDING_MASKS.popitem(last=False)
         return mask
 
-    def _gather_keys(
+    def _attention_mask(
             self,
-            kv_patch: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix: int,
+            dtype: torch.dtype,
+            device: torch.device,
+    ) -> torch.Tensor:
+        """Additive mask over [projected (r) | window (K^2) | prefix (g)] keys: (1, h * Gy * Gx, 1 or w^2, L).
+
+        -inf on the zero-padded window keys, plus the window relative-position bias if the layer has one.
+        """
+        h = self.num_heads
+        if self.rel_pos_table is None:
+            if torch.jit.is_scripting():
+                return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, h, dtype, device)
+            return self._cached_padding_mask(feat_size, num_prefix, h, dtype, device)
+        if torch.jit.is_scripting():
+            base = segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, 1, dtype, device)
+        else:
+            base = self._cached_padding_mask(feat_size, num_prefix, 1, dtype, device)
+        ws = self.window_size
+        _, span = window_span(ws)
+        idx = window_rel_pos_index(ws, device)
+        bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, h).permute(2, 0, 1)
+        bias = F.pad(bias.to(dtype), (self.dp_rank, num_prefix))[:, None]  # (h, 1, w^2, L): 0 on r and g
+        num_tiles = base.shape[1]
+        return (base + bias).reshape(1, h * num_tiles, ws * ws, base.shape[-1])
+
+    def _window_attention(
+            self,
+            q_rows: torch.Tensor,
+            kv_rows: torch.Tensor,
             kv_bar: torch.Tensor,
             kv_prefix: torch.Tensor,
-            feat_size: Tuple[int, int],
-            grid: Tuple[int, int],
+            mask: torch.Tensor,
+            dropout_p: float,
     ) -> torch.Tensor:
-        """Keys and values of every segment, [projected (r) | window span (K^2) | prefix (g)]: (2, B, h*G, L, d).
+        """Attention of a block of segment rows to [projected (r) | window span (K^2) | prefix (g)] keys.
 
         Args:
-            kv_patch: Patch keys and values (2, B, h, H*W, d).
-            kv_bar: Projected keys and values (2, B, h, r, d).
-            kv_prefix: Prefix keys and values (2, B, h, g, d).
+            q_rows: Queries of b samples and n segment rows, (b, n, w, gx, w, h, d) (a view of the padded map).
+            kv_rows: Zero-padded keys and values of the same rows plus the 2s rows around them,
+                (2, b, h, n * w + 2s, gx * w + 2s, d).
+            kv_bar: Projected keys and values (2, b, h, r, d).
+            kv_prefix: Prefix keys and values (2, b, h, g, d).
+            mask: Additive mask (1, h * n * gx, 1 or w^2, r + K^2 + g).
+
+        Returns:
+            Outputs (b, n, w, gx, w, h, d), a permuted view.
         """
-        _, B, h, _, d = kv_patch.shape
-        H, W = feat_size
-        gy, gx = grid
-        ws = self.window_size
+        b, n, ws, gx, _, h, d = q_rows.shape
         pad, span = window_span(ws)
         r, g = kv_bar.shape[3], kv_prefix.shape[3]
-        # zero padding: s around the map, plus the rows/cols that complete the last segments
-        padded = kv_patch.new_zeros(2, B, h, gy * ws + 2 * pad, gx * ws + 2 * pad, d)
-        padded[:, :, :, pad:pad + H, pad:pad + W] = kv_patch.reshape(2, B, h, H, W, d)
-        tiles = padded.unfold(3, span, ws).unfold(4, span, ws)  # (2, B, h, gy, gx, d, K, K)
-        # one buffer, each part written once (no concatenation copies)
-        out = kv_patch.new_empty(2, B, h, gy, gx, r + span * span + g, d)
-        out[:, :, :, :, :, :r] = kv_bar[:, :, :, None, None]
-        out[:, :, :, :, :, r:r + span * span].unflatten(5, (span, span)).copy_(tiles.permute(0, 1, 2, 3, 4, 6, 7, 5))
+        num_tiles = n * gx
+        q_tiles = q_rows.permute(0, 5, 1, 3, 2, 4, 6).reshape(b, h * num_tiles, ws * ws, d)
+        # keys and values of every segment in one buffer, each part written once (no concatenation copies); the
+        # shared projected and prefix keys as flat rows of r * d and g * d
+        tiles = kv_rows.unfold(3, span, ws).unfold(4, span, ws)  # (2, b, h, n, gx, d, K, K)
+        kv = kv_rows.new_empty(2 * b * h, num_tiles, r + span * span + g, d)
+        kv[:, :, :r].view(2 * b * h, num_tiles, r * d).copy_(
+            kv_bar.reshape(2 * b * h, 1, r * d).expand(-1, num_tiles, -1))
+        kv[:, :, r:r + span * span].view(2, b, h, n, gx, span, span, d).copy_(tiles.permute(0, 1, 2, 3, 4, 6, 7, 5))
         if g > 0:
-            out[:, :, :, :, :, r + span * span:] = kv_prefix[:, :, :, None, None]
-        return out.reshape(2, B, h * gy * gx, r + span * span + g, d)
+            kv[:, :, r + span * span:].view(2 * b * h, num_tiles, g * d).copy_(
+                kv_prefix.reshape(2 * b * h, 1, g * d).expand(-1, num_tiles, -1))
+        kv = kv.view(2, b, h * num_tiles, r + span * span + g, d)
+        out = segment_attention(q_tiles, kv[0], kv[1], mask, dropout_p, small=self.small_segment)
+        return out.view(b, h, n, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
@@ -458,34 +589,48 @@ class LongShortAttention2d(nn.Module):
 
         # segment-wise windows: queries in w x w tiles (map padded to whole segments), keys in K x K spans
         gy, gx = (H + ws - 1) // ws, (W + ws - 1) // ws
-        num_tiles = gy * gx
+        pad, span = window_span(ws)
         q_patch = q[:, num_prefix:].reshape(B, H, W, h, d)
         if H != gy * ws or W != gx * ws:
             q_patch = F.pad(q_patch, (0, 0, 0, 0, 0, gx * ws - W, 0, gy * ws - H))
-        q_tiles = q_patch.reshape(B, gy, ws, gx, ws, h, d).permute(0, 5, 1, 3, 2, 4, 6)
-        q_tiles = q_tiles.reshape(B, h * num_tiles, ws * ws, d)
-        keys_values = self._gather_keys(kv_patch, kv_bar, kv_prefix, feat_size, (gy, gx))
-
+        q_patch = q_patch.reshape(B, gy, ws, gx, ws, h, d)
+        # zero padding: s around the map, plus the rows/cols that complete the last segments
+        kv_padded = F.pad(kv_patch.reshape(2, B, h, H, W, d), (0, 0, pad, gx * ws + pad - W, pad, gy * ws + pad - H))
         # additive mask over [dp (r) | window (K^2) | prefix (g)]: -inf on padded keys, window bias if any
-        win_mask = self._window_mask(feat_size, (gy, gx), q.dtype, q.device)
-        mh, mq = win_mask.shape[0], win_mask.shape[2]
-        mask = torch.cat([
-            win_mask.new_zeros(mh, num_tiles, mq, r),
-            win_mask,
-            win_mask.new_zeros(mh, num_tiles, mq, num_prefix),
-        ], dim=-1)
-        mask = mask.expand(h, -1, -1, -1).reshape(1, h * num_tiles, mq, -1)
+        mask = self._attention_mask(feat_size, num_prefix, q.dtype, q.device)
+        mq, num_keys = mask.shape[2], mask.shape[3]
 
-        dropout_p = self.attn_drop if self.training else 0.
-        out = segment_attention(q_tiles, keys_values[0], keys_values[1], mask, dropout_p, small=self.small_segment)
-        # back to tokens (B, N, h, d), written once into the output buffer
-        out = out.reshape(B, h, gy, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
+        # outputs go straight into the token buffer (B, N, h, d) where the map has whole segments
         tokens = x.new_empty(B, N, h, d)
-        patches = tokens[:, num_prefix:].unflatten(1, (H, W))
         if H == gy * ws and W == gx * ws:
-            patches.unflatten(1, (gy, ws)).unflatten(3, (gx, ws)).copy_(out)
+            out_map = tokens[:, num_prefix:].view(B, gy, ws, gx, ws, h, d)
         else:
-            patches.copy_(out.reshape(B, gy * ws, gx * ws, h, d)[:, :H, :W])
+            out_map = x.new_empty(B, gy, ws, gx, ws, h, d)
+        # blocks of samples (small maps) or segment rows (large maps) whose gathered keys take at most about
+        # `chunk_bytes`: they stay in cache, and glibc does not map (and page-fault) fresh memory for them per call
+        sample_bytes = 2 * h * gy * gx * num_keys * d * x.element_size()
+        samples = max(1, min(B, self.chunk_bytes // sample_bytes))
+        rows = gy if sample_bytes <= self.chunk_bytes else max(1, self.chunk_bytes * gy // sample_bytes)
+        dropout_p = self.attn_drop if self.training else 0.
+        for s0 in range(0, B, samples):
+            s1 = min(B, s0 + samples)
+            for y0 in range(0, gy, rows):
+                y1 = min(gy, y0 + rows)
+                if y1 - y0 == gy:
+                    mask_rows = mask
+                else:
+                    mask_rows = mask.view(mask.shape[0], h, gy, gx, mq, num_keys)[:, :, y0:y1]
+                    mask_rows = mask_rows.reshape(mask.shape[0], h * (y1 - y0) * gx, mq, num_keys)
+                out_map[s0:s1, y0:y1] = self._window_attention(
+                    q_patch[s0:s1, y0:y1],
+                    kv_padded[:, s0:s1, :, y0 * ws:y1 * ws + 2 * pad],
+                    kv_bar[:, s0:s1],
+                    kv_prefix[:, s0:s1],
+                    mask_rows,
+                    dropout_p,
+                )
+        if H != gy * ws or W != gx * ws:
+            tokens[:, num_prefix:].unflatten(1, (H, W)).copy_(out_map.reshape(B, gy * ws, gx * ws, h, d)[:, :H, :W])
 
         if num_prefix > 0:
             # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs
