@@ -12,7 +12,7 @@ budget each and are evaluated on the same test documents:
              positions
   * bag      bag of bytes: a linear classifier on byte log-frequencies
 
-All train with AdamW, class-balanced batches of 8, the transformers on random 1024-byte crops (evaluation reads
+All train with AdamW, class-balanced batches of 64, the transformers on random 128-byte crops (evaluation reads
 whole documents), the bag on whole documents. It prints the split, the class counts, and per model the parameters,
 training steps, training and inference throughput (documents/s), test accuracy and macro-F1. Evaluation is
 time-budgeted too, in a class-balanced order: a model that is too slow to finish (the flat encoder) is scored on the
@@ -71,10 +71,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument('--threads', type=int, default=None,
                         help='torch threads (default: the cores left free by the current load, at least 1; on a '
                              'busy machine more threads than free cores make every step slower)')
-    parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--batch-size', type=int, default=64, help='training batch (of crops)')
+    parser.add_argument('--eval-batch-size', type=int, default=8, help='evaluation batch (of whole documents)')
     parser.add_argument('--lr', type=float, default=1e-3, help='AdamW learning rate of the transformers')
     parser.add_argument('--weight-decay', type=float, default=0.01, help='AdamW weight decay of the transformers')
-    parser.add_argument('--crop', type=int, default=1024,
+    parser.add_argument('--crop', type=int, default=128,
                         help='the transformers train on random crops of this many bytes of each document (0: whole '
                              'documents); evaluation always reads whole documents')
     parser.add_argument('--bag-lr', type=float, default=3e-2, help='AdamW learning rate of the bag of bytes')
@@ -116,7 +117,7 @@ def main(argv: Optional[list] = None) -> int:
             lr=args.bag_lr if name == 'bag' else args.lr, weight_decay=0. if name == 'bag' else args.weight_decay,
             crop=None if name == 'bag' or args.crop <= 0 else args.crop, class_balanced=True, seed=args.seed, log=log)
         ev = evaluate_for_seconds(model, test.tokens, order, args.eval_seconds, mask=test_mask,
-                                  batch_size=args.batch_size)
+                                  batch_size=args.eval_batch_size)
         labels = test.labels[ev.index]
         rows[name] = dict(
             model=LABELS[name], params=params, train_steps=fit.steps, train_docs=fit.samples,

@@ -86,8 +86,11 @@ def train_for_seconds(
     gen = torch.Generator().manual_seed(seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and 'relative_position_bias' not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and 'relative_position_bias' not in n)]
+    # fused: one kernel for all parameters instead of ~10 ops per tensor (a small model's step was 1/5 optimizer)
+    fused = all(p.dtype in (torch.float32, torch.float64) for p in model.parameters())
     opt = torch.optim.AdamW(
-        [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.)], lr=lr)
+        [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.)], lr=lr,
+        fused=fused or None)
     model.train()
     n = inputs.shape[0]
     order = torch.randperm(n, generator=gen)
