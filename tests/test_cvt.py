@@ -202,3 +202,15 @@ def test_inference_fast_path_matches_module_path():
         with torch.inference_mode():
             fast = model(x)
         torch.testing.assert_close(fast, ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_model_built_under_inference_mode_runs():
+    """Parameters made under inference_mode have no version counter: the eval caches are skipped, not an error."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 64, 48)
+    with torch.inference_mode():
+        model = timm.create_model('cvt_ls_13', embed_dims=(32, 64, 64), num_heads=(1, 2, 2), depths=(1, 1, 1)).eval()
+        out = model(x)
+    plain = timm.create_model('cvt_ls_13', embed_dims=(32, 64, 64), num_heads=(1, 2, 2), depths=(1, 1, 1)).eval()
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(out, plain(x).detach(), rtol=1e-5, atol=1e-5)  # grad enabled: the module path

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
+from .eval_memo import eval_fast_path, version_key
+
 __all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
 
 
@@ -350,15 +352,13 @@ class GatedRecurrentCache(nn.Module):
         Only in eval without autograd and autocast, and never traced (the FLOP counter and exports see the full
         computation), compiled or scripted. Returns None where the memo does not apply.
         """
-        if self.training or torch.is_grad_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling() \
-                or torch.is_autocast_enabled(self.cache.device.type):
+        if not eval_fast_path(self.training) or torch.is_autocast_enabled(self.cache.device.type):
             return None
-        tensors = [self.cache] + [p for p in self.parameters(recurse=False)] + [
-            p for m in (self.linear_reset, self.linear_update, self.linear_candidate, self.pe) for p in m.parameters()]
-        try:
-            key = tuple((t.data_ptr(), t._version) for t in tensors) + (dtype,)
-        except RuntimeError:  # inference tensors (a model built under inference_mode) have no version counter
+        versions = version_key([self.cache] + [p for p in self.parameters(recurse=False)] + [
+            p for m in (self.linear_reset, self.linear_update, self.linear_candidate, self.pe) for p in m.parameters()])
+        if versions is None:
             return None
+        key = versions + (dtype,)
         if key != self._memo_key or self._memo is None:
             w_s, b_s, w_p = self._gate_weights()
             memo = {'w_s': w_s, 'ru': F.linear(self.cache.to(dtype), w_p.to(dtype))}

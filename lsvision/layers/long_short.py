@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
+from .eval_memo import eval_fast_path, version_key
+
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
@@ -117,16 +119,6 @@ def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
     return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
 
 
-def _eval_fast_path(training: bool) -> bool:
-    """True in eager inference without autograd: layers may then use cached, folded weights.
-
-    Never while tracing or scripting, so that FLOP counting and exported graphs see the modules as they are.
-    """
-    if training or torch.is_grad_enabled() or torch.jit.is_scripting() or torch.jit.is_tracing():
-        return False
-    return not torch.compiler.is_compiling()
-
-
 class LinearQkv(nn.Linear):
     """Fused q, k, v Linear over all tokens (ViL-LS). Output rows [0:C] = q, [C:2C] = k, [2C:3C] = v."""
 
@@ -154,22 +146,23 @@ class SepConv2d(nn.Module):
     @torch.jit.unused
     def _folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Weight and bias of the depthwise conv with the BatchNorm (running stats) folded in, cached per version."""
-        tensors = (self.dw.weight, self.dw.bias, self.bn.weight, self.bn.bias, self.bn.running_mean,
-                   self.bn.running_var)
-        key = tuple((t._version, t.data_ptr()) for t in tensors) + (self.bn.eps,)
-        if self._folded is None or self._folded[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                scale = self.bn.weight * torch.rsqrt(self.bn.running_var + self.bn.eps)
-                weight = self.dw.weight * scale[:, None, None, None]
-                bias = (self.dw.bias - self.bn.running_mean) * scale + self.bn.bias
-            self._folded = (key, weight, bias)
-        return self._folded[1], self._folded[2]
+        key = version_key((self.dw.weight, self.dw.bias, self.bn.weight, self.bn.bias, self.bn.running_mean,
+                           self.bn.running_var))
+        if key is not None and self._folded is not None and self._folded[0] == (key, self.bn.eps):
+            return self._folded[1], self._folded[2]
+        with torch.inference_mode(False), torch.no_grad():
+            scale = self.bn.weight * torch.rsqrt(self.bn.running_var + self.bn.eps)
+            weight = self.dw.weight * scale[:, None, None, None]
+            bias = (self.dw.bias - self.bn.running_mean) * scale + self.bn.bias
+        if key is not None:
+            self._folded = ((key, self.bn.eps), weight, bias)
+        return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
         if torch.jit.is_scripting():
             x = self.bn(self.dw(x))
-        elif _eval_fast_path(self.training) and self.bn.running_var is not None:
+        elif eval_fast_path(self.training) and self.bn.running_var is not None:
             # inference: one conv instead of conv + BatchNorm (traced and scripted graphs keep both)
             weight, bias = self._folded_dw()
             x = F.conv2d(x, weight, bias, padding=1, groups=weight.shape[0])
@@ -229,20 +222,22 @@ class ConvDynamicProjection(nn.Module):
     def _standardized_dw_weight(self) -> torch.Tensor:
         """The depthwise weight standardized as StdConv2d does it, cached per parameter version."""
         w = self.dw.weight
-        key = (w._version, w.data_ptr(), self.dw.eps)
-        if self._std_weight is None or self._std_weight[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                std = F.batch_norm(
-                    w.reshape(1, self.dw.out_channels, -1), None, None, training=True, momentum=0.,
-                    eps=self.dw.eps).reshape_as(w)
-            self._std_weight = (key, std)
-        return self._std_weight[1]
+        key = version_key((w,))
+        if key is not None and self._std_weight is not None and self._std_weight[0] == (key, self.dw.eps):
+            return self._std_weight[1]
+        with torch.inference_mode(False), torch.no_grad():
+            std = F.batch_norm(
+                w.reshape(1, self.dw.out_channels, -1), None, None, training=True, momentum=0.,
+                eps=self.dw.eps).reshape_as(w)
+        if key is not None:
+            self._std_weight = ((key, self.dw.eps), std)
+        return std
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         x = _tokens_to_map(x, feat_size)
         if torch.jit.is_scripting():
             x = self.dw(x)
-        elif _eval_fast_path(self.training):
+        elif eval_fast_path(self.training):
             # inference: the standardized weight once per parameter version (traced and scripted graphs keep it)
             x = F.conv2d(x, self._standardized_dw_weight(), self.dw.bias, self.dw.stride, self.dw.padding,
                          self.dw.dilation, self.dw.groups)
