@@ -94,7 +94,7 @@ def train_for_seconds(
     model.train()
     n = inputs.shape[0]
     order = torch.randperm(n, generator=gen)
-    by_class = [torch.nonzero(labels == c).flatten() for c in labels.unique().tolist()]
+    by_class = _indices_by_class(labels)
     pos = steps = samples = 0
     loss_value = float('nan')
     start = last_log = time.perf_counter()
@@ -190,12 +190,16 @@ def train_on_lr_factor(
     return step, time.perf_counter() - start, loss_avg
 
 
+def _indices_by_class(labels: torch.Tensor) -> List[torch.Tensor]:
+    """The sample indices of each class present in `labels`, in increasing class order."""
+    return [torch.nonzero(labels == c).flatten() for c in labels.unique().tolist()]
+
+
 def stratified_order(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """An order of the samples that cycles through the classes (a shuffled round-robin), so that any prefix of it
     is close to class-balanced: the evaluation order when evaluation may stop early."""
     gen = torch.Generator().manual_seed(seed)
-    per_class = [torch.nonzero(labels == c).flatten() for c in labels.unique().tolist()]
-    per_class = [ids[torch.randperm(len(ids), generator=gen)] for ids in per_class]
+    per_class = [ids[torch.randperm(len(ids), generator=gen)] for ids in _indices_by_class(labels)]
     out: List[int] = []
     for i in range(max(len(ids) for ids in per_class)):
         out += [int(ids[i]) for ids in per_class if i < len(ids)]

@@ -447,6 +447,9 @@ class HSW(nn.Module):
                 run starts from the token statistics instead of a random projection of them.
             fc_norm: LayerNorm after the mean pool too (timm ViT's fc_norm): documents differ little in their mean
                 token, so normalizing the pooled vector speeds up training from scratch.
+            global_pool: 'avg' (the paper: masked mean over tokens) or 'catavgmax' (timm's name: masked mean and max
+                concatenated, 2C features; the max tells whether a pattern occurs at all, which a mean over
+                thousands of tokens dilutes).
             drop_rate: Dropout before the classifier.
             proj_drop_rate: Dropout after attention and MLP projections.
             attn_drop_rate: Dropout on attention weights.
