@@ -2,8 +2,10 @@
 
 :func:`time_forward` times a model's inference forward pass (eval mode, ``torch.inference_mode``) after warm-up and
 returns a :class:`TimingResult` with robust statistics; with ``measure_memory=True`` it also measures the peak memory
-of one forward pass with :func:`peak_memory_forward`. :func:`time_train_step` times a training step (forward, backward,
-optimizer step). :func:`machine_description` says where a measurement was taken, and under what load.
+of one forward pass with :func:`peak_memory_forward`. :func:`time_forward_interleaved` times several models in
+alternating rounds, so that a load change on a shared machine biases none of them. :func:`time_train_step` times a
+training step (forward, backward, optimizer step). :func:`machine_description` says where a measurement was taken,
+and under what load.
 
 Peak memory is measured for real, not estimated:
 
@@ -49,6 +51,7 @@ __all__ = [
     'allocator_reuses_memory',
     'reexec_with_reusing_allocator',
     'time_forward',
+    'time_forward_interleaved',
     'time_train_step',
 ]
 
@@ -306,6 +309,75 @@ def time_forward(
         result.peak_bytes = peak_memory_forward(model, x, warmup=0, amp_dtype=amp_dtype)
     return result
 
+
+
+def time_forward_interleaved(
+        models: Sequence[nn.Module],
+        inputs: InputSpec = (3, 224, 224),
+        batch_size: int = 1,
+        warmup: int = 3,
+        iters: int = 10,
+        max_time_s: Optional[float] = None,
+        amp_dtype: Optional[torch.dtype] = None,
+) -> List[TimingResult]:
+    """Times several models' forward passes in alternating rounds, for comparisons on a shared machine.
+
+    Timed one after the other, models are compared under whatever load each happened to meet: a load change halfway
+    biases the ratio. Here each round runs one pass of every model, in the given order in even rounds and in reverse
+    in odd rounds (ABBA), so that a steady drift affects all alike; warm-up rounds are interleaved the same way. Each
+    pass is one :func:`time_forward` pass (eval mode, ``torch.inference_mode``, a fresh random input of the same
+    shape per model). Interleaving does not help against thread oversubscription (as many torch threads as cores
+    while another process keeps them busy), which penalizes the model with more ops.
+
+    Args:
+        models: The models, each on the device to time it on.
+        inputs: The input shape without the batch dimension, or a tensor with it (shared by all models).
+        batch_size: Batch size of generated inputs.
+        warmup: Warm-up rounds, not timed.
+        iters: Timed rounds.
+        max_time_s: Budget in seconds for warm-up plus timing of all models together: warm-up stops once it has
+            taken a quarter of it and timing once it is spent (checked after each round); one warm-up round (if
+            ``warmup > 0``) and one timed round always run. None for no budget.
+        amp_dtype: Run under ``torch.autocast`` with this dtype; None for each model's dtype.
+
+    Returns:
+        One :class:`TimingResult` per model, in the order given; ``times_s[i]`` of every model is from round ``i``.
+    """
+    if iters < 1:
+        raise ValueError(f'iters must be at least 1, got {iters}.')
+    if not models:
+        raise ValueError('time_forward_interleaved needs at least one model.')
+    start = time.perf_counter()
+
+    def spent(fraction: float = 1.0) -> bool:
+        return max_time_s is not None and time.perf_counter() - start >= fraction * max_time_s
+
+    def one_pass(model: nn.Module) -> TimingResult:
+        return time_forward(model, inputs, batch_size=batch_size, warmup=0, iters=1, amp_dtype=amp_dtype)
+
+    def order(round_index: int) -> List[int]:
+        indices = list(range(len(models)))
+        return indices if round_index % 2 == 0 else indices[::-1]
+
+    done_warmup = 0
+    while done_warmup < warmup and not (done_warmup > 0 and spent(0.25)):
+        for i in order(done_warmup):
+            one_pass(models[i])
+        done_warmup += 1
+    passes: List[List[TimingResult]] = [[] for _ in models]
+    rounds = 0
+    while True:
+        for i in order(rounds):
+            passes[i].append(one_pass(models[i]))
+        rounds += 1
+        if rounds >= iters or spent():
+            break
+    return [
+        TimingResult(
+            times_s=[p.times_s[0] for p in model_passes], batch_size=model_passes[0].batch_size, warmup=done_warmup,
+            device=model_passes[0].device, cpu_times_s=[p.cpu_times_s[0] for p in model_passes])
+        for model_passes in passes
+    ]
 
 def time_train_step(
         model: nn.Module,

@@ -16,6 +16,7 @@ from lsvision.measure import (
     machine_info,
     peak_memory_forward,
     time_forward,
+    time_forward_interleaved,
     time_train_step,
 )
 
@@ -111,6 +112,35 @@ def test_max_time_budget_cuts_short():
     # even a budget smaller than one pass runs one warm-up and one timed pass
     result = time_forward(Sleeper(0.02), (1,), warmup=3, iters=5, max_time_s=0.001)
     assert (result.warmup, result.iters) == (1, 1)
+
+
+class Named(nn.Module):
+    """Appends its name to a shared log on every forward."""
+
+    def __init__(self, name: str, log: List[str]):
+        super().__init__()
+        self.name, self.log = name, log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log.append(self.name)
+        return x
+
+
+def test_time_forward_interleaved_alternates():
+    log: List[str] = []
+    results = time_forward_interleaved([Named('a', log), Named('b', log)], (4,), batch_size=2, warmup=1, iters=3)
+    # one warm-up round, then timed rounds in the order a b, b a, a b (ABBA)
+    assert ''.join(log) == 'ab' + 'ab' + 'ba' + 'ab'
+    assert [r.iters for r in results] == [3, 3] and all(r.warmup == 1 and r.batch_size == 2 for r in results)
+    assert all(len(r.cpu_times_s) == 3 for r in results)
+    # a slow model measures slow, whatever its position
+    fast, slow = time_forward_interleaved([NoAlloc(), Sleeper(0.02)], (1,), warmup=0, iters=2)
+    assert slow.min_s >= 0.02 > fast.max_s
+    # the budget cuts rounds short but always runs one
+    results = time_forward_interleaved([Sleeper(0.02), Sleeper(0.02)], (1,), warmup=5, iters=50, max_time_s=0.001)
+    assert [(r.warmup, r.iters) for r in results] == [(1, 1), (1, 1)]
+    with pytest.raises(ValueError):
+        time_forward_interleaved([], (1,))
 
 
 def test_peak_memory_cpu():

@@ -8,7 +8,10 @@ to a JSON file:
     and the time ratio of the second model to the first per size; plus the fitted exponent of time and of FLOPs
     against the pixel count (log-log least-squares slope over the sizes ``>= --fit-min``): 1 is linear, 2 quadratic.
 (b) Achieved GFLOP/s (FLOPs / median time) at 224 of the models beside timm baselines (Swin-T, PVTv2-b2), created
-    with ``timm.create_model`` without weights.
+    with ``timm.create_model`` without weights, and each relative to the first model's. These models are timed in
+    alternating rounds (``lsvision.measure.time_forward_interleaved``: one pass of each per round, the order reversed
+    every other round), so that a load change on a shared machine biases none of them; ``--budget`` is then per
+    model.
 
 Example (a few minutes on 2 CPU cores)::
 
@@ -31,7 +34,7 @@ import timm
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
 from lsvision.benchmark import fit_exponent, markdown_table
 from lsvision.flops import count_flops
-from lsvision.measure import machine_description, machine_info, time_forward
+from lsvision.measure import TimingResult, machine_description, machine_info, time_forward, time_forward_interleaved
 
 DEFAULT_OUT = Path('output') / 'bench_cvt_ls' / 'results.json'
 MIB = 2 ** 20
@@ -76,12 +79,30 @@ def measure(model: torch.nn.Module, name: str, size: int, batch_size: int, args:
         model, input_size, batch_size=batch_size, warmup=args.warmup, iters=args.iters, max_time_s=args.budget,
         measure_memory=not args.no_memory,
     )
-    flops_total = flops.total * batch_size
+    return result_row(name, size, flops, timing, t0)
+
+
+def measure_interleaved(
+        models: Dict[str, torch.nn.Module], size: int, batch_size: int, args: argparse.Namespace,
+) -> List[Dict[str, Any]]:
+    """Counts FLOPs and times several models at one size and batch size in alternating rounds (no memory)."""
+    input_size = (3, size, size)
+    t0 = time.perf_counter()
+    flops = {name: count_flops(m, input_size, batch_size=1, warn_unsupported=False) for name, m in models.items()}
+    timings = time_forward_interleaved(
+        list(models.values()), input_size, batch_size=batch_size, warmup=args.warmup, iters=args.iters,
+        max_time_s=args.budget * len(models))
+    return [result_row(name, size, flops[name], t, t0) for name, t in zip(models, timings)]
+
+
+def result_row(name: str, size: int, flops: Any, timing: TimingResult, t0: float) -> Dict[str, Any]:
+    """One result row (JSON-ready) from a FLOP count and a timing; logs a progress line."""
+    flops_total = flops.total * timing.batch_size
     row = {
         'model': name,
         'size': size,
         'pixels': size * size,
-        'batch_size': batch_size,
+        'batch_size': timing.batch_size,
         'flops': flops_total,
         'gflops_per_image': flops.gflops,
         'unsupported_ops': flops.unsupported,
@@ -93,7 +114,7 @@ def measure(model: torch.nn.Module, name: str, size: int, batch_size: int, args:
     }
     peak = '' if row['peak_mib'] is None else f", peak {row['peak_mib']:.0f} MiB"
     log(
-        f'  {name} {size}x{size} b{batch_size}: {timing.per_image_s * 1e3:.1f} ms/img '
+        f'  {name} {size}x{size} b{timing.batch_size}: {timing.per_image_s * 1e3:.1f} ms/img '
         f'(median of {timing.iters}, p10-p90 {timing.p10_s * 1e3:.1f}-{timing.p90_s * 1e3:.1f} ms/pass), '
         f'{flops.gflops:.2f} GFLOPs/img{peak}; {time.perf_counter() - t0:.0f} s'
     )
@@ -151,14 +172,19 @@ def print_scaling(rows: List[Dict[str, Any]], report: Dict, models: Sequence[str
 
 
 def print_throughput(rows: List[Dict[str, Any]], size: int) -> None:
-    """Prints the achieved GFLOP/s table."""
+    """Prints the achieved GFLOP/s table, with each model's GFLOP/s relative to the first model's at that batch."""
+    first = {}
+    for r in rows:
+        first.setdefault(r['batch_size'], r)
     table = [
         [r['model'], str(r['batch_size']), f"{r['gflops_per_image']:.2f}", f"{r['time_per_image_s'] * 1e3:.1f}",
-         f"{r['images_per_s']:.1f}", f"{r['achieved_gflop_per_s']:.1f}"]
+         f"{r['images_per_s']:.1f}", f"{r['achieved_gflop_per_s']:.1f}",
+         f"{r['achieved_gflop_per_s'] / first[r['batch_size']]['achieved_gflop_per_s']:.2f}x"]
         for r in rows
     ]
-    print(f'\n### Achieved GFLOP/s at {size}x{size} (FLOPs / median time)\n')
-    print(markdown_table(['model', 'batch', 'GFLOPs/img', 'ms/img', 'img/s', 'GFLOP/s'], table))
+    name = rows[0]['model'] if rows else ''
+    print(f'\n### Achieved GFLOP/s at {size}x{size} (FLOPs / median time; models timed in alternating rounds)\n')
+    print(markdown_table(['model', 'batch', 'GFLOPs/img', 'ms/img', 'img/s', 'GFLOP/s', f'GFLOP/s / {name}'], table))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -183,7 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     through_names = list(dict.fromkeys([*args.models, *args.baselines]))
     log(f'(b) GFLOP/s at {args.throughput_size}: {", ".join(through_names)}, batch {args.batch_sizes}')
     throughput = [
-        measure(models[name], name, args.throughput_size, b, args) for b in args.batch_sizes for name in through_names
+        row for b in args.batch_sizes
+        for row in measure_interleaved({n: models[n] for n in through_names}, args.throughput_size, b, args)
     ]
 
     print(f'## CvT-LS vs CvT benchmark\n\nMeasured on: {machine}\n')
