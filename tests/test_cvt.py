@@ -6,6 +6,7 @@ import timm
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.flops import count_flops
+from lsvision.layers import long_short
 
 # spec long_short.md §3.4/§3.5/§5: exact parameter counts (BN buffers excluded) and fvcore GFLOPs (1 MAC = 1 FLOP)
 PARAMS = {
@@ -178,9 +179,13 @@ def test_meta_device_and_factory_kwargs():
     assert all(p.dtype == torch.float64 for p in model.parameters())
 
 
-def test_inference_fast_path_matches_module_path():
-    """Eval without autograd folds BatchNorm into the depthwise convs and caches the standardized weights: same
-    outputs as the plain modules (grad enabled), and the caches follow in-place parameter and statistics updates."""
+@pytest.mark.parametrize('fuse_convs', [True, False])
+def test_inference_fast_path_matches_module_path(fuse_convs, monkeypatch):
+    """Eval without autograd folds BatchNorm into the depthwise convs and caches the standardized weights, and on
+    small maps runs the four depthwise convs of a layer as one: same outputs as the plain modules (grad enabled),
+    and the caches follow in-place parameter and statistics updates."""
+    if not fuse_convs:
+        monkeypatch.setattr(long_short, '_FUSE_CONVS_MAX_POSITIONS', 0)
     torch.manual_seed(0)
     model = timm.create_model('cvt_ls_13', embed_dims=(32, 64, 64), num_heads=(1, 2, 2), depths=(1, 1, 1)).eval()
     x = torch.randn(2, 3, 64, 48)
@@ -202,6 +207,8 @@ def test_inference_fast_path_matches_module_path():
         with torch.inference_mode():
             fast = model(x)
         torch.testing.assert_close(fast, ref.detach(), rtol=1e-5, atol=1e-5)
+    fused = [m._fused_dw is not None for m in model.modules() if isinstance(m, long_short.LongShortAttention2d)]
+    assert fused == [fuse_convs] * 3
 
 
 def test_model_built_under_inference_mode_runs():

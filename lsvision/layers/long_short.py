@@ -392,6 +392,11 @@ def segment_padding_mask(
 _PADDING_MASKS: 'OrderedDict[Tuple, torch.Tensor]' = OrderedDict()
 _PADDING_MASKS_MAX = 64
 
+# Inference runs the four depthwise convs of a CvT-LS layer as one conv up to this many map positions (batch x H x W):
+# measured in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at batch 8 as well,
+# stage 3 (1568 positions) was no faster and stage 1 slower.
+_FUSE_CONVS_MAX_POSITIONS = 1024
+
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
 _DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
 
@@ -463,6 +468,58 @@ class LongShortAttention2d(nn.Module):
             self.rel_pos_table = None
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
+        self._fused_dw = None  # eval cache: (key, weight, bias) of the four depthwise convs as one
+
+    @torch.jit.unused
+    def _fused_conv_projections(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix: int,
+    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """q, k, v and the projection logits with the four depthwise convs (CvT-LS) run as one, in inference.
+
+        The q, k and v convs (BatchNorm folded in) and the projection's standardized conv all read the same patch
+        map, so one depthwise conv over four copies of the map, with the four filter sets concatenated, gives all
+        four outputs; the pointwise convs then read their channel slice of it. oneDNN spends a fixed ~50-100 us per
+        depthwise conv call on CPU, which dominates on small maps. Same math; returns None where it does not apply
+        (training, autograd, tracing, other qkv/projection layers, more than `_FUSE_CONVS_MAX_POSITIONS`).
+
+        Returns:
+            q, k, v stacked (3, B, N, C) and the projection logits (B, H * W, h * r).
+        """
+        qkv_layer, dp = self.qkv, self.dynamic_proj
+        if not (isinstance(qkv_layer, SepConvQkv) and isinstance(dp, ConvDynamicProjection)):
+            return None
+        if x.shape[0] * feat_size[0] * feat_size[1] > _FUSE_CONVS_MAX_POSITIONS:
+            return None
+        convs = (qkv_layer.q, qkv_layer.k, qkv_layer.v)
+        if not eval_fast_path(self.training) or any(c.bn.running_var is None for c in convs):
+            return None
+        sources = [dp.dw.weight, dp.dw.bias]
+        for c in convs:
+            sources += [c.dw.weight, c.dw.bias, c.bn.weight, c.bn.bias, c.bn.running_mean, c.bn.running_var]
+        key = version_key(sources)
+        if key is not None:
+            key = key + tuple(c.bn.eps for c in convs) + (dp.dw.eps,)
+        if key is None or self._fused_dw is None or self._fused_dw[0] != key:
+            folded = [c._folded_dw() for c in convs]
+            with torch.inference_mode(False), torch.no_grad():
+                weight = torch.cat([w for w, _ in folded] + [dp._standardized_dw_weight()])
+                bias = torch.cat([b for _, b in folded] + [dp.dw.bias])
+            self._fused_dw = (key, weight, bias)
+        weight, bias = self._fused_dw[1], self._fused_dw[2]
+        C = x.shape[2]
+        patches = x[:, num_prefix:]
+        maps = F.conv2d(
+            _tokens_to_map(torch.cat([patches] * 4, dim=2), feat_size), weight, bias, padding=1, groups=4 * C)
+        maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
+        qkv = x.new_empty((3,) + x.shape)
+        qkv[:, :, :num_prefix] = x[:, :num_prefix]
+        for i, conv in enumerate(convs):
+            qkv[i, :, num_prefix:] = F.linear(maps[..., i * C:(i + 1) * C], conv.pw.weight.flatten(1), conv.pw.bias)
+        logits = F.linear(maps[..., 3 * C:], dp.pw.weight.flatten(1), dp.pw.bias)
+        return qkv, logits
 
     @torch.jit.unused
     def _cached_padding_mask(
@@ -571,13 +628,20 @@ class LongShortAttention2d(nn.Module):
         torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
         h, d, r, ws = self.num_heads, self.head_dim, self.dp_rank, self.window_size
 
-        qkv = self.qkv(x, feat_size, num_prefix)  # (3, B, N, C)
+        fused: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        if not torch.jit.is_scripting():
+            fused = self._fused_conv_projections(x, feat_size, num_prefix)
+        if fused is None:
+            qkv = self.qkv(x, feat_size, num_prefix)  # (3, B, N, C)
+            logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
+        else:
+            qkv, logits = fused
         q = qkv[0]
         kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
         kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3)  # (2, B, h, Np, d)
-        proj = projection_weights(self.dynamic_proj(x[:, num_prefix:], feat_size), h)  # (B, h, r, Np)
+        proj = projection_weights(logits, h)  # (B, h, r, Np)
         kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
         kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
         kv_prefix = kv[:, :, :num_prefix].reshape(2, B, num_prefix, h, d).transpose(2, 3)
