@@ -3,22 +3,22 @@
 Each GRC model ``<base>_grc`` is paired with ``<base>`` (default: PVTv2-b2, Swin-T and DeiT-S; ``--models`` takes GRC
 model names or wildcards, ``--all`` runs every GRC model). For each pair and batch size it prints the parameters and
 GFLOPs of both (``lsvision.flops``, multiply-adds, per image at the model's default input size), the extra FLOPs of
-GRC in %, the median ms/image and images/s of both (``lsvision.measure.time_forward``), the slowdown (GRC median time
-/ base median time) and whether GRC meets the target of at most ``--target`` (1.25) times the base's time. Both
-models run in eval mode, where GRC computes each sample's cache update from the frozen cache without storing it.
-Progress goes to stderr; the tables go to stdout and the results to a JSON file (``--out``).
+GRC in %, the median ms/image and images/s of both, the slowdown (GRC median time / base median time) and whether GRC
+meets the target of at most ``--target`` (1.25) times the base's time. Both models run in eval mode, where GRC
+computes each sample's cache update from the frozen cache without storing it. Progress goes to stderr; the tables go
+to stdout and the results to a JSON file (``--out``).
 
-Interleaved timing, to reduce the noise of a shared machine: the two models of a pair are not timed one after the
-other (a load change halfway would then bias the ratio) but in alternating rounds. Each round times one forward pass
-of each model (``time_forward`` with ``iters=1``, ``warmup=0``), in the order base, GRC in even rounds and GRC, base
-in odd rounds (ABBA), so that a steady drift affects both alike. Warm-up passes are interleaved the same way. The
-reported time of each model is the median of its passes over all rounds; the JSON also keeps every pass and the
-median of the per-round ratios (``paired_slowdown``), a second estimate that is robust to load changes between
-rounds. ``--budget`` bounds warm-up plus timing of one pair at one batch size (warm-up stops after a quarter of it);
-at least one warm-up round (if ``--warmup`` > 0) and one timed round always run. Interleaving does not help against
-thread oversubscription: with as many torch threads as cores while another process keeps them busy, OpenMP
-synchronization can cost milliseconds per op, which penalizes the model with more ops (GRC); use ``--threads``
-below the free core count on a busy machine.
+Interleaved timing, to reduce the noise of a shared machine (``lsvision.measure.time_forward_interleaved``): the two
+models of a pair are not timed one after the other (a load change halfway would then bias the ratio) but in
+alternating rounds, one forward pass of each per round, in the order base, GRC in even rounds and GRC, base in odd
+rounds (ABBA), so that a steady drift affects both alike. Warm-up passes are interleaved the same way. The reported
+time of each model is the median of its passes over all rounds; the JSON also keeps every pass and the median of the
+per-round ratios (``paired_slowdown``), a second estimate that is robust to load changes between rounds. ``--budget``
+bounds warm-up plus timing of one pair at one batch size (warm-up stops after a quarter of it); at least one warm-up
+round (if ``--warmup`` > 0) and one timed round always run. Interleaving does not help against thread
+oversubscription: with as many torch threads as cores while another process keeps them busy, OpenMP synchronization
+can cost milliseconds per op, which penalizes the model with more ops (GRC); use ``--threads`` below the free core
+count on a busy machine.
 
 Example (each pair takes at most ``--budget`` seconds per batch size, plus model creation and FLOP counting)::
 
@@ -43,7 +43,7 @@ import timm
 import lsvision
 from lsvision.benchmark import markdown_table
 from lsvision.flops import count_flops
-from lsvision.measure import TimingResult, machine_description, machine_info, time_forward
+from lsvision.measure import machine_description, machine_info, time_forward_interleaved
 
 DEFAULT_MODELS = ['pvt_v2_b2_grc', 'swin_tiny_patch4_window7_224_grc', 'deit_small_patch16_224_grc']
 DEFAULT_OUT = Path('output') / 'bench_grc' / 'results.json'
@@ -120,41 +120,6 @@ def describe(name: str, args: argparse.Namespace) -> Tuple[torch.nn.Module, Dict
     return model, info
 
 
-def one_pass(model: torch.nn.Module, input_size: Sequence[int], batch_size: int, args: argparse.Namespace) -> float:
-    """Times one forward pass (eval, inference mode) and returns its time in seconds."""
-    amp = None if args.amp is None else getattr(torch, args.amp)
-    timing = time_forward(model, tuple(input_size), batch_size=batch_size, warmup=0, iters=1, amp_dtype=amp)
-    return timing.times_s[0]
-
-
-def time_interleaved(
-        models: Sequence[torch.nn.Module], input_size: Sequence[int], batch_size: int, args: argparse.Namespace,
-) -> Tuple[List[List[float]], int]:
-    """Times the models in alternating (ABBA) rounds; returns each model's pass times and the warm-up rounds run."""
-    start = time.perf_counter()
-
-    def spent(fraction: float = 1.0) -> bool:
-        return time.perf_counter() - start >= fraction * args.budget
-
-    def order(r: int) -> List[int]:
-        return list(range(len(models))) if r % 2 == 0 else list(reversed(range(len(models))))
-
-    warm = 0
-    while warm < args.warmup and not (warm > 0 and spent(0.25)):
-        for i in order(warm):
-            one_pass(models[i], input_size, batch_size, args)
-        warm += 1
-    times: List[List[float]] = [[] for _ in models]
-    r = 0
-    while True:
-        for i in order(r):
-            times[i].append(one_pass(models[i], input_size, batch_size, args))
-        r += 1
-        if r >= args.iters or spent():
-            break
-    return times, warm
-
-
 def measure_pair(base: str, name: str, batch_sizes: Sequence[int], args: argparse.Namespace) -> List[Dict[str, Any]]:
     """Counts parameters and FLOPs of a base/GRC pair and times both, interleaved, at each batch size."""
     t0 = time.perf_counter()
@@ -165,10 +130,10 @@ def measure_pair(base: str, name: str, batch_sizes: Sequence[int], args: argpars
         log(f'  note: {base} defaults to {base_info["input_size"]}, timing both at {input_size}')
     rows = []
     for b in batch_sizes:
-        (base_times, grc_times), warm = time_interleaved([base_model, grc_model], input_size, b, args)
-        device = str(args.device)
-        base_t = TimingResult(times_s=base_times, batch_size=b, warmup=warm, device=device)
-        grc_t = TimingResult(times_s=grc_times, batch_size=b, warmup=warm, device=device)
+        base_t, grc_t = time_forward_interleaved(
+            [base_model, grc_model], tuple(input_size), batch_size=b, warmup=args.warmup, iters=args.iters,
+            max_time_s=args.budget, amp_dtype=None if args.amp is None else getattr(torch, args.amp))
+        base_times, grc_times, warm = base_t.times_s, grc_t.times_s, grc_t.warmup
         slowdown = grc_t.median_s / base_t.median_s
         row = {
             'model': name,
