@@ -187,3 +187,25 @@ def test_window_table_carried_over_offset_by_offset(src, dst):
     assert checked > 0.5 * dst_rows.unique().numel()
     if src == dst:
         assert out is table
+
+
+def test_tracing_leaves_the_mask_cache_alone():
+    """Traced sizes are tensors: a trace must not fill the padding-mask cache with keys no call will hit again."""
+    from lsvision.layers import long_short
+
+    class OnMap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = LongShortAttention2d(16, 2, window_size=2, dp_rank=2)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            return self.attn(t, (6, 4))
+
+    model = OnMap().eval()
+    x = torch.randn(1, 1 + 6 * 4, 16)
+    with torch.no_grad():
+        ref = model(x)
+        cached = len(long_short._PADDING_MASKS)
+        traced = torch.jit.trace(model, x, check_trace=False)
+        assert len(long_short._PADDING_MASKS) == cached
+        torch.testing.assert_close(traced(x), ref)

@@ -531,6 +531,8 @@ class LongShortAttention2d(nn.Module):
             device: torch.device,
     ) -> torch.Tensor:
         """`segment_padding_mask`, built once per shape, dtype and device (it depends on nothing else)."""
+        if torch.jit.is_tracing():  # sizes may be traced tensors: no key to cache under
+            return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
         key = (feat_size[0], feat_size[1], self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
         mask = _PADDING_MASKS.get(key)
         if mask is None:
