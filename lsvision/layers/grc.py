@@ -122,6 +122,9 @@ class GrcMemoryAttention(nn.Module):
         else:
             self.relative_position_bias_table = None
             self.relative_position_index = None
+        # eval memo of the gathered relative-position bias (see `_rel_pos_bias`): not state, never saved
+        self._bias_key: Optional[tuple] = None
+        self._bias: Optional[torch.Tensor] = None
 
     def _rel_index(self, device=None) -> torch.Tensor:
         wh, ww = self.window_size
@@ -147,6 +150,32 @@ class GrcMemoryAttention(nn.Module):
             grid = self.act(grid)
         return torch.cat([prefix, grid], dim=1)
 
+    def _gather_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        assert self.relative_position_bias_table is not None and self.relative_position_index is not None
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
+
+    @torch.jit.unused
+    def _rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The (1, heads, n, n) relative-position bias of the window slots. In eval without autograd it depends only on
+        the table, so it is gathered once and kept until the table changes (version or address, see
+        `lsvision.layers.eval_memo`) or the mode switches; never while tracing, scripting or compiling."""
+        if not eval_fast_path(self.training):
+            return self._gather_rel_pos_bias(n, dtype)
+        versions = version_key([self._parameters['relative_position_bias_table'],
+                                self._buffers['relative_position_index']])
+        if versions is None:
+            return self._gather_rel_pos_bias(n, dtype)
+        key = versions + (n, dtype)
+        if key != self._bias_key or self._bias is None:
+            self._bias_key, self._bias = key, self._gather_rel_pos_bias(n, dtype).contiguous()
+        return self._bias
+
+    def train(self, mode: bool = True) -> 'GrcMemoryAttention':
+        if mode != self.training:  # a mode switch drops the eval memo
+            self._bias_key = self._bias = None
+        return super().train(mode)
+
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D_m) queries' source, cache: (B, T_m, D_m). Returns (B, T, D_m)."""
         B, N, C = x.shape
@@ -162,8 +191,10 @@ class GrcMemoryAttention(nn.Module):
             if N != n or k.shape[2] != n:
                 raise ValueError(f'window memory attention expects {n} queries and cache slots, got {N} and '
                                  f'{k.shape[2]}')
-            bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
-            bias = bias.permute(2, 0, 1).unsqueeze(0).to(q.dtype)
+            if torch.jit.is_scripting():
+                bias = self._gather_rel_pos_bias(n, q.dtype)
+            else:
+                bias = self._rel_pos_bias(n, q.dtype)
         if self.fused_attn:
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
@@ -340,6 +371,15 @@ class GatedRecurrentCache(nn.Module):
         return super().train(mode)
 
     @torch.jit.unused
+    def _memo_inputs(self) -> List[torch.Tensor]:
+        """The tensors the eval memo is computed from. Read from the module dicts: nn.Module attribute lookups cost
+        ~1 us each, and this runs on every eval call of every block."""
+        tensors = [self._buffers['cache'], self._parameters['lam']]
+        for name in ('linear_reset', 'linear_update', 'linear_candidate', 'pe'):
+            tensors += [t for t in self._modules[name]._parameters.values() if t is not None]
+        return tensors
+
+    @torch.jit.unused
     def _eval_memo(self, dtype: torch.dtype) -> Optional[Dict[str, torch.Tensor]]:
         """The terms of an eval forward that depend only on the parameters and the frozen cache, computed once.
 
@@ -354,16 +394,17 @@ class GatedRecurrentCache(nn.Module):
         """
         if not eval_fast_path(self.training) or torch.is_autocast_enabled(self.cache.device.type):
             return None
-        versions = version_key([self.cache] + [p for p in self.parameters(recurse=False)] + [
-            p for m in (self.linear_reset, self.linear_update, self.linear_candidate, self.pe) for p in m.parameters()])
+        versions = version_key(self._memo_inputs())
         if versions is None:
             return None
         key = versions + (dtype,)
         if key != self._memo_key or self._memo is None:
             w_s, b_s, w_p = self._gate_weights()
-            memo = {'w_s': w_s, 'ru': F.linear(self.cache.to(dtype), w_p.to(dtype))}
+            ru = F.linear(self.cache.to(dtype), w_p.to(dtype))  # (1, T_m, 2 D_m)
+            s_bias = torch.cat([ru, ru.new_zeros(ru.shape[:-1] + (self.cache_dim,))], dim=-1)
             if b_s is not None:
-                memo['b_s'] = b_s
+                s_bias += b_s
+            memo = {'w_s': w_s, 's_bias': s_bias}
             memo['w_own'], memo['w_pair'] = self._pe_filters()
             w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
             memo['mix_mem'], memo['mix_self'] = w, 1. - w
@@ -385,16 +426,19 @@ class GatedRecurrentCache(nn.Module):
         """
         B, T, dm = summary.shape
         w_c = self.linear_candidate.weight
+        # [W_rS; W_uS; W_cS] S: (B * T_m, 3 D_m); the reshape is a view of a channel slice
+        summary2d = summary.reshape(B * T, dm)
         if frozen is None:
             w_s, b_s, w_p = self._gate_weights()
-            # [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
-            ru = F.linear(cache, w_p)
-        else:  # eval: the same terms, computed once for the frozen cache and parameters
-            w_s, b_s, ru = frozen['w_s'], frozen.get('b_s'), frozen['ru']
-        # + [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B * T_m, 3 D_m); the reshape is a view of a channel slice
-        summary2d = summary.reshape(B * T, dm)
-        s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
-        gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + ru)
+            s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
+            # + [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
+            gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + F.linear(cache, w_p))
+        else:
+            # eval: [W_rP; W_uP] C of the frozen cache and all biases are one per-token term (1, T_m, 3 D_m), computed
+            # once and added in place: no bias copy before the matmul and no new tensor for the gates
+            s3 = torch.mm(summary2d, frozen['w_s'].t())
+            s3.view(B, T, 3 * dm).add_(frozen['s_bias'])
+            gates = torch.sigmoid_(s3[:, :2 * dm]).view(B, T, 2 * dm)
         g_r, g_u = gates[..., :dm], gates[..., dm:]
         # W_cP (g_r * C) + (W_cS S + b_c)
         cand = torch.addmm(s3[:, 2 * dm:], (g_r * cache).reshape(B * T, dm), w_c[:, :dm].t())
@@ -465,13 +509,16 @@ class GatedRecurrentCache(nn.Module):
             w_self = 1. - w
         else:
             w, w_self = frozen['mix_mem'], frozen['mix_self']
-        # = w * [o_mem, 0] + (1 - w) * o_self per head, without the zero-padded copy of o_mem
-        out = o_self.reshape(B, T, H, D // H) * w_self
+        # O = w * [o_mem, 0] + (1 - w) * o_self per head (without the zero-padded copy of o_mem), + PE on the patches
+        pe = self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
+        if p == 0 and pe.is_contiguous():
+            # accumulate into the fresh PE tensor: one pass and no new tensor for (1 - w) * o_self
+            out = pe.view(B, T, H, D // H).addcmul_(o_self.reshape(B, T, H, D // H), w_self)
+        else:
+            out = o_self.reshape(B, T, H, D // H) * w_self
+            out.view(B, T, D)[:, p:] += pe
         out[..., :dm // H].addcmul_(o_mem.reshape(B, T, H, dm // H), w)
-        out = out.reshape(B, T, D)
-
-        out[:, p:] += self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
-        return out
+        return out.view(B, T, D)
 
     def _pe(
             self,
