@@ -122,9 +122,8 @@ class GrcMemoryAttention(nn.Module):
         else:
             self.relative_position_bias_table = None
             self.relative_position_index = None
-        # eval memo of the gathered relative-position bias (see `_rel_pos_bias`): not state, never saved
-        self._bias_key: Optional[tuple] = None
-        self._bias: Optional[torch.Tensor] = None
+        # eval memos (see `_memo_get`): the gathered relative-position bias, the patch-major reduction weight; not state
+        self._memos: Dict[str, Tuple[tuple, torch.Tensor]] = {}
 
     def _rel_index(self, device=None) -> torch.Tensor:
         wh, ww = self.window_size
@@ -141,14 +140,20 @@ class GrcMemoryAttention(nn.Module):
         B, _, C = kv.shape
         hw = self.cache_hw
         assert hw is not None
-        prefix, grid = kv[:, :self.num_prefix_tokens], kv[:, self.num_prefix_tokens:]
-        grid = grid.transpose(1, 2).reshape(B, C, hw[0], hw[1])
-        if self.pool is not None:
-            grid = self.pool(grid)
-        grid = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        p = self.num_prefix_tokens
+        grid = kv[:, p:]
+        reduced: Optional[torch.Tensor] = None
+        if not torch.jit.is_scripting():
+            reduced = self._patch_reduce(grid)
+        if reduced is None:
+            grid = grid.transpose(1, 2).reshape(B, C, hw[0], hw[1])
+            if self.pool is not None:
+                grid = self.pool(grid)
+            reduced = self.sr(grid).flatten(2).transpose(1, 2)
+        grid = self.norm(reduced)
         if self.act is not None:
             grid = self.act(grid)
-        return torch.cat([prefix, grid], dim=1)
+        return grid if p == 0 else torch.cat([kv[:, :p], grid], dim=1)
 
     def _gather_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         assert self.relative_position_bias_table is not None and self.relative_position_index is not None
@@ -156,24 +161,58 @@ class GrcMemoryAttention(nn.Module):
         return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
 
     @torch.jit.unused
+    def _memo_get(self, name: str, inputs: List[torch.Tensor]) -> Tuple[Optional[tuple], Optional[torch.Tensor]]:
+        """(key, kept value) of an eval memo computed from `inputs`: the value is None where it must be computed, the
+        key None where it must not be kept. Values are kept in eval without autograd until one of the inputs changes
+        (version or address, see `lsvision.layers.eval_memo`) or the mode switches; never while tracing or compiling.
+        """
+        key = version_key(inputs) if eval_fast_path(self.training) else None
+        hit = self._memos.get(name)
+        if key is not None and hit is not None and hit[0] == key:
+            return key, hit[1]
+        return key, None
+
+    @torch.jit.unused
+    def _memo_put(self, name: str, key: Optional[tuple], value: torch.Tensor) -> torch.Tensor:
+        if key is not None:
+            self._memos[name] = (key, value)
+        return value
+
+    @torch.jit.unused
     def _rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The (1, heads, n, n) relative-position bias of the window slots. In eval without autograd it depends only on
-        the table, so it is gathered once and kept until the table changes (version or address, see
-        `lsvision.layers.eval_memo`) or the mode switches; never while tracing, scripting or compiling."""
-        if not eval_fast_path(self.training):
-            return self._gather_rel_pos_bias(n, dtype)
-        versions = version_key([self._parameters['relative_position_bias_table'],
-                                self._buffers['relative_position_index']])
-        if versions is None:
-            return self._gather_rel_pos_bias(n, dtype)
-        key = versions + (n, dtype)
-        if key != self._bias_key or self._bias is None:
-            self._bias_key, self._bias = key, self._gather_rel_pos_bias(n, dtype).contiguous()
-        return self._bias
+        """The (1, heads, n, n) relative-position bias of the window slots: in eval it depends only on the table."""
+        table, index = self._parameters['relative_position_bias_table'], self._buffers['relative_position_index']
+        key, bias = self._memo_get('rel_pos_bias', [table, index])
+        if bias is None or bias.shape[-1] != n or bias.dtype != dtype:
+            bias = self._memo_put('rel_pos_bias', key, self._gather_rel_pos_bias(n, dtype).contiguous())
+        return bias
+
+    @torch.jit.unused
+    def _patch_reduce(self, grid: torch.Tensor) -> Optional[torch.Tensor]:
+        """The k = s spatial reduction of the cache grid (B, h*w, C) as one matmul, or None where it does not apply.
+
+        A conv with kernel = stride = s maps each non-overlapping s x s patch linearly: on a patch-major copy of the
+        tokens it is one (B*h*w/s^2, s*s*C) x (s*s*C, C) matmul, 1.1-2.5x faster on CPU than the conv on the
+        transposed grid (which needs a layout copy too). Only in eval without autograd and where s divides the grid;
+        traced (FLOP counting, export) it stays the conv.
+        """
+        sr, hw = self.sr, self.cache_hw
+        if self.pool is not None or sr is None or hw is None or not eval_fast_path(self.training):
+            return None
+        s = sr.stride[0]
+        if sr.kernel_size != (s, s) or sr.stride != (s, s) or sr.padding != (0, 0) or hw[0] % s or hw[1] % s:
+            return None
+        B, _, C = grid.shape
+        h, w = hw[0] // s, hw[1] // s
+        key, weight = self._memo_get('sr_weight', [sr.weight])
+        if weight is None:
+            weight = self._memo_put('sr_weight', key, sr.weight.permute(0, 2, 3, 1).reshape(C, s * s * C))
+        patches = grid.reshape(B, h, s, w, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * h * w, s * s * C)
+        return F.linear(patches, weight.to(grid.dtype), sr.bias).view(B, h * w, C)
 
     def train(self, mode: bool = True) -> 'GrcMemoryAttention':
-        if mode != self.training:  # a mode switch drops the eval memo
-            self._bias_key = self._bias = None
+        if mode != self.training:  # a mode switch drops the eval memos
+            self._memos = {}
         return super().train(mode)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
