@@ -423,8 +423,9 @@ class GatedRecurrentCache(nn.Module):
         """The terms of an eval forward that depend only on the parameters and the frozen cache, computed once.
 
         In eval the cache is frozen, so the cache halves of the reset and update gates, [W_rP; W_uP] C, are the same
-        for every sample of every call (the spec's per-sample update starts from the frozen buffer); so are the
-        fused gate weights, the PE filters and the mixing weights. They are kept here and recomputed when the cache
+        for every sample of every call (the spec's per-sample update starts from the frozen buffer); they are kept
+        with the gate biases as one per-token term `s_bias` (1, T_m, 3 D_m). So are the fused gate weights, the PE
+        filters and the mixing weights. They are kept here and recomputed when the cache
         or a parameter of this layer changes: an in-place write (optimizer step, load_state_dict, copy_ under
         no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and a switch between train
         and eval mode drops the memo. Writes through `.data` are invisible to versions: switch modes after them.
