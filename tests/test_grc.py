@@ -200,10 +200,11 @@ def test_eval_batch_independent_and_frozen(name):
     assert all(not torch.equal(a, b) for a, b in zip(caches, _caches(model)))
 
 
-@pytest.mark.parametrize('name', [SWIN_T, VIT_S])
+@pytest.mark.parametrize('name', [SWIN_T, VIT_S, 'pvt_v2_b0_grc', 'pvt_tiny_grc'])
 def test_eval_memo_equals_full_computation_and_follows_changes(name):
-    # eval without autograd computes the frozen-cache terms once (GatedRecurrentCache._eval_memo); the outputs must
-    # equal the full computation (autograd on: no memo) and follow in-place changes of the cache and the weights
+    # eval without autograd computes the frozen-cache terms once (GatedRecurrentCache._eval_memo, the memory branch's
+    # relative-position bias and patch-major reduction weight); the outputs must equal the full computation (autograd
+    # on: no memo, the reduction as a conv) and follow in-place changes of the cache and the weights
     model = _tiny(name).eval()
     grcs = _grcs(model)
     x = torch.randn(2, 3, 64, 64)
@@ -222,6 +223,11 @@ def test_eval_memo_equals_full_computation_and_follows_changes(name):
         grcs[0].cache.mul_(-2.)
         grcs[0].linear_update.weight.mul_(5.)
         grcs[-1].pe.weight.normal_()
+        mem = grcs[0].mem_attn
+        if mem.sr is not None:
+            mem.sr.weight.normal_()
+        if mem.relative_position_bias_table is not None:
+            mem.relative_position_bias_table.normal_()
         changed = model(x)
         torch.testing.assert_close(changed, full(), atol=1e-6, rtol=0)
         assert (changed - memo).abs().max() > 1e-3

@@ -122,6 +122,8 @@ class GrcMemoryAttention(nn.Module):
         else:
             self.relative_position_bias_table = None
             self.relative_position_index = None
+        # eval memos (see `_memo_get`): the gathered relative-position bias, the patch-major reduction weight; not state
+        self._memos: Dict[str, Tuple[tuple, torch.Tensor]] = {}
 
     def _rel_index(self, device=None) -> torch.Tensor:
         wh, ww = self.window_size
@@ -138,14 +140,80 @@ class GrcMemoryAttention(nn.Module):
         B, _, C = kv.shape
         hw = self.cache_hw
         assert hw is not None
-        prefix, grid = kv[:, :self.num_prefix_tokens], kv[:, self.num_prefix_tokens:]
-        grid = grid.transpose(1, 2).reshape(B, C, hw[0], hw[1])
-        if self.pool is not None:
-            grid = self.pool(grid)
-        grid = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        p = self.num_prefix_tokens
+        grid = kv[:, p:]
+        reduced: Optional[torch.Tensor] = None
+        if not torch.jit.is_scripting():
+            reduced = self._patch_reduce(grid)
+        if reduced is None:
+            grid = grid.transpose(1, 2).reshape(B, C, hw[0], hw[1])
+            if self.pool is not None:
+                grid = self.pool(grid)
+            reduced = self.sr(grid).flatten(2).transpose(1, 2)
+        grid = self.norm(reduced)
         if self.act is not None:
             grid = self.act(grid)
-        return torch.cat([prefix, grid], dim=1)
+        return grid if p == 0 else torch.cat([kv[:, :p], grid], dim=1)
+
+    def _gather_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        assert self.relative_position_bias_table is not None and self.relative_position_index is not None
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
+
+    @torch.jit.unused
+    def _memo_get(self, name: str, inputs: List[torch.Tensor]) -> Tuple[Optional[tuple], Optional[torch.Tensor]]:
+        """(key, kept value) of an eval memo computed from `inputs`: the value is None where it must be computed, the
+        key None where it must not be kept. Values are kept in eval without autograd until one of the inputs changes
+        (version or address, see `lsvision.layers.eval_memo`) or the mode switches; never while tracing or compiling.
+        """
+        key = version_key(inputs) if eval_fast_path(self.training) else None
+        hit = self._memos.get(name)
+        if key is not None and hit is not None and hit[0] == key:
+            return key, hit[1]
+        return key, None
+
+    @torch.jit.unused
+    def _memo_put(self, name: str, key: Optional[tuple], value: torch.Tensor) -> torch.Tensor:
+        if key is not None:
+            self._memos[name] = (key, value)
+        return value
+
+    @torch.jit.unused
+    def _rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The (1, heads, n, n) relative-position bias of the window slots: in eval it depends only on the table."""
+        table, index = self._parameters['relative_position_bias_table'], self._buffers['relative_position_index']
+        key, bias = self._memo_get('rel_pos_bias', [table, index])
+        if bias is None or bias.shape[-1] != n or bias.dtype != dtype:
+            bias = self._memo_put('rel_pos_bias', key, self._gather_rel_pos_bias(n, dtype).contiguous())
+        return bias
+
+    @torch.jit.unused
+    def _patch_reduce(self, grid: torch.Tensor) -> Optional[torch.Tensor]:
+        """The k = s spatial reduction of the cache grid (B, h*w, C) as one matmul, or None where it does not apply.
+
+        A conv with kernel = stride = s maps each non-overlapping s x s patch linearly: on a patch-major copy of the
+        tokens it is one (B*h*w/s^2, s*s*C) x (s*s*C, C) matmul, 1.1-2.5x faster on CPU than the conv on the
+        transposed grid (which needs a layout copy too). Only in eval without autograd and where s divides the grid;
+        traced (FLOP counting, export) it stays the conv.
+        """
+        sr, hw = self.sr, self.cache_hw
+        if self.pool is not None or sr is None or hw is None or not eval_fast_path(self.training):
+            return None
+        s = sr.stride[0]
+        if sr.kernel_size != (s, s) or sr.stride != (s, s) or sr.padding != (0, 0) or hw[0] % s or hw[1] % s:
+            return None
+        B, _, C = grid.shape
+        h, w = hw[0] // s, hw[1] // s
+        key, weight = self._memo_get('sr_weight', [sr.weight])
+        if weight is None:
+            weight = self._memo_put('sr_weight', key, sr.weight.permute(0, 2, 3, 1).reshape(C, s * s * C))
+        patches = grid.reshape(B, h, s, w, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * h * w, s * s * C)
+        return F.linear(patches, weight.to(grid.dtype), sr.bias).view(B, h * w, C)
+
+    def train(self, mode: bool = True) -> 'GrcMemoryAttention':
+        if mode != self.training:  # a mode switch drops the eval memos
+            self._memos = {}
+        return super().train(mode)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D_m) queries' source, cache: (B, T_m, D_m). Returns (B, T, D_m)."""
@@ -162,8 +230,10 @@ class GrcMemoryAttention(nn.Module):
             if N != n or k.shape[2] != n:
                 raise ValueError(f'window memory attention expects {n} queries and cache slots, got {N} and '
                                  f'{k.shape[2]}')
-            bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
-            bias = bias.permute(2, 0, 1).unsqueeze(0).to(q.dtype)
+            if torch.jit.is_scripting():
+                bias = self._gather_rel_pos_bias(n, q.dtype)
+            else:
+                bias = self._rel_pos_bias(n, q.dtype)
         if self.fused_attn:
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
@@ -340,12 +410,22 @@ class GatedRecurrentCache(nn.Module):
         return super().train(mode)
 
     @torch.jit.unused
+    def _memo_inputs(self) -> List[torch.Tensor]:
+        """The tensors the eval memo is computed from. Read from the module dicts: nn.Module attribute lookups cost
+        ~1 us each, and this runs on every eval call of every block."""
+        tensors = [self._buffers['cache'], self._parameters['lam']]
+        for name in ('linear_reset', 'linear_update', 'linear_candidate', 'pe'):
+            tensors += [t for t in self._modules[name]._parameters.values() if t is not None]
+        return tensors
+
+    @torch.jit.unused
     def _eval_memo(self, dtype: torch.dtype) -> Optional[Dict[str, torch.Tensor]]:
         """The terms of an eval forward that depend only on the parameters and the frozen cache, computed once.
 
         In eval the cache is frozen, so the cache halves of the reset and update gates, [W_rP; W_uP] C, are the same
-        for every sample of every call (the spec's per-sample update starts from the frozen buffer); so are the
-        fused gate weights, the PE filters and the mixing weights. They are kept here and recomputed when the cache
+        for every sample of every call (the spec's per-sample update starts from the frozen buffer); they are kept
+        with the gate biases as one per-token term `s_bias` (1, T_m, 3 D_m). So are the fused gate weights, the PE
+        filters and the mixing weights. They are kept here and recomputed when the cache
         or a parameter of this layer changes: an in-place write (optimizer step, load_state_dict, copy_ under
         no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and a switch between train
         and eval mode drops the memo. Writes through `.data` are invisible to versions: switch modes after them.
@@ -354,16 +434,17 @@ class GatedRecurrentCache(nn.Module):
         """
         if not eval_fast_path(self.training) or torch.is_autocast_enabled(self.cache.device.type):
             return None
-        versions = version_key([self.cache] + [p for p in self.parameters(recurse=False)] + [
-            p for m in (self.linear_reset, self.linear_update, self.linear_candidate, self.pe) for p in m.parameters()])
+        versions = version_key(self._memo_inputs())
         if versions is None:
             return None
         key = versions + (dtype,)
         if key != self._memo_key or self._memo is None:
             w_s, b_s, w_p = self._gate_weights()
-            memo = {'w_s': w_s, 'ru': F.linear(self.cache.to(dtype), w_p.to(dtype))}
+            ru = F.linear(self.cache.to(dtype), w_p.to(dtype))  # (1, T_m, 2 D_m)
+            s_bias = torch.cat([ru, ru.new_zeros(ru.shape[:-1] + (self.cache_dim,))], dim=-1)
             if b_s is not None:
-                memo['b_s'] = b_s
+                s_bias += b_s
+            memo = {'w_s': w_s, 's_bias': s_bias}
             memo['w_own'], memo['w_pair'] = self._pe_filters()
             w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
             memo['mix_mem'], memo['mix_self'] = w, 1. - w
@@ -385,16 +466,19 @@ class GatedRecurrentCache(nn.Module):
         """
         B, T, dm = summary.shape
         w_c = self.linear_candidate.weight
+        # [W_rS; W_uS; W_cS] S: (B * T_m, 3 D_m); the reshape is a view of a channel slice
+        summary2d = summary.reshape(B * T, dm)
         if frozen is None:
             w_s, b_s, w_p = self._gate_weights()
-            # [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
-            ru = F.linear(cache, w_p)
-        else:  # eval: the same terms, computed once for the frozen cache and parameters
-            w_s, b_s, ru = frozen['w_s'], frozen.get('b_s'), frozen['ru']
-        # + [W_rS; W_uS; W_cS] S + [b_r; b_u; b_c]: (B * T_m, 3 D_m); the reshape is a view of a channel slice
-        summary2d = summary.reshape(B * T, dm)
-        s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
-        gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + ru)
+            s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
+            # + [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
+            gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + F.linear(cache, w_p))
+        else:
+            # eval: [W_rP; W_uP] C of the frozen cache and all biases are one per-token term (1, T_m, 3 D_m), computed
+            # once and added in place: no bias copy before the matmul and no new tensor for the gates
+            s3 = torch.mm(summary2d, frozen['w_s'].t())
+            s3.view(B, T, 3 * dm).add_(frozen['s_bias'])
+            gates = torch.sigmoid_(s3[:, :2 * dm]).view(B, T, 2 * dm)
         g_r, g_u = gates[..., :dm], gates[..., dm:]
         # W_cP (g_r * C) + (W_cS S + b_c)
         cand = torch.addmm(s3[:, 2 * dm:], (g_r * cache).reshape(B * T, dm), w_c[:, :dm].t())
@@ -465,13 +549,16 @@ class GatedRecurrentCache(nn.Module):
             w_self = 1. - w
         else:
             w, w_self = frozen['mix_mem'], frozen['mix_self']
-        # = w * [o_mem, 0] + (1 - w) * o_self per head, without the zero-padded copy of o_mem
-        out = o_self.reshape(B, T, H, D // H) * w_self
+        # O = w * [o_mem, 0] + (1 - w) * o_self per head (without the zero-padded copy of o_mem), + PE on the patches
+        pe = self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
+        if p == 0 and pe.is_contiguous():
+            # accumulate into the fresh PE tensor: one pass and no new tensor for (1 - w) * o_self
+            out = pe.view(B, T, H, D // H).addcmul_(o_self.reshape(B, T, H, D // H), w_self)
+        else:
+            out = o_self.reshape(B, T, H, D // H) * w_self
+            out.view(B, T, D)[:, p:] += pe
         out[..., :dm // H].addcmul_(o_mem.reshape(B, T, H, dm // H), w)
-        out = out.reshape(B, T, D)
-
-        out[:, p:] += self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
-        return out
+        return out.view(B, T, D)
 
     def _pe(
             self,
