@@ -8,10 +8,11 @@ to a JSON file:
     and the time ratio of the second model to the first per size; plus the fitted exponent of time and of FLOPs
     against the pixel count (log-log least-squares slope over the sizes ``>= --fit-min``): 1 is linear, 2 quadratic.
 (b) Achieved GFLOP/s (FLOPs / median time) at 224 of the models beside timm baselines (Swin-T, PVTv2-b2), created
-    with ``timm.create_model`` without weights, and each relative to the first model's. These models are timed in
-    alternating rounds (``lsvision.measure.time_forward_interleaved``: one pass of each per round, the order reversed
-    every other round), so that a load change on a shared machine biases none of them; ``--budget`` is then per
-    model.
+    with ``timm.create_model`` without weights, and each relative to the first model's.
+
+All models compared in one table are timed in alternating rounds (``lsvision.measure.time_forward_interleaved``: one
+pass of each per round, the order reversed every other round), so that a load change on a shared machine biases none
+of them; ``--budget`` is per model. Peak memory is measured after the timing, one model at a time.
 
 Example (a few minutes on 2 CPU cores)::
 
@@ -34,7 +35,13 @@ import timm
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
 from lsvision.benchmark import fit_exponent, markdown_table
 from lsvision.flops import count_flops
-from lsvision.measure import TimingResult, machine_description, machine_info, time_forward, time_forward_interleaved
+from lsvision.measure import (
+    TimingResult,
+    machine_description,
+    machine_info,
+    peak_memory_forward,
+    time_forward_interleaved,
+)
 
 DEFAULT_OUT = Path('output') / 'bench_cvt_ls' / 'results.json'
 MIB = 2 ** 20
@@ -70,28 +77,21 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def measure(model: torch.nn.Module, name: str, size: int, batch_size: int, args: argparse.Namespace) -> Dict[str, Any]:
-    """Counts FLOPs, times and (optionally) measures peak memory of one model at one input size and batch size."""
-    input_size = (3, size, size)
-    t0 = time.perf_counter()
-    flops = count_flops(model, input_size, batch_size=1, warn_unsupported=False)
-    timing = time_forward(
-        model, input_size, batch_size=batch_size, warmup=args.warmup, iters=args.iters, max_time_s=args.budget,
-        measure_memory=not args.no_memory,
-    )
-    return result_row(name, size, flops, timing, t0)
-
-
 def measure_interleaved(
         models: Dict[str, torch.nn.Module], size: int, batch_size: int, args: argparse.Namespace,
+        memory: bool = False,
 ) -> List[Dict[str, Any]]:
-    """Counts FLOPs and times several models at one size and batch size in alternating rounds (no memory)."""
+    """Counts FLOPs and times several models at one size and batch size in alternating rounds; with `memory`, then
+    measures each one's peak memory of one forward pass."""
     input_size = (3, size, size)
     t0 = time.perf_counter()
     flops = {name: count_flops(m, input_size, batch_size=1, warn_unsupported=False) for name, m in models.items()}
     timings = time_forward_interleaved(
         list(models.values()), input_size, batch_size=batch_size, warmup=args.warmup, iters=args.iters,
         max_time_s=args.budget * len(models))
+    if memory:
+        for model, timing in zip(models.values(), timings):
+            timing.peak_bytes = peak_memory_forward(model, input_size, batch_size=batch_size, warmup=0)
     return [result_row(name, size, flops[name], t, t0) for name, t in zip(models, timings)]
 
 
@@ -203,7 +203,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         models[name] = timm.create_model(name, pretrained=False).to(device)
 
     log(f'(a) size sweep: {", ".join(args.models)} at {sizes}')
-    sweep = [measure(models[name], name, s, 1, args) for name in args.models for s in sizes]
+    sweep = [
+        row for s in sizes
+        for row in measure_interleaved({n: models[n] for n in args.models}, s, 1, args, memory=not args.no_memory)
+    ]
     report = scaling_report(sweep, args.models, sizes, args.fit_min)
 
     through_names = list(dict.fromkeys([*args.models, *args.baselines]))
