@@ -310,7 +310,6 @@ def time_forward(
     return result
 
 
-
 def time_forward_interleaved(
         models: Sequence[nn.Module],
         inputs: InputSpec = (3, 224, 224),
@@ -378,6 +377,7 @@ def time_forward_interleaved(
             device=model_passes[0].device, cpu_times_s=[p.cpu_times_s[0] for p in model_passes])
         for model_passes in passes
     ]
+
 
 def time_train_step(
         model: nn.Module,

@@ -16,7 +16,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 Written for lsvision, Apache-2.0.
 """
 from collections import OrderedDict
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -144,10 +144,14 @@ class SepConv2d(nn.Module):
         self._folded = None  # eval cache: (key, weight, bias) of dw with bn folded in
 
     @torch.jit.unused
+    def _fold_sources(self) -> List[torch.Tensor]:
+        """The tensors the folded depthwise weight and bias are computed from."""
+        return [self.dw.weight, self.dw.bias, self.bn.weight, self.bn.bias, self.bn.running_mean, self.bn.running_var]
+
+    @torch.jit.unused
     def _folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Weight and bias of the depthwise conv with the BatchNorm (running stats) folded in, cached per version."""
-        key = version_key((self.dw.weight, self.dw.bias, self.bn.weight, self.bn.bias, self.bn.running_mean,
-                           self.bn.running_var))
+        key = version_key(self._fold_sources())
         if key is not None and self._folded is not None and self._folded[0] == (key, self.bn.eps):
             return self._folded[1], self._folded[2]
         with torch.inference_mode(False), torch.no_grad():
@@ -173,6 +177,14 @@ class SepConv2d(nn.Module):
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
 
 
+def _qkv_buffer(x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """An empty (3, B, N, C) q, k, v buffer whose prefix rows already hold the prefix tokens, which are their own q,
+    k and v (they get no conv projection)."""
+    qkv = x.new_empty((3,) + x.shape)
+    qkv[:, :, :num_prefix_tokens] = x[:, :num_prefix_tokens]
+    return qkv
+
+
 class SepConvQkv(nn.Module):
     """q, k, v from three depthwise-separable convs over the patch map (CvT-LS).
 
@@ -189,8 +201,7 @@ class SepConvQkv(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
         """Returns q, k, v stacked: (3, B, N, C)."""
         feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
-        qkv = x.new_empty((3,) + x.shape)
-        qkv[:, :, :num_prefix_tokens] = x[:, :num_prefix_tokens]
+        qkv = _qkv_buffer(x, num_prefix_tokens)
         qkv[0, :, num_prefix_tokens:] = self.q(feat_map)
         qkv[1, :, num_prefix_tokens:] = self.k(feat_map)
         qkv[2, :, num_prefix_tokens:] = self.v(feat_map)
@@ -498,7 +509,7 @@ class LongShortAttention2d(nn.Module):
             return None
         sources = [dp.dw.weight, dp.dw.bias]
         for c in convs:
-            sources += [c.dw.weight, c.dw.bias, c.bn.weight, c.bn.bias, c.bn.running_mean, c.bn.running_var]
+            sources += c._fold_sources()
         key = version_key(sources)
         if key is not None:
             key = key + tuple(c.bn.eps for c in convs) + (dp.dw.eps,)
@@ -514,8 +525,7 @@ class LongShortAttention2d(nn.Module):
         maps = F.conv2d(
             _tokens_to_map(torch.cat([patches] * 4, dim=2), feat_size), weight, bias, padding=1, groups=4 * C)
         maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
-        qkv = x.new_empty((3,) + x.shape)
-        qkv[:, :, :num_prefix] = x[:, :num_prefix]
+        qkv = _qkv_buffer(x, num_prefix)
         for i, conv in enumerate(convs):
             qkv[i, :, num_prefix:] = F.linear(maps[..., i * C:(i + 1) * C], conv.pw.weight.flatten(1), conv.pw.bias)
         logits = F.linear(maps[..., 3 * C:], dp.pw.weight.flatten(1), dp.pw.bias)
