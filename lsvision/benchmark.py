@@ -14,8 +14,11 @@ is the command line.
   away can be stopped (a time-out, or on CPU an address-space limit that turns an oversized allocation into an
   error). :func:`sweep_exponents` fits the scaling exponent of time and memory against the pixel count (the slope of a
   log-log least-squares line: 1 is linear, 2 quadratic) and :func:`plot_sweep` draws the curves.
+* :func:`grc_matmul_floor` turns a GRC model into the least work any implementation of its GRC layers must do on top of
+  torch's kernels (their matrix products and memory attention, nothing else), the floor of GRC's slowdown.
 """
 
+import copy
 import csv
 import gc
 import io
@@ -31,10 +34,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import timm
 
 from lsvision.flops import count_activations, count_flops, parameter_count
+from lsvision.layers.grc import GatedRecurrentCache
 from lsvision.measure import _read_status_kb, machine_description, machine_info, time_forward, time_train_step
 from lsvision.models import list_models
 
@@ -47,6 +52,7 @@ __all__ = [
     'benchmark_model',
     'benchmark_table',
     'fit_exponent',
+    'grc_matmul_floor',
     'markdown_table',
     'parse_curve',
     'plot_sweep',
@@ -787,3 +793,63 @@ def plot_sweep(result: Dict[str, Any], path: Path, title: Optional[str] = None) 
     plt.close(fig)
     os.replace(tmp, path)
     return path
+
+
+class GrcMatmulFloor(nn.Module):
+    """Stands in for a `GatedRecurrentCache` in eval: its matrix products, and optionally its memory attention, at the
+    shapes of an eval forward, and nothing else.
+
+    Kept from the layer's eval forward: the summary halves of the three gates as one matmul (their cache halves act
+    on the frozen cache and are computed once), the candidate's matmul on the reset cache, the memory branch's q and
+    kv projections (after its spatial reduction, if any), its attention (`attention=True`, same kernel and bias) and
+    its output projection. Left out: the gate nonlinearities, LayerNorm, interpolation, the PE conv and the mixing (the
+    projected memory output is added to the self-attention output). The result is wrong on purpose; its time is the
+    least that an implementation of the layer on top of these kernels can take.
+    """
+
+    def __init__(self, grc: GatedRecurrentCache, attention: bool = True):
+        super().__init__()
+        self.grc = grc
+        self.attention = attention
+
+    def forward(self, x: torch.Tensor, o_self: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
+        grc, mem = self.grc, self.grc.mem_attn
+        B, T, _ = x.shape
+        dm = grc.cache_dim
+        if T != grc.cache_len:
+            raise ValueError(f'the GRC floor runs at the token count of the cache ({grc.cache_len}), got {T} tokens: '
+                             'time it at the default input size of the model')
+        summary = o_self[..., :dm]
+        memo = grc._eval_memo(o_self.dtype)  # the fused gate weights, as the layer keeps them in eval
+        w_s = grc._gate_weights()[0] if memo is None else memo['w_s']
+        gates = torch.mm(summary.reshape(-1, dm), w_s.t())  # (B * T_m, 3 D_m)
+        cand = torch.mm(gates[:, :dm], grc.linear_candidate.weight[:, :dm].t()).view(B, -1, dm)
+        q = mem.q(x[..., :dm].reshape(B * T, dm)).reshape(B, T, mem.num_heads, mem.head_dim).transpose(1, 2)
+        if self.attention:
+            kv = mem.kv(mem._reduce(cand)).reshape(B, -1, 2, mem.num_heads, mem.head_dim).permute(2, 0, 3, 1, 4)
+            bias = None
+            if mem.relative_position_bias_table is not None and mem.window_size is not None:
+                bias = mem._rel_pos_bias(mem.window_size[0] * mem.window_size[1], q.dtype)
+            q = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias, scale=mem.scale)
+        else:
+            mem.kv(mem._reduce(cand))
+        o_mem = mem.proj(q.transpose(1, 2).reshape(B, T, dm))
+        out = o_self.clone()
+        out[..., :dm] += o_mem
+        return out
+
+
+def grc_matmul_floor(model: nn.Module, attention: bool = True) -> nn.Module:
+    """A copy of a GRC model whose GRC layers do only their matrix products (and memory attention): see
+    :class:`GrcMatmulFloor`. Timed beside the base model, it gives the smallest slowdown that GRC can reach with
+    torch's matmul and attention kernels at its FLOPs. Raises ValueError if the model has no GRC layer."""
+    floor = copy.deepcopy(model)
+    replaced = 0
+    for parent in list(floor.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, GatedRecurrentCache):
+                setattr(parent, child_name, GrcMatmulFloor(child, attention))
+                replaced += 1
+    if not replaced:
+        raise ValueError(f'{type(model).__name__} has no GatedRecurrentCache layer to reduce')
+    return floor.eval()

@@ -42,9 +42,10 @@ def load_tool(name: str):
 def test_bench_grc(tmp_path):
     stdout, res = run_tool(
         'bench_grc.py', tmp_path, '--models', 'pvt_v2_b0_grc', '--batch-size', '1', '2', '--warmup', '1',
-        '--iters', '2', '--budget', '20')
+        '--iters', '2', '--budget', '20', '--floor')
     assert '| GRC model | base | batch | params base | params GRC | GFLOPs base | GFLOPs GRC | ΔFLOPs | ' \
-           'ms/img base | ms/img GRC | img/s base | img/s GRC | slowdown | ≤ 1.25x |' in stdout
+           'ms/img base | ms/img GRC | img/s base | img/s GRC | slowdown | ≤ 1.25x | floor: matmuls | ' \
+           'floor: + memory attention |' in stdout
     assert set(res) == {'machine', 'machine_info', 'settings', 'rows', 'wall_time_s'}
     assert res['settings']['pairs'] == [['pvt_v2_b0', 'pvt_v2_b0_grc']]
     assert [(r['model'], r['base'], r['batch_size']) for r in res['rows']] == [
@@ -56,7 +57,7 @@ def test_bench_grc(tmp_path):
         assert r['slowdown'] == pytest.approx(r['ms_per_image_grc'] / r['ms_per_image_base'])
         assert r['images_per_s_grc'] == pytest.approx(1e3 / r['ms_per_image_grc'])
         assert r['meets_target'] == (r['slowdown'] <= 1.25)
-        assert r['paired_slowdown'] > 0
+        assert r['paired_slowdown'] > 0 and r['floor_matmul_slowdown'] > 0 and r['floor_attention_slowdown'] > 0
         assert f"| pvt_v2_b0_grc | pvt_v2_b0 | {r['batch_size']} | " in stdout
 
 

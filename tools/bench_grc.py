@@ -20,10 +20,15 @@ oversubscription: with as many torch threads as cores while another process keep
 can cost milliseconds per op, which penalizes the model with more ops (GRC); use ``--threads`` below the free core
 count on a busy machine.
 
+``--floor`` adds two more models to the same rounds: the GRC model with its GRC layers reduced to their matrix
+products, and to their matrix products plus the memory attention (``lsvision.benchmark.grc_matmul_floor``). Their
+slowdowns bound from below what any implementation of GRC on top of torch's matmul and attention kernels can reach.
+
 Example (each pair takes at most ``--budget`` seconds per batch size, plus model creation and FLOP counting)::
 
     python tools/bench_grc.py
     python tools/bench_grc.py --models 'pvt_v2_b*_grc' --batch-size 1 8
+    python tools/bench_grc.py --floor --batch-size 1 8   # with the floors of the slowdown
     python tools/bench_grc.py --models pvt_v2_b0_grc --iters 2 --out /tmp/grc.json   # quick check
 """
 
@@ -41,7 +46,7 @@ import torch
 import timm
 
 import lsvision
-from lsvision.benchmark import markdown_table
+from lsvision.benchmark import grc_matmul_floor, markdown_table
 from lsvision.flops import count_flops
 from lsvision.measure import machine_description, machine_info, time_forward_interleaved
 
@@ -68,6 +73,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              'warm-up and 1 timed round always run')
     parser.add_argument('--target', type=float, default=1.25,
                         help='largest acceptable slowdown (GRC time / base time)')
+    parser.add_argument('--floor', action='store_true',
+                        help='also time the GRC model reduced to its matrix products (and memory attention): the '
+                             'floors of the slowdown')
     parser.add_argument('--amp', default=None, choices=['bfloat16', 'float16'], help='autocast dtype (e.g. on GPU)')
     parser.add_argument('--device', default='cpu', help='device to run on, e.g. cpu or cuda')
     parser.add_argument('--out', type=Path, default=DEFAULT_OUT, help=f'JSON output file (default: {DEFAULT_OUT})')
@@ -128,11 +136,15 @@ def measure_pair(base: str, name: str, batch_sizes: Sequence[int], args: argpars
     input_size = grc_info['input_size']
     if base_info['input_size'] != input_size:
         log(f'  note: {base} defaults to {base_info["input_size"]}, timing both at {input_size}')
+    models = [base_model, grc_model]
+    if args.floor:
+        models += [grc_matmul_floor(grc_model, attention=False), grc_matmul_floor(grc_model, attention=True)]
     rows = []
     for b in batch_sizes:
-        base_t, grc_t = time_forward_interleaved(
-            [base_model, grc_model], tuple(input_size), batch_size=b, warmup=args.warmup, iters=args.iters,
+        timings = time_forward_interleaved(
+            models, tuple(input_size), batch_size=b, warmup=args.warmup, iters=args.iters,
             max_time_s=args.budget, amp_dtype=None if args.amp is None else getattr(torch, args.amp))
+        base_t, grc_t = timings[:2]
         base_times, grc_times, warm = base_t.times_s, grc_t.times_s, grc_t.warmup
         slowdown = grc_t.median_s / base_t.median_s
         row = {
@@ -158,12 +170,17 @@ def measure_pair(base: str, name: str, batch_sizes: Sequence[int], args: argpars
             'timing_base': base_t.to_dict(),
             'timing_grc': grc_t.to_dict(),
         }
+        if args.floor:
+            row['floor_matmul_slowdown'] = timings[2].median_s / base_t.median_s
+            row['floor_attention_slowdown'] = timings[3].median_s / base_t.median_s
         log(f"  {name} vs {base} b{b}: {row['ms_per_image_grc']:.1f} vs {row['ms_per_image_base']:.1f} ms/img "
             f"(medians of {row['rounds']} interleaved rounds after {warm} warm-up), slowdown {slowdown:.2f}x "
             f"(paired {row['paired_slowdown']:.2f}x), GFLOPs {row['gflops_grc']:.2f} vs {row['gflops_base']:.2f} "
-            f"({row['delta_flops_pct']:+.1f}%); {time.perf_counter() - t0:.0f} s")
+            f"({row['delta_flops_pct']:+.1f}%)"
+            + (f", floors {row['floor_matmul_slowdown']:.2f}x / {row['floor_attention_slowdown']:.2f}x" if args.floor
+               else '') + f'; {time.perf_counter() - t0:.0f} s')
         rows.append(row)
-    del base_model, grc_model
+    del base_model, grc_model, models
     return rows
 
 
@@ -171,15 +188,23 @@ def print_table(rows: List[Dict[str, Any]], target: float) -> None:
     """Prints the comparison table."""
     header = ['GRC model', 'base', 'batch', 'params base', 'params GRC', 'GFLOPs base', 'GFLOPs GRC', 'ΔFLOPs',
               'ms/img base', 'ms/img GRC', 'img/s base', 'img/s GRC', 'slowdown', f'≤ {target:g}x']
-    table = [
-        [r['model'], r['base'], str(r['batch_size']), f"{r['params_base'] / 1e6:.2f}M",
-         f"{r['params_grc'] / 1e6:.2f}M", f"{r['gflops_base']:.2f}", f"{r['gflops_grc']:.2f}",
-         f"{r['delta_flops_pct']:+.1f}%", f"{r['ms_per_image_base']:.1f}", f"{r['ms_per_image_grc']:.1f}",
-         f"{r['images_per_s_base']:.1f}", f"{r['images_per_s_grc']:.1f}", f"{r['slowdown']:.2f}x",
-         'yes' if r['meets_target'] else 'no']
-        for r in rows
-    ]
+    floors = bool(rows) and all('floor_matmul_slowdown' in r for r in rows)
+    if floors:
+        header += ['floor: matmuls', 'floor: + memory attention']
+    table = []
+    for r in rows:
+        line = [r['model'], r['base'], str(r['batch_size']), f"{r['params_base'] / 1e6:.2f}M",
+                f"{r['params_grc'] / 1e6:.2f}M", f"{r['gflops_base']:.2f}", f"{r['gflops_grc']:.2f}",
+                f"{r['delta_flops_pct']:+.1f}%", f"{r['ms_per_image_base']:.1f}", f"{r['ms_per_image_grc']:.1f}",
+                f"{r['images_per_s_base']:.1f}", f"{r['images_per_s_grc']:.1f}", f"{r['slowdown']:.2f}x",
+                'yes' if r['meets_target'] else 'no']
+        if floors:
+            line += [f"{r['floor_matmul_slowdown']:.2f}x", f"{r['floor_attention_slowdown']:.2f}x"]
+        table.append(line)
     print(markdown_table(header, table, left_columns=2))
+    if floors:
+        print('\nFloors: the GRC model with its GRC layers reduced to their matrix products, and to those plus the '
+              'memory attention (lsvision.benchmark.grc_matmul_floor), timed in the same rounds; slowdown vs the base.')
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
