@@ -21,7 +21,6 @@ Example (a few minutes on 2 CPU cores)::
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 import timm
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
-from lsvision.benchmark import fit_exponent, markdown_table
+from lsvision.benchmark import fit_exponent, markdown_table, write_json
 from lsvision.flops import count_flops
 from lsvision.measure import (
     TimingResult,
@@ -233,8 +232,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         'throughput': throughput,
         'wall_time_s': time.perf_counter() - start,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + '\n')
+    write_json(args.out, results)  # atomic: a temporary file, then a rename
     log(f'Wrote {args.out} ({results["wall_time_s"]:.0f} s in all)')
 
 

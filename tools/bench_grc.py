@@ -33,7 +33,6 @@ Example (each pair takes at most ``--budget`` seconds per batch size, plus model
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -46,7 +45,7 @@ import torch
 import timm
 
 import lsvision
-from lsvision.benchmark import grc_matmul_floor, markdown_table
+from lsvision.benchmark import grc_matmul_floor, markdown_table, write_json
 from lsvision.flops import count_flops
 from lsvision.measure import machine_description, machine_info, time_forward_interleaved
 
@@ -240,8 +239,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         'rows': rows,
         'wall_time_s': time.perf_counter() - start,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + '\n')
+    write_json(args.out, results)  # atomic: a temporary file, then a rename
     log(f'Wrote {args.out} ({results["wall_time_s"]:.0f} s in all)')
 
 

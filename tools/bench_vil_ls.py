@@ -13,7 +13,6 @@ Example (a few minutes on 2 CPU cores)::
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 import timm
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
+from lsvision.benchmark import write_json
 from lsvision.flops import count_flops
 from lsvision.measure import machine_description, machine_info, time_forward
 
@@ -111,11 +111,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for r in ratios:
         print(f"| {r['size']} | {r['speedup']:.2f}x | {r['flops_ratio']:.2f}x |")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.out.write_text(json.dumps(
-            {'machine': machine, 'machine_info': machine_info(args.device), 'settings': settings, 'rows': rows,
-             'ratios': ratios}, indent=2) + '\n')
+        write_json(args.out, {'machine': machine, 'machine_info': machine_info(args.device), 'settings': settings,
+                              'rows': rows, 'ratios': ratios})
         log(f'Wrote {args.out}')
 
 
