@@ -16,3 +16,4 @@ from .long_short import (
     window_span,
 )
 from .long_short_1d import CausalLongShortAttention, FullAttention1d, LongShortAttention1d, sinusoid_positions
+from .matmul_attention import matmul_attention

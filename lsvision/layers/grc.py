@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
 from .eval_memo import eval_fast_path, version_key
+from .matmul_attention import matmul_attention
 
 __all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
 
@@ -46,6 +47,11 @@ def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
             f'GRC cache width int({ratio} * {dim}) = {cache_dim} must be > 0, divisible by num_heads={num_heads} '
             f'and divide dim={dim}; pick another grc_ratio')
     return cache_dim
+
+
+# Window memory attention with at most this many scores per (window, head) runs as batched matmuls on multi-threaded
+# CPUs (see `GrcMemoryAttention._batched_matmul_attention`); Swin's 7x7 windows have 49 x 49.
+_SMALL_WINDOW_SCORES = 64 * 64
 
 
 def _cat_bias(
@@ -111,8 +117,8 @@ class GrcMemoryAttention(nn.Module):
         if (self.sr is not None) and self.cache_hw is None:
             raise ValueError('spatial reduction on the cache needs cache_hw')
         self.window_size = tuple(window_size) if window_size is not None else None
-        # SDPA also for the window memory branch (timm's self branch asks for it only as 'experimental'): with the
-        # relative-position bias as its mask it is 1.4-2.9x faster on CPU than matmul + softmax for 49-slot windows
+        # SDPA also for the window memory branch (timm's self branch asks for it only as 'experimental'), but see
+        # `_batched_matmul_attention` for small windows on multi-threaded CPUs
         self.fused_attn = use_fused_attn()
         if self.window_size is not None:
             wh, ww = self.window_size
@@ -210,6 +216,17 @@ class GrcMemoryAttention(nn.Module):
         patches = grid.reshape(B, h, s, w, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * h * w, s * s * C)
         return F.linear(patches, weight.to(grid.dtype), sr.bias).view(B, h * w, C)
 
+    @torch.jit.unused
+    def _batched_matmul_attention(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether the attention runs as batched matmuls + softmax (`matmul_attention`) instead of SDPA: for window
+        memory attention (Swin: 49 slots, head dim 16) on a CPU with more than one thread. There SDPA's flash kernel
+        does not speed up with a second thread, while the batched matmuls do: 1.4-1.6x faster than SDPA on 2 cores
+        at Swin-T's shapes (batch 1 and 8), 0.8-0.9x on one thread."""
+        return (
+            self.fused_attn and self.window_size is not None and q.device.type == 'cpu'
+            and q.shape[2] * k.shape[2] <= _SMALL_WINDOW_SCORES and torch.get_num_threads() > 1
+        )
+
     def train(self, mode: bool = True) -> 'GrcMemoryAttention':
         if mode != self.training:  # a mode switch drops the eval memos
             self._memos = {}
@@ -234,7 +251,12 @@ class GrcMemoryAttention(nn.Module):
                 bias = self._gather_rel_pos_bias(n, q.dtype)
             else:
                 bias = self._rel_pos_bias(n, q.dtype)
-        if self.fused_attn:
+        batched_matmul = False
+        if not torch.jit.is_scripting():
+            batched_matmul = self._batched_matmul_attention(q, k)
+        if bias is not None and batched_matmul:
+            x = matmul_attention(q, k, v, bias, self.attn_drop if self.training else 0., self.scale)
+        elif self.fused_attn:
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         else:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
 from .eval_memo import eval_fast_path, version_key
+from .matmul_attention import matmul_attention
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
@@ -268,35 +269,6 @@ _CHUNK_BYTES = 8 << 20
 _SMALL_SEGMENT = 16
 
 
-def _batched_small_attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor,
-        dropout_p: float,
-        scale: Optional[float] = None,
-) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v with batched matmuls; the same math as F.scaled_dot_product_attention.
-
-    `scale` defaults to d^-1/2. `mask` broadcasts to (B, n, L, S).
-    """
-    B, n, L, d = q.shape
-    S = k.shape[2]
-    # the mask broadcasts over the queries inside baddbmm; only its batch dimension is materialized
-    attn = torch.baddbmm(
-        mask.expand(B, n, mask.shape[-2], S).reshape(B * n, mask.shape[-2], S),
-        q.reshape(B * n, L, d),
-        k.reshape(B * n, S, d).transpose(1, 2),
-        alpha=d ** -0.5 if scale is None else scale,
-    )
-    if attn.dtype in (torch.float16, torch.bfloat16):
-        attn = attn.float().softmax(dim=-1).to(q.dtype)
-    else:  # fp32 as is, fp64 not truncated
-        attn = attn.softmax(dim=-1)
-    attn = F.dropout(attn, p=dropout_p)
-    return torch.bmm(attn, v.reshape(B * n, S, v.shape[-1])).reshape(B, n, L, v.shape[-1])
-
-
 def segment_attention(
         q: torch.Tensor,
         k: torch.Tensor,
@@ -313,7 +285,7 @@ def segment_attention(
     through `F.scaled_dot_product_attention`. Softmax in fp32 either way.
     """
     if small and q.device.type == 'cpu':
-        return _batched_small_attention(q, k, v, mask, dropout_p, scale)
+        return matmul_attention(q, k, v, mask, dropout_p, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 

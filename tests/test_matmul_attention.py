@@ -1,0 +1,54 @@
+"""lsvision.layers.matmul_attention: the batched-matmul attention equals F.scaled_dot_product_attention."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import timm
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.layers import GrcMemoryAttention, matmul_attention
+
+
+@pytest.mark.parametrize('mask_shape', [(1, 3, 1, 7), (2, 3, 5, 7), (1, 3, 5, 7)])
+@pytest.mark.parametrize('scale', [None, 0.3])
+def test_matmul_attention_equals_sdpa(mask_shape, scale):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 6)
+    mask = torch.randn(mask_shape)
+    mask[..., 2] = float('-inf')  # a masked key, as the padding masks have
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    torch.testing.assert_close(matmul_attention(q, k, v, mask, scale=scale), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_matmul_attention_bf16_softmax_in_fp32():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 16) for _ in range(3))
+    mask = torch.zeros(1, 2, 1, 4)
+    out = matmul_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), matmul_attention(q, k, v, mask), atol=3e-2, rtol=3e-2)
+
+
+def test_swin_window_memory_attention_path_follows_threads():
+    # Swin's window memory attention runs as batched matmuls on more than one CPU thread and through SDPA on one;
+    # both give the same output (and the FLOP counter the same count: both are counted as the two matmuls)
+    model = timm.create_model(
+        'swin_tiny_patch4_window7_224_grc', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4),
+        num_classes=10).eval()
+    mem = next(m for m in model.modules() if isinstance(m, GrcMemoryAttention))
+    q, k = torch.zeros(2, 2, 49, 16), torch.zeros(2, 2, 49, 16)
+    x = torch.randn(2, 3, 64, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert not mem._batched_matmul_attention(q, k)
+        with torch.no_grad():
+            one = model(x)
+        torch.set_num_threads(2)
+        assert mem._batched_matmul_attention(q, k)
+        assert not mem._batched_matmul_attention(torch.zeros(2, 2, 100, 16), torch.zeros(2, 2, 100, 16))
+        with torch.no_grad():
+            two = model(x)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
