@@ -162,6 +162,7 @@ class GrcMemoryAttention(nn.Module):
         return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
 
     def _contiguous_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """`_gather_rel_pos_bias` as one contiguous block (the SDPA mask reads it once per window batch)."""
         return self._gather_rel_pos_bias(n, dtype).contiguous()
 
     @torch.jit.unused
