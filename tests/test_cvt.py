@@ -207,7 +207,7 @@ def test_inference_fast_path_matches_module_path(fuse_convs, monkeypatch):
         with torch.inference_mode():
             fast = model(x)
         torch.testing.assert_close(fast, ref.detach(), rtol=1e-5, atol=1e-5)
-    fused = [m._fused_dw is not None for m in model.modules() if isinstance(m, long_short.LongShortAttention2d)]
+    fused = ['fused_dw' in m._memos for m in model.modules() if isinstance(m, long_short.LongShortAttention2d)]
     assert fused == [fuse_convs] * 3
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
-from .eval_memo import eval_fast_path, version_key
+from .eval_memo import EvalMemo, eval_fast_path
 from .matmul_attention import matmul_attention
 
 __all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
@@ -128,8 +128,9 @@ class GrcMemoryAttention(nn.Module):
         else:
             self.relative_position_bias_table = None
             self.relative_position_index = None
-        # eval memos (see `_memo_get`): the gathered relative-position bias, the patch-major reduction weight; not state
-        self._memos: Dict[str, Tuple[tuple, torch.Tensor]] = {}
+        # eval memos: the gathered relative-position bias ('rel_pos_bias'), the patch-major reduction weight
+        # ('sr_weight'); kept in eval without autograd until a source tensor changes or the mode switches; not state
+        self._memos = EvalMemo()
 
     def _rel_index(self, device=None) -> torch.Tensor:
         wh, ww = self.window_size
@@ -166,32 +167,24 @@ class GrcMemoryAttention(nn.Module):
         bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
         return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
 
-    @torch.jit.unused
-    def _memo_get(self, name: str, inputs: List[torch.Tensor]) -> Tuple[Optional[tuple], Optional[torch.Tensor]]:
-        """(key, kept value) of an eval memo computed from `inputs`: the value is None where it must be computed, the
-        key None where it must not be kept. Values are kept in eval without autograd until one of the inputs changes
-        (version or address, see `lsvision.layers.eval_memo`) or the mode switches; never while tracing or compiling.
-        """
-        key = version_key(inputs) if eval_fast_path(self.training) else None
-        hit = self._memos.get(name)
-        if key is not None and hit is not None and hit[0] == key:
-            return key, hit[1]
-        return key, None
-
-    @torch.jit.unused
-    def _memo_put(self, name: str, key: Optional[tuple], value: torch.Tensor) -> torch.Tensor:
-        if key is not None:
-            self._memos[name] = (key, value)
-        return value
+    def _contiguous_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """`_gather_rel_pos_bias` as one contiguous block (the SDPA mask reads it once per window batch)."""
+        return self._gather_rel_pos_bias(n, dtype).contiguous()
 
     @torch.jit.unused
     def _rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """The (1, heads, n, n) relative-position bias of the window slots: in eval it depends only on the table."""
+        if not eval_fast_path(self.training):
+            return self._contiguous_rel_pos_bias(n, dtype)
         table, index = self._parameters['relative_position_bias_table'], self._buffers['relative_position_index']
-        key, bias = self._memo_get('rel_pos_bias', [table, index])
-        if bias is None or bias.shape[-1] != n or bias.dtype != dtype:
-            bias = self._memo_put('rel_pos_bias', key, self._gather_rel_pos_bias(n, dtype).contiguous())
-        return bias
+        return self._memos.get(
+            'rel_pos_bias', (table, index), self._contiguous_rel_pos_bias, n, dtype, extra=(n, dtype))
+
+    @torch.jit.unused
+    def _patch_major_sr_weight(self) -> torch.Tensor:
+        """The (C, s*s*C) reduction conv weight with its input channels in patch-major (row, col, channel) order."""
+        w = self.sr.weight
+        return w.permute(0, 2, 3, 1).reshape(w.shape[0], -1)
 
     @torch.jit.unused
     def _patch_reduce(self, grid: torch.Tensor) -> Optional[torch.Tensor]:
@@ -210,9 +203,7 @@ class GrcMemoryAttention(nn.Module):
             return None
         B, _, C = grid.shape
         h, w = hw[0] // s, hw[1] // s
-        key, weight = self._memo_get('sr_weight', [sr.weight])
-        if weight is None:
-            weight = self._memo_put('sr_weight', key, sr.weight.permute(0, 2, 3, 1).reshape(C, s * s * C))
+        weight = self._memos.get('sr_weight', (sr.weight,), self._patch_major_sr_weight)
         patches = grid.reshape(B, h, s, w, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * h * w, s * s * C)
         return F.linear(patches, weight.to(grid.dtype), sr.bias).view(B, h * w, C)
 
@@ -229,7 +220,7 @@ class GrcMemoryAttention(nn.Module):
 
     def train(self, mode: bool = True) -> 'GrcMemoryAttention':
         if mode != self.training:  # a mode switch drops the eval memos
-            self._memos = {}
+            self._memos.clear()
         return super().train(mode)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -359,9 +350,8 @@ class GatedRecurrentCache(nn.Module):
         self.lam = nn.Parameter(torch.full((num_heads,), float(lam_init), **dd))
         self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
-        # eval memo of the frozen terms (see `_eval_memo`): not state, never saved
-        self._memo_key: Optional[tuple] = None
-        self._memo: Optional[Dict[str, torch.Tensor]] = None
+        # eval memo of the frozen terms ('frozen', see `_eval_memo`): not state, never saved
+        self._memos = EvalMemo()
 
     def extra_repr(self) -> str:
         return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
@@ -428,7 +418,7 @@ class GatedRecurrentCache(nn.Module):
 
     def train(self, mode: bool = True) -> 'GatedRecurrentCache':
         if mode != self.training:  # a mode switch always rebuilds the eval memo (eval() in eval mode keeps it)
-            self._memo_key = self._memo = None
+            self._memos.clear()
         return super().train(mode)
 
     @torch.jit.unused
@@ -456,22 +446,22 @@ class GatedRecurrentCache(nn.Module):
         """
         if not eval_fast_path(self.training) or torch.is_autocast_enabled(self.cache.device.type):
             return None
-        versions = version_key(self._memo_inputs())
-        if versions is None:
-            return None
-        key = versions + (dtype,)
-        if key != self._memo_key or self._memo is None:
-            w_s, b_s, w_p = self._gate_weights()
-            ru = F.linear(self.cache.to(dtype), w_p.to(dtype))  # (1, T_m, 2 D_m)
-            s_bias = torch.cat([ru, ru.new_zeros(ru.shape[:-1] + (self.cache_dim,))], dim=-1)
-            if b_s is not None:
-                s_bias += b_s
-            memo = {'w_s': w_s, 's_bias': s_bias}
-            memo['w_own'], memo['w_pair'] = self._pe_filters()
-            w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
-            memo['mix_mem'], memo['mix_self'] = w, 1. - w
-            self._memo_key, self._memo = key, memo
-        return self._memo
+        return self._memos.get(
+            'frozen', self._memo_inputs(), self._frozen_terms, dtype, extra=(dtype,), compute_unkept=False)
+
+    @torch.jit.unused
+    def _frozen_terms(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
+        """The terms kept by `_eval_memo`, computed in `dtype`."""
+        w_s, b_s, w_p = self._gate_weights()
+        ru = F.linear(self.cache.to(dtype), w_p.to(dtype))  # (1, T_m, 2 D_m)
+        s_bias = torch.cat([ru, ru.new_zeros(ru.shape[:-1] + (self.cache_dim,))], dim=-1)
+        if b_s is not None:
+            s_bias += b_s
+        memo = {'w_s': w_s, 's_bias': s_bias}
+        memo['w_own'], memo['w_pair'] = self._pe_filters()
+        w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
+        memo['mix_mem'], memo['mix_self'] = w, 1. - w
+        return memo
 
     def update(
             self,

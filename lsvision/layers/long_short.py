@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
-from .eval_memo import eval_fast_path, version_key
+from .eval_memo import EvalMemo, eval_fast_path
 from .matmul_attention import matmul_attention
 
 __all__ = [
@@ -142,7 +142,7 @@ class SepConv2d(nn.Module):
         self.bn = nn.BatchNorm2d(dim, **dd)
         self.pw = nn.Conv2d(dim, dim, 1, **dd)
 
-        self._folded = None  # eval cache: (key, weight, bias) of dw with bn folded in
+        self._memos = EvalMemo()  # eval memo: 'folded_dw', the dw weight and bias with bn folded in
 
     @torch.jit.unused
     def _fold_sources(self) -> List[torch.Tensor]:
@@ -152,15 +152,13 @@ class SepConv2d(nn.Module):
     @torch.jit.unused
     def _folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """Weight and bias of the depthwise conv with the BatchNorm (running stats) folded in, cached per version."""
-        key = version_key(self._fold_sources())
-        if key is not None and self._folded is not None and self._folded[0] == (key, self.bn.eps):
-            return self._folded[1], self._folded[2]
-        with torch.inference_mode(False), torch.no_grad():
-            scale = self.bn.weight * torch.rsqrt(self.bn.running_var + self.bn.eps)
-            weight = self.dw.weight * scale[:, None, None, None]
-            bias = (self.dw.bias - self.bn.running_mean) * scale + self.bn.bias
-        if key is not None:
-            self._folded = ((key, self.bn.eps), weight, bias)
+        return self._memos.get('folded_dw', self._fold_sources(), self._compute_folded_dw, extra=(self.bn.eps,))
+
+    @torch.jit.unused
+    def _compute_folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        scale = self.bn.weight * torch.rsqrt(self.bn.running_var + self.bn.eps)
+        weight = self.dw.weight * scale[:, None, None, None]
+        bias = (self.dw.bias - self.bn.running_mean) * scale + self.bn.bias
         return weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,22 +226,20 @@ class ConvDynamicProjection(nn.Module):
         self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
         self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
 
-        self._std_weight = None  # eval cache: (key, standardized dw weight)
+        self._memos = EvalMemo()  # eval memo: 'std_weight', the standardized dw weight
 
     @torch.jit.unused
     def _standardized_dw_weight(self) -> torch.Tensor:
         """The depthwise weight standardized as StdConv2d does it, cached per parameter version."""
+        return self._memos.get('std_weight', (self.dw.weight,), self._compute_standardized_dw_weight,
+                               extra=(self.dw.eps,))
+
+    @torch.jit.unused
+    def _compute_standardized_dw_weight(self) -> torch.Tensor:
         w = self.dw.weight
-        key = version_key((w,))
-        if key is not None and self._std_weight is not None and self._std_weight[0] == (key, self.dw.eps):
-            return self._std_weight[1]
-        with torch.inference_mode(False), torch.no_grad():
-            std = F.batch_norm(
-                w.reshape(1, self.dw.out_channels, -1), None, None, training=True, momentum=0.,
-                eps=self.dw.eps).reshape_as(w)
-        if key is not None:
-            self._std_weight = ((key, self.dw.eps), std)
-        return std
+        return F.batch_norm(
+            w.reshape(1, self.dw.out_channels, -1), None, None, training=True, momentum=0., eps=self.dw.eps,
+        ).reshape_as(w)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         x = _tokens_to_map(x, feat_size)
@@ -451,7 +447,7 @@ class LongShortAttention2d(nn.Module):
             self.rel_pos_table = None
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
-        self._fused_dw = None  # eval cache: (key, weight, bias) of the four depthwise convs as one
+        self._memos = EvalMemo()  # eval memo: 'fused_dw', weight and bias of the four depthwise convs as one
 
     @torch.jit.unused
     def _fused_conv_projections(
@@ -482,16 +478,8 @@ class LongShortAttention2d(nn.Module):
         sources = [dp.dw.weight, dp.dw.bias]
         for c in convs:
             sources += c._fold_sources()
-        key = version_key(sources)
-        if key is not None:
-            key = key + tuple(c.bn.eps for c in convs) + (dp.dw.eps,)
-        if key is None or self._fused_dw is None or self._fused_dw[0] != key:
-            folded = [c._folded_dw() for c in convs]
-            with torch.inference_mode(False), torch.no_grad():
-                weight = torch.cat([w for w, _ in folded] + [dp._standardized_dw_weight()])
-                bias = torch.cat([b for _, b in folded] + [dp.dw.bias])
-            self._fused_dw = (key, weight, bias)
-        weight, bias = self._fused_dw[1], self._fused_dw[2]
+        weight, bias = self._memos.get(
+            'fused_dw', sources, self._compute_fused_dw, extra=tuple(c.bn.eps for c in convs) + (dp.dw.eps,))
         C = x.shape[2]
         patches = x[:, num_prefix:]
         maps = F.conv2d(
@@ -502,6 +490,17 @@ class LongShortAttention2d(nn.Module):
             qkv[i, :, num_prefix:] = F.linear(maps[..., i * C:(i + 1) * C], conv.pw.weight.flatten(1), conv.pw.bias)
         logits = F.linear(maps[..., 3 * C:], dp.pw.weight.flatten(1), dp.pw.bias)
         return qkv, logits
+
+    @torch.jit.unused
+    def _compute_fused_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The q, k, v depthwise filters (BatchNorm folded in) and the projection's standardized filters, concatenated
+        along the output channels, and their biases."""
+        convs = (self.qkv.q, self.qkv.k, self.qkv.v)
+        dp = self.dynamic_proj
+        folded = [c._folded_dw() for c in convs]
+        weight = torch.cat([w for w, _ in folded] + [dp._standardized_dw_weight()])
+        bias = torch.cat([b for _, b in folded] + [dp.dw.bias])
+        return weight, bias
 
     @torch.jit.unused
     def _cached_padding_mask(
