@@ -34,7 +34,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import timm
 
@@ -801,10 +800,11 @@ class GrcMatmulFloor(nn.Module):
 
     Kept from the layer's eval forward: the summary halves of the three gates as one matmul (their cache halves act
     on the frozen cache and are computed once), the candidate's matmul on the reset cache, the memory branch's q and
-    kv projections (after its spatial reduction, if any), its attention (`attention=True`, same kernel and bias) and
-    its output projection. Left out: the gate nonlinearities, LayerNorm, interpolation, the PE conv and the mixing (the
-    projected memory output is added to the self-attention output). The result is wrong on purpose; its time is the
-    least that an implementation of the layer on top of these kernels can take.
+    kv projections (after its spatial reduction, if any), its attention (`attention=True`, through the layer's own
+    `attend`: same kernel and bias) and its output projection. Left out: the gate nonlinearities, LayerNorm,
+    interpolation, the PE conv and the mixing (the projected memory output is added to the self-attention output).
+    The result is wrong on purpose; its time is the least that an implementation of the layer on top of these
+    kernels can take.
     """
 
     def __init__(self, grc: GatedRecurrentCache, attention: bool = True):
@@ -830,7 +830,7 @@ class GrcMatmulFloor(nn.Module):
             bias = None
             if mem.relative_position_bias_table is not None and mem.window_size is not None:
                 bias = mem._rel_pos_bias(mem.window_size[0] * mem.window_size[1], q.dtype)
-            q = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=bias, scale=mem.scale)
+            q = mem.attend(q, kv[0], kv[1], bias)
         else:
             mem.kv(mem._reduce(cand))
         o_mem = mem.proj(q.transpose(1, 2).reshape(B, T, dm))

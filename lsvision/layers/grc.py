@@ -242,22 +242,26 @@ class GrcMemoryAttention(nn.Module):
                 bias = self._gather_rel_pos_bias(n, q.dtype)
             else:
                 bias = self._rel_pos_bias(n, q.dtype)
+        x = self.attend(q, k, v, bias)
+        x = self.proj(x.transpose(1, 2).reshape(B, N, C))
+        return self.proj_drop(x)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """softmax(q k^T * scale + bias) v for (B, heads, N, head_dim) queries against the cache's keys and values,
+        through the fastest kernel for the shape (SDPA, or batched matmuls, see `_batched_matmul_attention`)."""
+        dropout_p = self.attn_drop if self.training else 0.
         batched_matmul = False
         if not torch.jit.is_scripting():
             batched_matmul = self._batched_matmul_attention(q, k)
         if bias is not None and batched_matmul:
-            x = matmul_attention(q, k, v, bias, self.attn_drop if self.training else 0., self.scale)
-        elif self.fused_attn:
-            x = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
-        else:
-            attn = (q * self.scale) @ k.transpose(-2, -1)
-            if bias is not None:
-                attn = attn + bias
-            attn = F.dropout(attn.softmax(dim=-1), self.attn_drop, self.training)
-            x = attn @ v
-        x = self.proj(x.transpose(1, 2).reshape(B, N, C))
-        return self.proj_drop(x)
+            return matmul_attention(q, k, v, bias, dropout_p, self.scale)
+        if self.fused_attn:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=self.scale)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        if bias is not None:
+            attn = attn + bias
+        attn = F.dropout(attn.softmax(dim=-1), self.attn_drop, self.training)
+        return attn @ v
 
 
 @register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
