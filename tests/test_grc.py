@@ -539,3 +539,17 @@ def test_matmul_floor_is_between_base_and_grc(name):
     assert flops == sorted(set(flops)), flops
     with pytest.raises(ValueError, match='no GatedRecurrentCache'):
         grc_matmul_floor(base)
+
+
+@pytest.mark.parametrize('name', ['pvt_v2_b0_grc', SWIN_T, VIT_S])
+def test_baseline_weights_missing_a_non_grc_key_is_an_error(name, tmp_path):
+    # pretrained loading is not strict (GRC keys stay fresh), so each filter checks that nothing else is missing
+    kwargs = dict(num_classes=10, **({} if name == 'pvt_v2_b0_grc' else TINY[name]))
+    base_kwargs = {k: v for k, v in kwargs.items() if name != 'pvt_v2_b0_grc' or k != 'img_size'}
+    state_dict = timm.create_model(name[:-4], **base_kwargs).state_dict()
+    dropped = next(k for k in state_dict if k.endswith('attn.proj.weight'))
+    del state_dict[dropped]
+    torch.save(state_dict, tmp_path / 'base.pth')
+    with pytest.raises(KeyError, match=f'lacks non-GRC keys.*{dropped}'):
+        timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / 'base.pth')),
+                          **kwargs)

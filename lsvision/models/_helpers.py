@@ -1,5 +1,5 @@
 """Small pieces shared by the lsvision model families."""
-from typing import Any, Dict
+from typing import Any, Dict, Sequence
 
 import torch
 import torch.nn as nn
@@ -8,7 +8,10 @@ from timm.layers import _assert, register_notrace_function, trunc_normal_
 
 from lsvision.layers import GatedRecurrentCache
 
-__all__ = ['check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'GrcModelMixin', 'GRC_CHECKPOINT_ERROR']
+__all__ = [
+    'check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
+    'GRC_CHECKPOINT_ERROR',
+]
 
 GRC_CHECKPOINT_ERROR = (
     'gradient checkpointing is not supported with GRC: the recompute in backward would update the cache a second '
@@ -26,6 +29,26 @@ def grc_layer_kwargs(
     """The `GatedRecurrentCache` arguments a GRC model takes as its `grc_*` constructor arguments."""
     return dict(ratio=ratio, lam_init=lam_init, summary_src=summary_src, eval_update=eval_update,
                 interp_mode=interp_mode, sync_cache=sync_cache)
+
+
+def require_non_grc_keys(
+        state_dict: Dict[str, torch.Tensor],
+        model: nn.Module,
+        ignore_suffixes: Sequence[str] = (),
+) -> Dict[str, torch.Tensor]:
+    """Return `state_dict` if it holds every key of `model` except the GRC ones (`.grc.`), else raise a KeyError
+    naming the missing keys: a baseline checkpoint loaded with `strict=False` may leave only GRC layers fresh.
+
+    Args:
+        state_dict: The filtered checkpoint.
+        model: The GRC model it is for.
+        ignore_suffixes: Endings of non-persistent keys a checkpoint need not carry (e.g. Swin's index buffers).
+    """
+    missing = [k for k in model.state_dict()
+               if k not in state_dict and '.grc.' not in k and not k.endswith(tuple(ignore_suffixes))]
+    if missing:
+        raise KeyError(f'checkpoint lacks non-GRC keys of {type(model).__name__}: {missing[:8]}')
+    return state_dict
 
 
 def init_linear_trunc_normal(m: nn.Module) -> None:

@@ -29,7 +29,7 @@ from timm.models.pvt_v2 import checkpoint_filter_fn as _pvt_v2_filter_fn
 
 from lsvision.layers import GatedRecurrentCache
 
-from ._helpers import GrcModelMixin, check_image_input, grc_layer_kwargs
+from ._helpers import GrcModelMixin, check_image_input, grc_layer_kwargs, require_non_grc_keys
 
 __all__ = ['PvtV2GrcAttention', 'PyramidVisionTransformerV2Grc']
 
@@ -236,11 +236,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     for key in ('model', 'state_dict'):
         if key in state_dict and isinstance(state_dict[key], dict):
             state_dict = state_dict[key]
-    state_dict = _pvt_v2_filter_fn(state_dict, model)
-    missing = [k for k in model.state_dict() if k not in state_dict and '.grc.' not in k]
-    if missing:
-        raise KeyError(f'checkpoint lacks non-GRC keys of {type(model).__name__}: {missing[:8]}')
-    return state_dict
+    return require_non_grc_keys(_pvt_v2_filter_fn(state_dict, model), model)
 
 
 def _create_pvt2_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:

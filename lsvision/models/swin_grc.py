@@ -29,7 +29,7 @@ from timm.models.swin_transformer import checkpoint_filter_fn as _swin_filter_fn
 
 from lsvision.layers import GatedRecurrentCache, GrcMemoryAttention
 
-from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal
+from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal, require_non_grc_keys
 
 __all__ = ['SwinGrcWindowAttention', 'SwinTransformerGrc']
 
@@ -173,13 +173,8 @@ class SwinTransformerGrc(GrcModelMixin, SwinTransformer):
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
     """timm's Swin filter (official or timm layout); then every key except `attn.grc.*` must be present."""
-    state_dict = _swin_filter_fn(state_dict, model)
-    missing = [
-        k for k in model.state_dict()
-        if k not in state_dict and '.grc.' not in k and not k.endswith(('relative_position_index', 'attn_mask'))]
-    if missing:
-        raise KeyError(f'checkpoint lacks non-GRC keys of {type(model).__name__}: {missing[:8]}')
-    return state_dict
+    return require_non_grc_keys(
+        _swin_filter_fn(state_dict, model), model, ignore_suffixes=('relative_position_index', 'attn_mask'))
 
 
 def _create_swin_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> SwinTransformerGrc:

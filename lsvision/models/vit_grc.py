@@ -30,7 +30,7 @@ from timm.models.vision_transformer import checkpoint_filter_fn as _vit_filter_f
 
 from lsvision.layers import GatedRecurrentCache
 
-from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal
+from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal, require_non_grc_keys
 
 __all__ = ['VitGrcAttention', 'VisionTransformerGrc']
 
@@ -155,11 +155,7 @@ def checkpoint_filter_fn(
         adapt_layer_scale: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """timm's ViT filter (official or timm layout); then every key except `attn.grc.*` must be present."""
-    state_dict = _vit_filter_fn(state_dict, model, adapt_layer_scale=adapt_layer_scale)
-    missing = [k for k in model.state_dict() if k not in state_dict and '.grc.' not in k]
-    if missing:
-        raise KeyError(f'checkpoint lacks non-GRC keys of {type(model).__name__}: {missing[:8]}')
-    return state_dict
+    return require_non_grc_keys(_vit_filter_fn(state_dict, model, adapt_layer_scale=adapt_layer_scale), model)
 
 
 def _create_vit_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformerGrc:
