@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import timm
 
 import lsvision  # noqa: F401  (registers the models)
+from lsvision.flops import count_flops
 from lsvision.layers import GrcMemoryAttention, matmul_attention
 
 
@@ -44,11 +45,14 @@ def test_swin_window_memory_attention_path_follows_threads():
         assert not mem._batched_matmul_attention(q, k)
         with torch.no_grad():
             one = model(x)
+        flops_one = count_flops(model, (3, 64, 64)).total
         torch.set_num_threads(2)
         assert mem._batched_matmul_attention(q, k)
         assert not mem._batched_matmul_attention(torch.zeros(2, 2, 100, 16), torch.zeros(2, 2, 100, 16))
         with torch.no_grad():
             two = model(x)
+        flops_two = count_flops(model, (3, 64, 64)).total
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(one, two, atol=1e-5, rtol=1e-5)
+    assert flops_one == flops_two > 0
