@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import gc
+import multiprocessing
 import os
 import platform
 import statistics
@@ -52,6 +53,7 @@ __all__ = [
     'reexec_with_reusing_allocator',
     'time_forward',
     'time_forward_interleaved',
+    'time_forward_isolated',
     'time_train_step',
 ]
 
@@ -376,6 +378,103 @@ def time_forward_interleaved(
             times_s=[p.times_s[0] for p in model_passes], batch_size=model_passes[0].batch_size, warmup=done_warmup,
             device=model_passes[0].device, cpu_times_s=[p.cpu_times_s[0] for p in model_passes])
         for model_passes in passes
+    ]
+
+
+def _isolated_timing_worker(job: Dict[str, Any], conn: Any) -> None:
+    """Child process of :func:`time_forward_isolated`: creates one model, times it, sends back its timing dict."""
+    try:
+        import timm
+
+        import lsvision  # noqa: F401  (registers the lsvision models in the fresh process)
+        if job['threads']:
+            torch.set_num_threads(job['threads'])
+        model = timm.create_model(job['name'], **job['model_kwargs']).to(job['device']).eval()
+        timing = time_forward(model, tuple(job['input_size']), batch_size=job['batch_size'], warmup=job['warmup'],
+                              iters=job['iters'], max_time_s=job['max_time_s'])
+        conn.send(('ok', {'times_s': timing.times_s, 'cpu_times_s': timing.cpu_times_s, 'warmup': timing.warmup,
+                          'device': timing.device}))
+    except BaseException as e:  # noqa: B036  (report everything to the parent)
+        conn.send(('error', f'{type(e).__name__}: {e}'))
+    finally:
+        conn.close()
+
+
+def time_forward_isolated(
+        model_names: Sequence[str],
+        input_size: Sequence[int] = (3, 224, 224),
+        batch_size: int = 1,
+        rounds: int = 3,
+        warmup: int = 5,
+        iters: int = 10,
+        max_time_s: Optional[float] = None,
+        threads: Optional[int] = None,
+        device: str = 'cpu',
+        model_kwargs: Optional[Dict[str, Any]] = None,
+        timeout_s: float = 900.0,
+) -> List[TimingResult]:
+    """Times timm models (lsvision's included) each in a fresh process, in rounds of alternating order.
+
+    In one process, models timed in turn disturb each other beyond the load: one model's freed buffers change glibc's
+    mmap threshold and so which of the next model's tensors are page-faulted afresh on every pass (pvt_v2_b2 ran 24
+    GFLOP/s alone against 34-37 between other models). Here each model runs as a user runs it, alone in its own
+    process: created, warmed up, then timed. Each round starts one process per model, in the given order in even
+    rounds and reversed in odd rounds (ABBA), so that a drift of the machine's speed affects all alike; the result of
+    a model holds its timed passes of all rounds.
+
+    Args:
+        model_names: timm model names.
+        input_size: Input shape without the batch dimension.
+        batch_size: Images per forward pass.
+        rounds: Processes per model.
+        warmup: Warm-up passes per process, not timed.
+        iters: Timed passes per process.
+        max_time_s: Budget per process for its warm-up plus timing (see :func:`time_forward`); None for none.
+        threads: torch threads in each process (None: torch's default).
+        device: Device of the models.
+        model_kwargs: Keyword arguments of every `timm.create_model` call.
+        timeout_s: A process that gives no result in this many seconds is stopped and raises RuntimeError.
+
+    Returns:
+        One :class:`TimingResult` per model, in the order given.
+    """
+    if rounds < 1 or iters < 1:
+        raise ValueError(f'rounds and iters must be at least 1, got {rounds} and {iters}.')
+    if not model_names:
+        raise ValueError('time_forward_isolated needs at least one model.')
+    ctx = multiprocessing.get_context('spawn')
+    collected: List[List[Dict[str, Any]]] = [[] for _ in model_names]
+    for r in range(rounds):
+        order = list(range(len(model_names))) if r % 2 == 0 else list(range(len(model_names)))[::-1]
+        for i in order:
+            job = {'name': model_names[i], 'input_size': list(input_size), 'batch_size': batch_size,
+                   'warmup': warmup, 'iters': iters, 'max_time_s': max_time_s, 'threads': threads, 'device': device,
+                   'model_kwargs': dict(model_kwargs or {})}
+            receiver, sender = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=_isolated_timing_worker, args=(job, sender), daemon=True)
+            process.start()
+            sender.close()
+            kind, payload = 'timeout', None
+            try:
+                if receiver.poll(timeout_s):
+                    kind, payload = receiver.recv()
+            except EOFError:  # the process died before it could answer
+                kind, payload = 'error', f'process ended with exit code {process.exitcode}'
+            finally:  # also on KeyboardInterrupt: leave no process behind
+                process.join(timeout=10.0 if kind == 'ok' else 0.0)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+                receiver.close()
+            if kind != 'ok':
+                raise RuntimeError(f'timing {model_names[i]} in its own process failed: '
+                                   f'{payload or f"no result within {timeout_s:g} s"}')
+            collected[i].append(payload)
+    return [
+        TimingResult(
+            times_s=[t for run in runs for t in run['times_s']], batch_size=batch_size, warmup=runs[0]['warmup'],
+            device=runs[0]['device'], cpu_times_s=[t for run in runs for t in run['cpu_times_s']])
+        for runs in collected
     ]
 
 

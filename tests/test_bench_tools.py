@@ -93,6 +93,16 @@ def test_bench_cvt_ls(tmp_path):
     assert all(r['gflops_per_image'] > 0 and r['peak_mib'] is not None for r in res['size_sweep'])
 
 
+def test_bench_cvt_ls_isolated(tmp_path):
+    # --isolated: the GFLOP/s table times each model in its own process(es)
+    stdout, res = run_tool(
+        'bench_cvt_ls.py', tmp_path, '--models', 'cvt_ls_13', '--sizes', '64', '--baselines', '--throughput-size',
+        '64', '--warmup', '0', '--iters', '1', '--budget', '20', '--no-memory', '--isolated', '2')
+    assert 'each model alone in 2 fresh processes, in alternating order' in stdout
+    [row] = res['throughput']
+    assert row['model'] == 'cvt_ls_13' and row['timing']['iters'] == 2 and row['achieved_gflop_per_s'] > 0
+
+
 def test_bench_vil_ls(tmp_path):
     stdout, res = run_tool(
         'bench_vil_ls.py', tmp_path, '--sizes', '224', '--warmup', '0', '--iters', '1', '--budget', '1')

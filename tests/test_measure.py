@@ -17,6 +17,7 @@ from lsvision.measure import (
     peak_memory_forward,
     time_forward,
     time_forward_interleaved,
+    time_forward_isolated,
     time_train_step,
 )
 
@@ -198,3 +199,20 @@ def test_time_train_step():
     frozen = Recorder().requires_grad_(False)
     with pytest.raises(ValueError, match='trainable parameters'):
         time_train_step(frozen, (8,))
+
+
+def test_time_forward_isolated_times_each_model_in_its_own_processes():
+    # two lsvision models at a tiny input, two rounds: every model's passes of both rounds come back, batch and all
+    results = time_forward_isolated(
+        ['cvt_ls_13', 'cvt_13'], (3, 64, 64), batch_size=2, rounds=2, warmup=1, iters=2, threads=1)
+    assert len(results) == 2
+    for r in results:
+        assert r.iters == 4 and r.batch_size == 2 and r.warmup == 1 and r.device == 'cpu'
+        assert all(t > 0 for t in r.times_s) and len(r.cpu_times_s) == 4
+    with pytest.raises(ValueError, match='at least 1'):
+        time_forward_isolated(['cvt_13'], rounds=0)
+
+
+def test_time_forward_isolated_reports_a_failing_model():
+    with pytest.raises(RuntimeError, match='not_a_model.*own process'):
+        time_forward_isolated(['not_a_model'], (3, 64, 64), rounds=1, warmup=0, iters=1, threads=1)

@@ -13,11 +13,15 @@ to a JSON file:
 All models compared in one table are timed in alternating rounds (``lsvision.measure.time_forward_interleaved``: one
 pass of each per round, the order reversed every other round), so that a load change on a shared machine biases none
 of them; ``--budget`` is per model. Peak memory is measured after the timing, one model at a time.
+``--isolated N`` times the GFLOP/s table instead with each model alone in a fresh process, N processes per model in
+alternating order (``lsvision.measure.time_forward_isolated``): in one process, one model's freed buffers change
+glibc's mmap threshold for the next, which moves the ratios by several percent.
 
 Example (a few minutes on 2 CPU cores)::
 
     python tools/bench_cvt_ls.py
     python tools/bench_cvt_ls.py --sizes 224 384 --iters 2 --out /tmp/bench.json   # quick check
+    python tools/bench_cvt_ls.py --sizes 224 --batch-sizes 1 8 --isolated 3   # GFLOP/s, each model on its own
 """
 
 import argparse
@@ -40,6 +44,7 @@ from lsvision.measure import (
     machine_info,
     peak_memory_forward,
     time_forward_interleaved,
+    time_forward_isolated,
 )
 
 DEFAULT_OUT = Path('output') / 'bench_cvt_ls' / 'results.json'
@@ -64,6 +69,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument('--budget', type=float, default=20.0,
                         help='seconds per measurement for warm-up plus timing; at least 1 warm-up and 1 timed pass '
                              'always run')
+    parser.add_argument('--isolated', type=int, default=0, metavar='N',
+                        help='time the GFLOP/s table with each model alone in a fresh process, N processes per model '
+                             'in alternating order (0: all in this process, in alternating rounds)')
     parser.add_argument('--fit-min', type=int, default=512, help='smallest size used to fit the scaling exponents')
     parser.add_argument('--no-memory', action='store_true', help='skip peak memory (saves one pass per size)')
     parser.add_argument('--device', default='cpu', help='device to run on, e.g. cpu or cuda')
@@ -91,6 +99,19 @@ def measure_interleaved(
     if memory:
         for model, timing in zip(models.values(), timings):
             timing.peak_bytes = peak_memory_forward(model, input_size, batch_size=batch_size, warmup=0)
+    return [result_row(name, size, flops[name], t, t0) for name, t in zip(models, timings)]
+
+
+def measure_isolated(
+        models: Dict[str, torch.nn.Module], size: int, batch_size: int, args: argparse.Namespace, threads: int,
+) -> List[Dict[str, Any]]:
+    """Counts FLOPs here and times each model alone in fresh processes (`--isolated` of them per model)."""
+    input_size = (3, size, size)
+    t0 = time.perf_counter()
+    flops = {name: count_flops(m, input_size, batch_size=1, warn_unsupported=False) for name, m in models.items()}
+    timings = time_forward_isolated(
+        list(models), input_size, batch_size=batch_size, rounds=args.isolated, warmup=args.warmup, iters=args.iters,
+        max_time_s=args.budget, threads=threads, device=args.device)
     return [result_row(name, size, flops[name], t, t0) for name, t in zip(models, timings)]
 
 
@@ -170,7 +191,7 @@ def print_scaling(rows: List[Dict[str, Any]], report: Dict, models: Sequence[str
     print(markdown_table(['model', 'time exponent', 'FLOPs exponent', 'sizes fitted'], exp_rows))
 
 
-def print_throughput(rows: List[Dict[str, Any]], size: int) -> None:
+def print_throughput(rows: List[Dict[str, Any]], size: int, isolated: int = 0) -> None:
     """Prints the achieved GFLOP/s table, with each model's GFLOP/s relative to the first model's at that batch."""
     first = {}
     for r in rows:
@@ -182,7 +203,9 @@ def print_throughput(rows: List[Dict[str, Any]], size: int) -> None:
         for r in rows
     ]
     name = rows[0]['model'] if rows else ''
-    print(f'\n### Achieved GFLOP/s at {size}x{size} (FLOPs / median time; models timed in alternating rounds)\n')
+    how = (f'each model alone in {isolated} fresh processes, in alternating order' if isolated
+           else 'models timed in alternating rounds')
+    print(f'\n### Achieved GFLOP/s at {size}x{size} (FLOPs / median time; {how})\n')
     print(markdown_table(['model', 'batch', 'GFLOPs/img', 'ms/img', 'img/s', 'GFLOP/s', f'GFLOP/s / {name}'], table))
 
 
@@ -210,9 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     through_names = list(dict.fromkeys([*args.models, *args.baselines]))
     log(f'(b) GFLOP/s at {args.throughput_size}: {", ".join(through_names)}, batch {args.batch_sizes}')
+    through_models = {n: models[n] for n in through_names}
     throughput = [
         row for b in args.batch_sizes
-        for row in measure_interleaved({n: models[n] for n in through_names}, args.throughput_size, b, args)
+        for row in (measure_isolated(through_models, args.throughput_size, b, args, threads) if args.isolated
+                    else measure_interleaved(through_models, args.throughput_size, b, args))
     ]
 
     print(f'## CvT-LS vs CvT benchmark\n\nMeasured on: {machine}\n')
@@ -220,7 +245,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           'median times; FLOPs are multiply-adds (lsvision.flops); peak memory is the extra resident memory of one '
           'forward pass (lsvision.measure).\n')
     print_scaling(sweep, report, args.models, sizes)
-    print_throughput(throughput, args.throughput_size)
+    print_throughput(throughput, args.throughput_size, args.isolated)
 
     results = {
         'machine': machine,
