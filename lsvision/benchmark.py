@@ -24,7 +24,6 @@ import gc
 import io
 import json
 import math
-import multiprocessing
 import os
 import resource
 import time
@@ -39,7 +38,14 @@ import timm
 
 from lsvision.flops import count_activations, count_flops, parameter_count
 from lsvision.layers.grc import GatedRecurrentCache
-from lsvision.measure import _read_status_kb, machine_description, machine_info, time_forward, time_train_step
+from lsvision.measure import (
+    _read_status_kb,
+    machine_description,
+    machine_info,
+    run_in_fresh_process,
+    time_forward,
+    time_train_step,
+)
 from lsvision.models import list_models
 
 __all__ = [
@@ -525,43 +531,16 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
     return point
 
 
-def _point_worker(job: Dict[str, Any], conn: Any) -> None:
-    """Runs :func:`_measure_point` in a child process and sends back the point or the error."""
-    try:
-        conn.send(('ok', _measure_point(job)))
-    except BaseException as e:  # noqa: B036  (report everything to the parent, which decides)
-        conn.send(('error', f'{type(e).__name__}: {e}'))
-    finally:
-        conn.close()
-
-
 def _run_point(job: Dict[str, Any], config: SweepConfig) -> Dict[str, Any]:
     """Measures one point, in a fresh process if ``config.isolate``; a time-out or a crash is a point over budget."""
     if not config.isolate:
         return _measure_point(job)
-    ctx = multiprocessing.get_context('spawn')
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_point_worker, args=(job, sender), daemon=True)
-    process.start()
-    sender.close()
-    kind, payload = 'timeout', None
-    try:
-        if receiver.poll(config.timeout_s):
-            kind, payload = receiver.recv()
-    except EOFError:  # the process died before it could answer (e.g. killed for memory)
-        kind = 'crash'
-    finally:  # also on KeyboardInterrupt: leave no process behind
-        process.join(timeout=10.0 if kind == 'ok' else 0.0)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        receiver.close()
+    kind, payload = run_in_fresh_process(_measure_point, job, config.timeout_s)
     if kind == 'ok':
         return payload
     if kind == 'error':
         raise RuntimeError(f"sweep point {job['label']} at {job['size']}: {payload}")
-    failure = (f'no result within {config.timeout_s:g} s' if kind == 'timeout'
-               else f'process ended with exit code {process.exitcode}')
+    failure = payload  # a time-out or a crash
     return {
         'label': job['label'], 'model': job['model'], 'size': job['size'], 'pixels': job['size'] ** 2,
         'status': kind, 'time_per_image_s': None, 'cpu_time_per_image_s': None, 'peak_mib': None, 'gflops': None,

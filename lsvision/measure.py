@@ -381,23 +381,69 @@ def time_forward_interleaved(
     ]
 
 
-def _isolated_timing_worker(job: Dict[str, Any], conn: Any) -> None:
-    """Child process of :func:`time_forward_isolated`: creates one model, times it, sends back its timing dict."""
+def _fresh_process_main(fn: Callable[[Dict[str, Any]], Any], job: Dict[str, Any], conn: Any) -> None:
+    """Child side of :func:`run_in_fresh_process`: sends back ('ok', fn(job)) or ('error', message)."""
     try:
-        import timm
-
-        import lsvision  # noqa: F401  (registers the lsvision models in the fresh process)
-        if job['threads']:
-            torch.set_num_threads(job['threads'])
-        model = timm.create_model(job['name'], **job['model_kwargs']).to(job['device']).eval()
-        timing = time_forward(model, tuple(job['input_size']), batch_size=job['batch_size'], warmup=job['warmup'],
-                              iters=job['iters'], max_time_s=job['max_time_s'])
-        conn.send(('ok', {'times_s': timing.times_s, 'cpu_times_s': timing.cpu_times_s, 'warmup': timing.warmup,
-                          'device': timing.device}))
-    except BaseException as e:  # noqa: B036  (report everything to the parent)
+        conn.send(('ok', fn(job)))
+    except BaseException as e:  # noqa: B036  (report everything to the parent, which decides)
         conn.send(('error', f'{type(e).__name__}: {e}'))
     finally:
         conn.close()
+
+
+def run_in_fresh_process(
+        fn: Callable[[Dict[str, Any]], Any],
+        job: Dict[str, Any],
+        timeout_s: float,
+) -> Tuple[str, Any]:
+    """Runs ``fn(job)`` in a fresh (spawned) Python process and returns what it sent back.
+
+    Nothing of this process's memory state (allocator, caches, loaded models) reaches the child, so measurements in it
+    are independent of what ran before. The child is always gone on return, also on KeyboardInterrupt.
+
+    Args:
+        fn: A module-level function (the child imports it by name) taking the job dict; its result must pickle.
+        job: Picklable arguments of ``fn``.
+        timeout_s: A child that gives no result in this many seconds is stopped.
+
+    Returns:
+        ('ok', result), or ('error', message) if ``fn`` raised, ('timeout', message) or ('crash', message) if the
+        process died before it answered (e.g. killed for memory).
+    """
+    ctx = multiprocessing.get_context('spawn')
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_fresh_process_main, args=(fn, job, sender), daemon=True)
+    process.start()
+    sender.close()
+    kind, payload = 'timeout', f'no result within {timeout_s:g} s'
+    try:
+        if receiver.poll(timeout_s):
+            kind, payload = receiver.recv()
+    except EOFError:  # the process died before it could answer
+        kind = 'crash'
+    finally:  # also on KeyboardInterrupt: leave no process behind
+        process.join(timeout=10.0 if kind == 'ok' else 0.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        receiver.close()
+    if kind == 'crash':
+        payload = f'process ended with exit code {process.exitcode}'
+    return kind, payload
+
+
+def _isolated_timing(job: Dict[str, Any]) -> Dict[str, Any]:
+    """Child job of :func:`time_forward_isolated`: creates one model, times it, returns its timing dict."""
+    import timm
+
+    import lsvision  # noqa: F401  (registers the lsvision models in the fresh process)
+    if job['threads']:
+        torch.set_num_threads(job['threads'])
+    model = timm.create_model(job['name'], **job['model_kwargs']).to(job['device']).eval()
+    timing = time_forward(model, tuple(job['input_size']), batch_size=job['batch_size'], warmup=job['warmup'],
+                          iters=job['iters'], max_time_s=job['max_time_s'])
+    return {'times_s': timing.times_s, 'cpu_times_s': timing.cpu_times_s, 'warmup': timing.warmup,
+            'device': timing.device}
 
 
 def time_forward_isolated(
@@ -442,7 +488,6 @@ def time_forward_isolated(
         raise ValueError(f'rounds and iters must be at least 1, got {rounds} and {iters}.')
     if not model_names:
         raise ValueError('time_forward_isolated needs at least one model.')
-    ctx = multiprocessing.get_context('spawn')
     collected: List[List[Dict[str, Any]]] = [[] for _ in model_names]
     for r in range(rounds):
         order = list(range(len(model_names))) if r % 2 == 0 else list(range(len(model_names)))[::-1]
@@ -450,25 +495,9 @@ def time_forward_isolated(
             job = {'name': model_names[i], 'input_size': list(input_size), 'batch_size': batch_size,
                    'warmup': warmup, 'iters': iters, 'max_time_s': max_time_s, 'threads': threads, 'device': device,
                    'model_kwargs': dict(model_kwargs or {})}
-            receiver, sender = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_isolated_timing_worker, args=(job, sender), daemon=True)
-            process.start()
-            sender.close()
-            kind, payload = 'timeout', None
-            try:
-                if receiver.poll(timeout_s):
-                    kind, payload = receiver.recv()
-            except EOFError:  # the process died before it could answer
-                kind, payload = 'error', f'process ended with exit code {process.exitcode}'
-            finally:  # also on KeyboardInterrupt: leave no process behind
-                process.join(timeout=10.0 if kind == 'ok' else 0.0)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-                receiver.close()
+            kind, payload = run_in_fresh_process(_isolated_timing, job, timeout_s)
             if kind != 'ok':
-                raise RuntimeError(f'timing {model_names[i]} in its own process failed: '
-                                   f'{payload or f"no result within {timeout_s:g} s"}')
+                raise RuntimeError(f'timing {model_names[i]} in its own process failed: {payload}')
             collected[i].append(payload)
     return [
         TimingResult(

@@ -1,6 +1,7 @@
 """Tests for lsvision.measure: timing statistics, time budgets, real peak memory and the machine description."""
 
 import json
+import os
 import time
 from typing import List
 
@@ -15,6 +16,7 @@ from lsvision.measure import (
     machine_description,
     machine_info,
     peak_memory_forward,
+    run_in_fresh_process,
     time_forward,
     time_forward_interleaved,
     time_forward_isolated,
@@ -216,3 +218,14 @@ def test_time_forward_isolated_times_each_model_in_its_own_processes():
 def test_time_forward_isolated_reports_a_failing_model():
     with pytest.raises(RuntimeError, match='not_a_model.*own process'):
         time_forward_isolated(['not_a_model'], (3, 64, 64), rounds=1, warmup=0, iters=1, threads=1)
+
+
+def test_run_in_fresh_process_returns_the_result_or_says_how_the_child_failed():
+    # builtins as the child's function: they pickle by name, so each case is one fresh process and nothing else
+    assert run_in_fresh_process(len, {'a': 1, 'b': 2}, timeout_s=60) == ('ok', 2)
+    kind, message = run_in_fresh_process(int, {'a': 1}, timeout_s=60)
+    assert kind == 'error' and message.startswith('TypeError')
+    assert run_in_fresh_process(os._exit, 3, timeout_s=60) == ('crash', 'process ended with exit code 3')
+    start = time.perf_counter()
+    assert run_in_fresh_process(time.sleep, 60, timeout_s=0.5) == ('timeout', 'no result within 0.5 s')
+    assert time.perf_counter() - start < 30  # the sleeping child was stopped, not waited for
