@@ -804,14 +804,13 @@ class GrcMatmulFloor(nn.Module):
         gates = torch.mm(summary.reshape(-1, dm), w_s.t())  # (B * T_m, 3 D_m)
         cand = torch.mm(gates[:, :dm], grc.linear_candidate.weight[:, :dm].t()).view(B, -1, dm)
         q = mem.q(x[..., :dm].reshape(B * T, dm)).reshape(B, T, mem.num_heads, mem.head_dim).transpose(1, 2)
+        kv = mem.kv(mem._reduce(cand))
         if self.attention:
-            kv = mem.kv(mem._reduce(cand)).reshape(B, -1, 2, mem.num_heads, mem.head_dim).permute(2, 0, 3, 1, 4)
+            kv = kv.reshape(B, -1, 2, mem.num_heads, mem.head_dim).permute(2, 0, 3, 1, 4)
             bias = None
             if mem.relative_position_bias_table is not None and mem.window_size is not None:
                 bias = mem._rel_pos_bias(mem.window_size[0] * mem.window_size[1], q.dtype)
             q = mem.attend(q, kv[0], kv[1], bias)
-        else:
-            mem.kv(mem._reduce(cand))
         o_mem = mem.proj(q.transpose(1, 2).reshape(B, T, dm))
         out = o_self.clone()
         out[..., :dm] += o_mem

@@ -51,6 +51,7 @@ __all__ = [
     'REUSING_ALLOCATOR_ENV',
     'allocator_reuses_memory',
     'reexec_with_reusing_allocator',
+    'run_in_fresh_process',
     'time_forward',
     'time_forward_interleaved',
     'time_forward_isolated',
@@ -312,6 +313,13 @@ def time_forward(
     return result
 
 
+def _abba_order(count: int, round_index: int) -> List[int]:
+    """Indices of `count` models in round `round_index`: in order in even rounds, reversed in odd ones (ABBA), so
+    that a steady drift of the machine's speed affects all models alike."""
+    indices = list(range(count))
+    return indices if round_index % 2 == 0 else indices[::-1]
+
+
 def time_forward_interleaved(
         models: Sequence[nn.Module],
         inputs: InputSpec = (3, 224, 224),
@@ -356,19 +364,15 @@ def time_forward_interleaved(
     def one_pass(model: nn.Module) -> TimingResult:
         return time_forward(model, inputs, batch_size=batch_size, warmup=0, iters=1, amp_dtype=amp_dtype)
 
-    def order(round_index: int) -> List[int]:
-        indices = list(range(len(models)))
-        return indices if round_index % 2 == 0 else indices[::-1]
-
     done_warmup = 0
     while done_warmup < warmup and not (done_warmup > 0 and spent(0.25)):
-        for i in order(done_warmup):
+        for i in _abba_order(len(models), done_warmup):
             one_pass(models[i])
         done_warmup += 1
     passes: List[List[TimingResult]] = [[] for _ in models]
     rounds = 0
     while True:
-        for i in order(rounds):
+        for i in _abba_order(len(models), rounds):
             passes[i].append(one_pass(models[i]))
         rounds += 1
         if rounds >= iters or spent():
@@ -490,8 +494,7 @@ def time_forward_isolated(
         raise ValueError('time_forward_isolated needs at least one model.')
     collected: List[List[Dict[str, Any]]] = [[] for _ in model_names]
     for r in range(rounds):
-        order = list(range(len(model_names))) if r % 2 == 0 else list(range(len(model_names)))[::-1]
-        for i in order:
+        for i in _abba_order(len(model_names), r):
             job = {'name': model_names[i], 'input_size': list(input_size), 'batch_size': batch_size,
                    'warmup': warmup, 'iters': iters, 'max_time_s': max_time_s, 'threads': threads, 'device': device,
                    'model_kwargs': dict(model_kwargs or {})}
