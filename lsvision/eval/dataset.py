@@ -105,16 +105,14 @@ class ImageChecks:
         dataset: the `EvalImageDataset` the loader reads (for the file names).
         strict: an unreadable or wrongly sized image raises a `LayoutError` instead of a warning.
         expected_size: (width, height) every image must have (the no-resize protocols); None accepts any size.
-        emit: issue the warnings (``LayoutWarning``); False only collects them.
     """
 
     def __init__(self, name: str, dataset: EvalImageDataset, strict: bool = False,
-                 expected_size: Optional[Tuple[int, int]] = None, emit: bool = True):
+                 expected_size: Optional[Tuple[int, int]] = None):
         self.name = name
         self.dataset = dataset
         self.strict = strict
         self.expected_size = expected_size
-        self.emit = emit
         self.evaluated = 0
         self.skipped: List[Dict[str, str]] = []
         self.off_size: Dict[str, List[str]] = {}
@@ -132,9 +130,9 @@ class ImageChecks:
             path = self.dataset.filename(index, absolute=True)
             reason = unreadable_reason(path, self.dataset.input_img_mode) or 'unreadable while loading'
             self.skipped.append(dict(file=path, reason=reason))
-            warn_or_raise(self.warnings, f'{self.name}: cannot read image {path} ({reason}); it is left out, not '
-                                         'replaced: the image count n is the images evaluated', self.strict,
-                          self.emit, stacklevel=4)
+            message = (f'{self.name}: cannot read image {path} ({reason}); it is left out, not replaced: the image '
+                       'count n is the images evaluated')
+            warn_or_raise(self.warnings, message, self.strict, stacklevel=4)
         if self.expected_size is not None:
             sizes = meta[:, [META_WIDTH, META_HEIGHT]]
             wrong = readable & (sizes != torch.tensor(self.expected_size)).any(dim=1)
@@ -164,8 +162,7 @@ class ImageChecks:
             sizes = ', '.join(f'{size} ({len(files)})' for size, files in self.off_size.items())
             message = self._size_message(sizes, next(iter(self.off_size.values())), n)
             self.warnings.append(message)
-            if self.emit:
-                warnings.warn(message, LayoutWarning, stacklevel=3)
+            warnings.warn(message, LayoutWarning, stacklevel=3)
         if not self.evaluated:
             example = f' (e.g. {self.skipped[0]["file"]}: {self.skipped[0]["reason"]})' if self.skipped else ''
             raise LayoutError(f'{self.name}: none of its {len(self.dataset)} images could be read{example}; nothing '

@@ -184,14 +184,12 @@ def _score(
         expected_size: Optional[Tuple[int, int]] = None,
         wrap: Optional[Callable[[Any], None]] = None,
         num_classes: int = 1000,
-        emit: bool = True,
 ) -> Dict[str, Any]:
     """Scores the images of ``scan``: ``update(logits, targets, indices)`` per batch of readable images.
 
     Args:
         expected_size: (width, height) every image must have (no-resize protocols); None: any size.
         wrap: called with the dataset after the loader set its transform (e.g. to prepend a corruption).
-        emit: issue the image warnings (False: only record them).
 
     Returns:
         the record of the set: folder, images found, ``count`` evaluated, ``skipped`` (unreadable: file and reason),
@@ -201,7 +199,7 @@ def _score(
     loader = _loader(dataset, protocol, settings)
     if wrap is not None:
         wrap(dataset)
-    checks = ImageChecks(name, dataset, settings.strict, expected_size, emit)
+    checks = ImageChecks(name, dataset, settings.strict, expected_size)
     for logits, target, index in predict(model, loader, settings, name, num_classes, checks):
         update(logits, target, index)
     images = checks.finish()
