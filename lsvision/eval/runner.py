@@ -290,8 +290,13 @@ def evaluate_imagenet_c(
         corruptions = list(CORRUPTIONS) + [c for c in EXTRA_CORRUPTIONS if os.path.isdir(os.path.join(root, c))]
     class_map = imagenet_class_map()
     folders = imagenet_c_folders(root, corruptions, severities)
-    scans = {key: scan_class_folders(path, class_map, f'ImageNet-C {key[0]}/{key[1]}', EXPECTED_IMAGES['imagenet_c'],
-                                     WNID_EXAMPLE, settings.strict, emit=False) for key, path in folders.items()}
+
+    def scan(key: Tuple[str, int], list_files: bool) -> FolderScan:
+        return scan_class_folders(folders[key], class_map, f'ImageNet-C {key[0]}/{key[1]}',
+                                  EXPECTED_IMAGES['imagenet_c'], WNID_EXAMPLE, settings.strict, emit=False,
+                                  list_files=list_files)
+
+    scans = {key: scan(key, list_files=False) for key in folders}  # checks and counts; the file lists come per set
     details = [w for scan in scans.values() for w in scan.warnings]
     summary = []
     if details:  # one warning for the run, not one per (corruption, severity) folder
@@ -300,24 +305,34 @@ def evaluate_imagenet_c(
                    f'dataset, e.g. {details[0]}']
         warnings.warn(summary[0], LayoutWarning, stacklevel=2)
     protocol = no_resize_protocol(model)
-    out = _corruption_results(model, scans, protocol, settings, clean_error, 'ImageNet-C', NO_RESIZE_SIZE)
-    return dict(out, layout_warnings=summary + out['layout_warnings'], layout_warning_details=details)
+    out = _corruption_results(model, {key: partial(scan, key, True) for key in folders}, protocol, settings,
+                              clean_error, 'ImageNet-C', NO_RESIZE_SIZE)
+    return dict(out, root=os.path.abspath(root), layout_warnings=summary + out['layout_warnings'],
+                layout_warning_details=details)
 
 
-def _corruption_results(model: nn.Module, scans: Dict[Tuple[str, int], FolderScan], protocol: Dict[str, Any],
-                        settings: EvalSettings, clean_error: Optional[float], suite: str,
+def _corruption_results(model: nn.Module, sets: Dict[Tuple[str, int], Callable[[], FolderScan]],
+                        protocol: Dict[str, Any], settings: EvalSettings, clean_error: Optional[float], suite: str,
                         expected_size: Optional[Tuple[int, int]] = None,
                         wrap: Optional[Callable[[str, int, Any], None]] = None,
                         num_classes: int = 1000) -> Dict[str, Any]:
-    """Raw error per (corruption, severity) and the CE summary; ``layout_warnings`` holds the image warnings only
-    (unreadable or wrongly sized images, per set), ``skipped`` every image left out."""
+    """Raw error per (corruption, severity) and the CE summary.
+
+    Args:
+        sets: (corruption, severity) -> the scan (with its file list) of the set, made when the set is scored.
+
+    Returns:
+        the summary; ``layout_warnings`` holds the image warnings only (unreadable or wrongly sized images, per
+        set), ``skipped`` every image left out.
+    """
     errors: Dict[str, Dict[int, float]] = {}
     raw: Dict[str, Dict[str, Any]] = {}
     image_warnings: List[str] = []
     skipped: List[Dict[str, str]] = []
-    bar = tqdm(scans.items(), desc=suite, disable=not settings.progress, unit='set')
-    for (c, s), scan in bar:
+    bar = tqdm(sets.items(), desc=suite, disable=not settings.progress, unit='set')
+    for (c, s), list_set in bar:
         bar.set_postfix_str(f'{c} {s}')
+        scan = list_set()
         acc = TopKAccuracy()
         record = _score(model, scan, protocol, settings, f'{suite} {c}/{s}', _update_accuracy(acc), expected_size,
                         None if wrap is None else partial(wrap, c, s), num_classes)
@@ -330,10 +345,8 @@ def _corruption_results(model: nn.Module, scans: Dict[Tuple[str, int], FolderSca
     summary = corruption_summary(errors, clean_error)
     for c, by_sev in raw.items():
         summary['corruptions'][c]['severities'] = by_sev
-    first = next(iter(scans.values()))
-    return dict(summary, root=os.path.dirname(os.path.dirname(os.path.abspath(first.root))), protocol=protocol,
-                severities=sorted({s for _, s in scans}), corruptions_evaluated=list(errors), skipped=skipped,
-                layout_warnings=image_warnings)
+    return dict(summary, protocol=protocol, severities=sorted({s for _, s in sets}),
+                corruptions_evaluated=list(errors), skipped=skipped, layout_warnings=image_warnings)
 
 
 def _update_accuracy(acc: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
@@ -422,12 +435,12 @@ def evaluate_corrupt_on_the_fly(
         labels, num_classes = 'folder names in natural sort order (not ImageNet wnids)', len(class_map)
     scan = scan_class_folders(root, class_map, 'corrupt-on-the-fly', None, WNID_EXAMPLE, settings.strict)
     protocol = no_resize_protocol(model)
-    scans = {(c, s): scan for c in corruptions for s in severities}
+    sets = {(c, s): lambda: scan for c in corruptions for s in severities}
 
     def wrap(c: str, s: int, dataset: Any) -> None:
         dataset.transform = Compose([ImageNetCCorruption(c, s, seed=seed), dataset.transform])
 
-    out = _corruption_results(model, scans, protocol, settings, clean_error, 'corrupt-on-the-fly', None, wrap,
+    out = _corruption_results(model, sets, protocol, settings, clean_error, 'corrupt-on-the-fly', None, wrap,
                               num_classes)
     out['layout_warnings'] = scan.warnings + out['layout_warnings']
     if not imagenet_labels:

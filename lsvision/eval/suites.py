@@ -165,7 +165,8 @@ class FolderScan:
     """What a class-folder tree holds: the images to evaluate, per class folder, and the problems found.
 
     ``samples`` is the one file list of the set: the dataset the loader reads is built from it
-    (`lsvision.eval.dataset.EvalImageDataset`), so the counts reported are the images evaluated.
+    (`lsvision.eval.dataset.EvalImageDataset`), so the counts reported are the images evaluated. It is empty for a
+    scan made with ``list_files=False`` (counts only).
     """
     root: str
     counts: Dict[str, int]
@@ -174,7 +175,7 @@ class FolderScan:
 
     @property
     def total(self) -> int:
-        return len(self.samples)
+        return sum(self.counts.values())
 
 
 def warn_or_raise(found: List[str], message: str, strict: bool, emit: bool = True, stacklevel: int = 3) -> None:
@@ -205,6 +206,7 @@ def scan_class_folders(
         example: str = '<class>',
         strict: bool = False,
         emit: bool = True,
+        list_files: bool = True,
 ) -> FolderScan:
     """Lists the images of ``root``, which holds one folder of images per class, every folder a key of ``class_map``.
 
@@ -218,6 +220,8 @@ def scan_class_folders(
         example: a folder name to show in messages, e.g. ``'n01440764'``.
         strict: raise on count differences and on files that are not images, instead of warning.
         emit: issue the warnings (``LayoutWarning``); False only collects them in the result (the caller summarises).
+        list_files: keep the file list; False only counts (to check many sets up front without holding millions of
+            paths, e.g. ImageNet-C's 3.75 M: each set is scanned again, with its list, when it is read).
 
     Returns:
         the images (only files timm reads: .png/.jpg/.jpeg in any case) with their labels, the count per class folder,
@@ -263,7 +267,8 @@ def scan_class_folders(
             raise LayoutError(f'{suite}: class folder {path} has sub-folders ({nested[0]}); expected images '
                               f'directly in each class folder ({layout})')
         scan.counts[folder] = len(images)
-        scan.samples += [(f, class_map[folder]) for f in images]
+        if list_files:
+            scan.samples += [(f, class_map[folder]) for f in images]
         if skipped:
             warn_or_raise(scan.warnings, f'{suite}: {len(skipped)} file(s) in {path} are not .png/.jpg/.jpeg images '
                                          f'and are skipped (e.g. {skipped[0]})', strict, emit)
