@@ -153,3 +153,30 @@ def make_imagenet_9(root: Path, variants: Sequence[str] = ('original', 'mixed_sa
 
 def list_files(root: Path) -> List[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+# AppleDouble header (magic 0x00051607, version 2): what macOS writes as ._<name> beside each file it copies
+APPLEDOUBLE = b'\x00\x05\x16\x07\x00\x02\x00\x00' + b'Mac OS X        ' + b'\x00' * 64
+
+
+def add_mac_junk(root: Path) -> int:
+    """Adds what a copy from a Mac leaves: ``._<name>`` beside every file and folder, ``.DS_Store`` in every folder.
+
+    Returns:
+        the number of junk files added (``._x.JPEG`` ones have an image extension but are not images).
+    """
+    added = 0
+    for dirpath, dirnames, files in os.walk(root):
+        for name in files + dirnames:
+            (Path(dirpath) / f'._{name}').write_bytes(APPLEDOUBLE)
+            added += 1
+        (Path(dirpath) / '.DS_Store').write_bytes(b'\x00\x00\x00\x01Bud1' + b'\x00' * 32)
+        added += 1
+    return added
+
+
+def truncate(path: Path, keep: float = 0.9) -> None:
+    """Cuts a file to ``keep`` of its bytes (a download or copy that stopped early); at 0.9 a fixture JPEG keeps its
+    header, so it opens and only fails when its pixels are decoded."""
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])

@@ -9,6 +9,7 @@ test_eval_suites.py.
 import hashlib
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from eval_fixtures import (
     make_imagenet_ar,
     make_imagenet_c,
     make_v2,
+    truncate,
 )
 from safetensors.torch import save_file
 
@@ -154,6 +156,44 @@ def test_tool_errors(data, tmp_path, capsys):
     validate = load_tool('validate')
     with pytest.raises(SystemExit):
         validate.parse_args(['--models', 'x', '--imagenet', 'y', '--no-real', '--real-labels', 'z'])
+
+
+@pytest.mark.filterwarnings('ignore::lsvision.eval.LayoutWarning')  # the fixture's image counts
+def test_tools_leave_out_unreadable_images_and_refuse_empty_folders(data, tmp_path, capsys):
+    imagenet = shutil.copytree(data['imagenet']['root'], tmp_path / 'imagenet')
+    a = shutil.copytree(data['a'], tmp_path / 'imagenet-a')
+    bad_val = next((imagenet / 'val').rglob('ILSVRC2012_val_00000005.JPEG'))
+    truncate(bad_val)
+    bad_a = sorted(a.rglob('*.jpg'))[0]
+    bad_a.write_bytes(b'')
+    args = ['--models', 'cvt_ls_13', '--model-kwargs', *TINY, '--workers', '0', '--no-progress', *ONE_THREAD]
+    # both tools: the file is named, left out (not replaced by the next image), and listed in the JSON
+    with pytest.warns(LayoutWarning, match=f'cannot read image {bad_val}'):
+        rc = load_tool('validate').main(args + ['--imagenet', str(imagenet), '--real-labels',
+                                                str(data['imagenet']['real_json']), '--out-dir', str(tmp_path / 'v')])
+    assert rc == 0
+    inet = json.loads((tmp_path / 'v' / 'results.json').read_text())['models'][0]['suites']['imagenet']
+    assert (inet['images'], inet['count'], [s['file'] for s in inet['skipped']]) == (6, 5, [str(bad_val)])
+    assert (inet['real']['count'], inet['real']['skipped_no_label']) == (4, 1)  # image 5 had the labels [1]
+    assert f'cannot read image {bad_val}' in (tmp_path / 'v' / 'results.md').read_text()
+    with pytest.warns(LayoutWarning, match=f'cannot read image {bad_a}'):
+        rc = load_tool('robustness').main(args + ['--imagenet', str(imagenet), '--imagenet-a', str(a), '--out-dir',
+                                                  str(tmp_path / 'r')])
+    assert rc == 0
+    suites = json.loads((tmp_path / 'r' / 'results.json').read_text())['models'][0]['suites']
+    assert [s['file'] for s in suites['imagenet']['skipped']] == [str(bad_val)]
+    assert (suites['imagenet_a']['images'], suites['imagenet_a']['count']) == (4, 3)
+    assert [s['file'] for s in suites['imagenet_a']['skipped']] == [str(bad_a)]
+    assert '| 3 (1 unreadable left out) |' in (tmp_path / 'r' / 'results.md').read_text()
+    # an empty severity folder (class folders without images) is the tool's own error, naming it: no traceback
+    c = shutil.copytree(data['c'] / 'contrast', tmp_path / 'c' / 'contrast')
+    for path in (c / '2').rglob('*.JPEG'):
+        path.unlink()
+    capsys.readouterr()
+    rc = load_tool('robustness').main(args + ['--imagenet-c', str(tmp_path / 'c'), '--corruptions', 'contrast',
+                                              '--out-dir', str(tmp_path / 'c_out')])
+    err = capsys.readouterr().err
+    assert rc == 2 and f'error: ImageNet-C contrast/2: no images in {c / "2"}' in err and 'Traceback' not in err
 
 
 def test_model_selection():

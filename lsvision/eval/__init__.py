@@ -3,10 +3,12 @@
 Knows no model: every runner takes an ``nn.Module`` with an ImageNet-1K head. ``tools/validate.py`` and
 ``tools/robustness.py`` are the command lines.
 """
-from .metrics import In9Accuracy, TopKAccuracy, corruption_summary, real_labels, real_result
+from .dataset import EvalImageDataset, ImageChecks
+from .metrics import In9Accuracy, TopKAccuracy, add_real_results, corruption_summary, real_labels, real_result
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
 from .runner import (
     EvalSettings,
+    default_workers,
     evaluate_corrupt_on_the_fly,
     evaluate_imagenet,
     evaluate_imagenet_9,
@@ -17,5 +19,6 @@ from .runner import (
     model_eval_protocol,
     no_resize_protocol,
     predict,
+    usable_cores,
 )
 from .suites import *

@@ -14,7 +14,7 @@ import yaml
 import timm
 
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
-from .runner import EvalSettings, file_sha256
+from .runner import EvalSettings, default_workers, file_sha256
 
 __all__ = ['add_model_args', 'resolve_model_names', 'load_model', 'settings_from_args', 'run_and_report']
 
@@ -32,7 +32,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
                    help='extra timm.create_model arguments, values parsed as YAML (e.g. depths=[1,1,1])')
     g = parser.add_argument_group('run')
     g.add_argument('--batch-size', type=int, default=64)
-    g.add_argument('--workers', type=int, default=4, help='data loader worker processes (0: load in the main one)')
+    g.add_argument('--workers', type=int, default=default_workers(),
+                   help='data loader worker processes (0: load in the main one; default: 4, at most the usable cores)')
     g.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     g.add_argument('--amp', default=None, choices=['bfloat16', 'float16'], help='autocast dtype')
     g.add_argument('--threads', type=int, default=None, help='torch CPU threads')
@@ -41,7 +42,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument('--crop-pct', type=float, default=None, help="override the model's eval crop_pct (same suites)")
     g.add_argument('--interpolation', default=None, help="override the model's eval interpolation (same suites)")
     g.add_argument('--strict', action='store_true',
-                   help='treat layout warnings (image counts that differ from the real dataset) as errors')
+                   help='treat layout and image warnings as errors: image counts that differ from the real dataset, '
+                        'unreadable images (else left out and listed), ImageNet-C/-9 images that are not 224x224')
     g.add_argument('--no-progress', action='store_true', help='no progress bars')
     g.add_argument('--out-dir', default=default_out, help=f'where the JSON, markdown and PNG go ({default_out})')
 

@@ -14,7 +14,7 @@ from timm.data import RealLabelsImagenet
 
 from .suites import ALEXNET_CLEAN_ERROR, ALEXNET_ERRORS, CORRUPTIONS, EXTRA_CORRUPTIONS, SEVERITIES, LayoutError
 
-__all__ = ['TopKAccuracy', 'In9Accuracy', 'real_labels', 'real_result', 'corruption_summary']
+__all__ = ['TopKAccuracy', 'In9Accuracy', 'real_labels', 'add_real_results', 'real_result', 'corruption_summary']
 
 
 class TopKAccuracy:
@@ -129,11 +129,28 @@ def _json_len(real_json: Optional[str]) -> int:
         return len(json.load(f))
 
 
-def real_result(real: RealLabelsImagenet) -> Dict[str, float]:
-    """ReaL top-1/top-5 (%) and how many images were scored (those with a non-empty label list)."""
+def add_real_results(real: RealLabelsImagenet, logits: torch.Tensor, indices: torch.Tensor) -> None:
+    """Adds a batch to timm's ReaL evaluator, whose ``add_result`` matches rows to files by position: ``indices``
+    are the images' positions in its file list, so images left out (unreadable) never shift the labels."""
+    indices = indices.tolist()
+    if indices == list(range(real.sample_idx, real.sample_idx + len(indices))):
+        real.add_result(logits)
+        return
+    for row, index in zip(logits, indices):
+        real.sample_idx = index
+        real.add_result(row[None])
+
+
+def real_result(real: RealLabelsImagenet, evaluated: Optional[int] = None) -> Dict[str, float]:
+    """ReaL top-1/top-5 (%) and how many images were scored (those with a non-empty label list).
+
+    Args:
+        evaluated: the images evaluated (default: all of the evaluator's files up to the last one added).
+    """
     scored = len(real.is_correct[real.topk[0]])
+    evaluated = real.sample_idx if evaluated is None else evaluated
     return dict({f'top{k}': real.get_accuracy(k) for k in real.topk}, count=scored,
-                skipped_no_label=real.sample_idx - scored)
+                skipped_no_label=evaluated - scored)
 
 
 def corruption_summary(

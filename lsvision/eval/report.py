@@ -81,7 +81,7 @@ def markdown_report(results: Dict[str, Any]) -> str:
 
     if has('imagenet_v2'):
         lines += ['', '## ImageNetV2 (labels = int(folder name))', '']
-        rows = [[m['model'], v, _f(r['top1']), _f(r['top5']), str(r['images'])]
+        rows = [[m['model'], v, _f(r['top1']), _f(r['top5']), _evaluated(r)]
                 for m in models for v, r in (m['suites'].get('imagenet_v2') or {}).items()]
         lines += _table(['model', 'variant', 'top-1', 'top-5', 'images'], rows)
 
@@ -109,7 +109,7 @@ def markdown_report(results: Dict[str, Any]) -> str:
     ar = [(s, label) for s, label in (('imagenet_a', 'ImageNet-A'), ('imagenet_r', 'ImageNet-R')) if has(s)]
     if ar:
         lines += ['', '## ImageNet-A / ImageNet-R (logits sliced to the 200 classes)', '']
-        rows = [[m['model'], label, _f(r['top1']), _f(r['top5']), _f(r['top1_unmasked']), str(r['images'])]
+        rows = [[m['model'], label, _f(r['top1']), _f(r['top5']), _f(r['top1_unmasked']), _evaluated(r)]
                 for m in models for s, label in ar for r in [m['suites'].get(s)] if r]
         lines += _table(['model', 'suite', 'top-1', 'top-5', 'top-1 without slicing', 'images'], rows)
 
@@ -136,6 +136,12 @@ def markdown_report(results: Dict[str, Any]) -> str:
     if warnings:
         lines += ['', '## Layout warnings', ''] + [f'- {w}' for w in warnings]
     return '\n'.join(lines) + '\n'
+
+
+def _evaluated(res: Dict[str, Any]) -> str:
+    """The images a result scored, and how many unreadable ones were left out."""
+    skipped = len(res.get('skipped') or [])
+    return f"{res['count']}" + (f' ({skipped} unreadable left out)' if skipped else '')
 
 
 def _all_warnings(obj: Any) -> List[str]:

@@ -6,6 +6,11 @@ JSON-ready dict with the raw counts, the metrics, the preprocessing protocol and
 ImageNet-C and ImageNet-9, whose images are already 224x224, are not resized (CenterCrop 224 with crop_pct 1.0 is an
 exact identity); a model whose input size is not 224 gets the whole 224 image resized to its size, flagged
 non-standard.
+
+Every set is read from the file list of its folder scan (`EvalImageDataset`): hidden files are never images, an
+image that cannot be read is left out with a warning naming it (an error under ``strict``), never replaced by another,
+so ``count`` is the images evaluated and ``skipped`` lists the others; ImageNet-C and -9 images that are not 224x224
+give a warning naming the set and the size (an error under ``strict``).
 """
 import hashlib
 import math
@@ -13,16 +18,18 @@ import os
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torchvision.transforms import Compose
 from tqdm import tqdm
 
-from timm.data import create_dataset, create_loader, resolve_model_data_config
+from timm.data import create_loader, resolve_model_data_config
 
-from .metrics import In9Accuracy, TopKAccuracy, corruption_summary, real_labels, real_result
+from .dataset import META_INDEX, META_LABEL, EvalImageDataset, ImageChecks
+from .metrics import In9Accuracy, TopKAccuracy, add_real_results, corruption_summary, real_labels, real_result
 from .suites import (
     CORRUPTIONS,
     EXPECTED_IMAGES,
@@ -42,15 +49,30 @@ from .suites import (
     subset_synsets,
     v2_class_map,
     v2_folders,
+    visible_folders,
 )
 
 __all__ = [
     'EvalSettings', 'model_eval_protocol', 'no_resize_protocol', 'predict', 'evaluate_imagenet', 'evaluate_v2',
     'evaluate_imagenet_c', 'evaluate_imagenet_ar', 'evaluate_imagenet_9', 'evaluate_corrupt_on_the_fly',
-    'file_sha256',
+    'file_sha256', 'usable_cores', 'default_workers',
 ]
 
 WNID_EXAMPLE = 'n01440764'
+NO_RESIZE_SIZE = (224, 224)  # the size of every ImageNet-C and ImageNet-9 image (width, height)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers and ``taskset`` narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity masks
+        return os.cpu_count() or 1
+
+
+def default_workers() -> int:
+    """Data loader workers by default: 4, but never more than the usable cores (PyTorch warns above them)."""
+    return min(4, usable_cores())
 
 
 @dataclass
@@ -61,7 +83,7 @@ class EvalSettings:
     and so change the model-eval protocol of ImageNet, ReaL, V2, A and R (recorded in the output).
     """
     batch_size: int = 64
-    workers: int = 4
+    workers: int = field(default_factory=default_workers)
     device: torch.device = field(default_factory=lambda: torch.device('cpu'))
     amp_dtype: Optional[torch.dtype] = None
     strict: bool = False
@@ -109,42 +131,82 @@ def _loader(dataset: Any, protocol: Dict[str, Any], settings: EvalSettings) -> A
         device=settings.device, use_prefetcher=prefetcher, pin_memory=cuda, persistent_workers=False)
 
 
-def _dataset(scan: FolderScan, class_map: Dict[str, int], suite: str) -> Any:
-    """timm's folder dataset with an explicit class map; refuses to go on if it did not pick up every image."""
-    dataset = create_dataset('', root=scan.root, split='validation', search_split=False, class_map=class_map)
-    if len(dataset) != scan.total:
-        raise LayoutError(f'{suite}: timm read {len(dataset)} images from {scan.root} but the folders hold '
-                          f'{scan.total}; check file names and permissions')
-    return dataset
-
-
 def predict(
         model: nn.Module,
         loader: Any,
         settings: EvalSettings,
         desc: str = '',
         num_classes: int = 1000,
-) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-    """The evaluation loop: yields (float32 logits on CPU, targets) batch by batch in dataset order.
+        checks: Optional[ImageChecks] = None,
+) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The evaluation loop: yields (float32 logits on CPU, targets, dataset indices) batch by batch in dataset order.
+
+    With an `EvalImageDataset` (targets carry label, index, readability and size), ``checks`` decides which images
+    are scored: unreadable ones are left out (their rows never reach the model) and recorded there.
 
     Raises:
-        ValueError: the model does not output ``num_classes`` logits.
+        ValueError: the model does not output ``num_classes`` logits, or ``checks`` is missing for an
+            `EvalImageDataset`.
     """
     amp = (torch.autocast(settings.device.type, dtype=settings.amp_dtype) if settings.amp_dtype is not None
            else nullcontext())
     model.eval()
+    seen = 0
     for images, target in tqdm(loader, desc=desc, leave=False, disable=not settings.progress, unit='batch'):
+        if target.ndim == 2:  # EvalImageDataset: [label, index, readable, width, height] per image
+            if checks is None:
+                raise ValueError('predict: a loader of an EvalImageDataset needs the ImageChecks of the set')
+            meta = target.cpu()
+            keep = checks.keep(meta)
+            target, index = meta[keep, META_LABEL], meta[keep, META_INDEX]
+            if not keep.all():
+                images = images[keep.to(images.device)]
+        else:
+            target, index = target.cpu(), torch.arange(seen, seen + len(target))
+            seen += len(target)
+        if not len(target):
+            continue
         with torch.inference_mode(), amp:
             logits = model(images.to(settings.device, non_blocking=True))
         if logits.ndim != 2 or logits.shape[1] != num_classes:
             raise ValueError(f'the model outputs logits of shape {tuple(logits.shape)}; these suites need '
                              f'{num_classes} classes (an ImageNet-1K head)')
-        yield logits.float().cpu(), target.cpu()
+        yield logits.float().cpu(), target, index
 
 
-def _record(scan: FolderScan, protocol: Dict[str, Any]) -> Dict[str, Any]:
+def _score(
+        model: nn.Module,
+        scan: FolderScan,
+        protocol: Dict[str, Any],
+        settings: EvalSettings,
+        name: str,
+        update: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+        expected_size: Optional[Tuple[int, int]] = None,
+        wrap: Optional[Callable[[Any], None]] = None,
+        num_classes: int = 1000,
+) -> Dict[str, Any]:
+    """Scores the images of ``scan``: ``update(logits, targets, indices)`` per batch of readable images.
+
+    Args:
+        expected_size: (width, height) every image must have (no-resize protocols); None: any size.
+        wrap: called with the dataset after the loader set its transform (e.g. to prepend a corruption).
+
+    Returns:
+        the record of the set: folder, images found, ``count`` evaluated, ``skipped`` (unreadable: file and reason),
+        ``off_size`` (size -> files, with ``expected_size``), protocol and the warnings of the scan and the images.
+    """
+    dataset = EvalImageDataset(scan.root, scan.samples)
+    loader = _loader(dataset, protocol, settings)
+    if wrap is not None:
+        wrap(dataset)
+    checks = ImageChecks(name, dataset, settings.strict, expected_size)
+    for logits, target, index in predict(model, loader, settings, name, num_classes, checks):
+        update(logits, target, index)
+    images = checks.finish()
+    if expected_size is None:
+        images.pop('off_size')
     return dict(root=os.path.abspath(scan.root), images=scan.total, class_folders=len(scan.counts),
-                protocol=protocol, layout_warnings=list(scan.warnings))
+                protocol=protocol, **images, layout_warnings=scan.warnings + checks.warnings)
 
 
 def evaluate_imagenet(
@@ -165,23 +227,24 @@ def evaluate_imagenet(
     class_map = imagenet_class_map()
     scan = scan_class_folders(resolve_split(root), class_map, 'ImageNet', EXPECTED_IMAGES['imagenet'],
                               WNID_EXAMPLE, settings.strict)
-    dataset = _dataset(scan, class_map, 'ImageNet')
     real_eval, real_note = None, None
     if real or real is None:
         try:
-            real_eval = real_labels(dataset.filenames(), real_json)
+            real_eval = real_labels([path for path, _ in scan.samples], real_json)
         except LayoutError as e:
             if real:
                 raise
             real_note = f'ReaL skipped: {e}'
     protocol = model_eval_protocol(model, settings.data_overrides)
     acc = TopKAccuracy()
-    for logits, target in predict(model, _loader(dataset, protocol, settings), settings, 'ImageNet'):
+
+    def update(logits: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> None:
         acc.update(logits, target)
         if real_eval is not None:
-            real_eval.add_result(logits)
-    out = dict(_record(scan, protocol), **acc.result())
-    out['real'] = real_result(real_eval) if real_eval is not None else None
+            add_real_results(real_eval, logits, index)
+
+    out = dict(_score(model, scan, protocol, settings, 'ImageNet', update), **acc.result())
+    out['real'] = real_result(real_eval, acc.count) if real_eval is not None else None
     if real_eval is not None:
         out['real']['labels'] = real_json or 'timm/data/_info/imagenet_real_labels.json'
     if real_note:
@@ -200,10 +263,8 @@ def evaluate_v2(model: nn.Module, root: str, settings: EvalSettings,
     out = {}
     for variant, scan in scans.items():
         acc = TopKAccuracy()
-        loader = _loader(_dataset(scan, class_map, f'ImageNetV2 {variant}'), protocol, settings)
-        for logits, target in predict(model, loader, settings, f'V2 {variant}'):
-            acc.update(logits, target)
-        out[variant] = dict(_record(scan, protocol), **acc.result(), labels='int(folder name)')
+        record = _score(model, scan, protocol, settings, f'ImageNetV2 {variant}', _update_accuracy(acc))
+        out[variant] = dict(record, **acc.result(), labels='int(folder name)')
     return out
 
 
@@ -229,8 +290,13 @@ def evaluate_imagenet_c(
         corruptions = list(CORRUPTIONS) + [c for c in EXTRA_CORRUPTIONS if os.path.isdir(os.path.join(root, c))]
     class_map = imagenet_class_map()
     folders = imagenet_c_folders(root, corruptions, severities)
-    scans = {key: scan_class_folders(path, class_map, f'ImageNet-C {key[0]}/{key[1]}', EXPECTED_IMAGES['imagenet_c'],
-                                     WNID_EXAMPLE, settings.strict, emit=False) for key, path in folders.items()}
+
+    def scan(key: Tuple[str, int], list_files: bool) -> FolderScan:
+        return scan_class_folders(folders[key], class_map, f'ImageNet-C {key[0]}/{key[1]}',
+                                  EXPECTED_IMAGES['imagenet_c'], WNID_EXAMPLE, settings.strict, emit=False,
+                                  list_files=list_files)
+
+    scans = {key: scan(key, list_files=False) for key in folders}  # checks and counts; the file lists come per set
     details = [w for scan in scans.values() for w in scan.warnings]
     summary = []
     if details:  # one warning for the run, not one per (corruption, severity) folder
@@ -239,35 +305,53 @@ def evaluate_imagenet_c(
                    f'dataset, e.g. {details[0]}']
         warnings.warn(summary[0], LayoutWarning, stacklevel=2)
     protocol = no_resize_protocol(model)
-    out = _corruption_results(model, scans, class_map, protocol, settings, clean_error, 'ImageNet-C')
-    return dict(out, layout_warnings=summary, layout_warning_details=details)
+    out = _corruption_results(model, {key: partial(scan, key, True) for key in folders}, protocol, settings,
+                              clean_error, 'ImageNet-C', NO_RESIZE_SIZE)
+    return dict(out, root=os.path.abspath(root), layout_warnings=summary + out['layout_warnings'],
+                layout_warning_details=details)
 
 
-def _corruption_results(model: nn.Module, scans: Dict[Tuple[str, int], FolderScan], class_map: Dict[str, int],
+def _corruption_results(model: nn.Module, sets: Dict[Tuple[str, int], Callable[[], FolderScan]],
                         protocol: Dict[str, Any], settings: EvalSettings, clean_error: Optional[float], suite: str,
-                        wrap: Optional[Callable[[str, int, Any], Any]] = None,
+                        expected_size: Optional[Tuple[int, int]] = None,
+                        wrap: Optional[Callable[[str, int, Any], None]] = None,
                         num_classes: int = 1000) -> Dict[str, Any]:
+    """Raw error per (corruption, severity) and the CE summary.
+
+    Args:
+        sets: (corruption, severity) -> the scan (with its file list) of the set, made when the set is scored.
+
+    Returns:
+        the summary; ``layout_warnings`` holds the image warnings only (unreadable or wrongly sized images, per
+        set), ``skipped`` every image left out.
+    """
     errors: Dict[str, Dict[int, float]] = {}
     raw: Dict[str, Dict[str, Any]] = {}
-    bar = tqdm(scans.items(), desc=suite, disable=not settings.progress, unit='set')
-    for (c, s), scan in bar:
+    image_warnings: List[str] = []
+    skipped: List[Dict[str, str]] = []
+    bar = tqdm(sets.items(), desc=suite, disable=not settings.progress, unit='set')
+    for (c, s), list_set in bar:
         bar.set_postfix_str(f'{c} {s}')
-        loader = _loader(_dataset(scan, class_map, f'{suite} {c}/{s}'), protocol, settings)
-        if wrap is not None:
-            wrap(c, s, loader)
+        scan = list_set()
         acc = TopKAccuracy()
-        for logits, target in predict(model, loader, settings, f'{c} {s}', num_classes):
-            acc.update(logits, target)
+        record = _score(model, scan, protocol, settings, f'{suite} {c}/{s}', _update_accuracy(acc), expected_size,
+                        None if wrap is None else partial(wrap, c, s), num_classes)
+        image_warnings += record['layout_warnings'][len(scan.warnings):]  # the scans' own ones are summarised
+        skipped += record['skipped']
         errors.setdefault(c, {})[s] = 1 - acc.correct[1] / acc.count
         raw.setdefault(c, {})[str(s)] = dict(error=100 * errors[c][s], count=acc.count, correct=acc.correct[1],
-                                             top5=acc.accuracy(5))
+                                             top5=acc.accuracy(5), images=record['images'],
+                                             skipped=record['skipped'], off_size=record.get('off_size', {}))
     summary = corruption_summary(errors, clean_error)
     for c, by_sev in raw.items():
         summary['corruptions'][c]['severities'] = by_sev
-    first = next(iter(scans.values()))
-    return dict(summary, root=os.path.dirname(os.path.dirname(os.path.abspath(first.root))), protocol=protocol,
-                severities=sorted({s for _, s in scans}), corruptions_evaluated=list(errors),
-                layout_warnings=list(first.warnings))
+    return dict(summary, protocol=protocol, severities=sorted({s for _, s in sets}),
+                corruptions_evaluated=list(errors), skipped=skipped, layout_warnings=image_warnings)
+
+
+def _update_accuracy(acc: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The ``update`` of `_score` for an accumulator that takes (logits, targets)."""
+    return lambda logits, target, index: acc.update(logits, target)
 
 
 def evaluate_imagenet_ar(model: nn.Module, root: str, settings: EvalSettings, subset: str) -> Dict[str, Any]:
@@ -286,11 +370,13 @@ def evaluate_imagenet_ar(model: nn.Module, root: str, settings: EvalSettings, su
                               settings.strict)
     protocol = model_eval_protocol(model, settings.data_overrides)
     masked, unmasked = TopKAccuracy(subset=indices), TopKAccuracy()
-    for logits, target in predict(model, _loader(_dataset(scan, class_map, name), protocol, settings), settings,
-                                  name):
+
+    def update(logits: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> None:
         masked.update(logits, target)
         unmasked.update(logits, target)
-    return dict(_record(scan, protocol), **masked.result(), top1_unmasked=unmasked.accuracy(1),
+
+    record = _score(model, scan, protocol, settings, name, update)
+    return dict(record, **masked.result(), top1_unmasked=unmasked.accuracy(1),
                 top5_unmasked=unmasked.accuracy(5), logits=f'sliced to the 200 {name} classes (timm '
                                                            f'_info/imagenet_{subset}_indices.txt)')
 
@@ -302,9 +388,7 @@ def evaluate_imagenet_9(model: nn.Module, root: str, settings: EvalSettings,
     table = in_to_in9()
     scans, maps = {}, {}
     for v, path in folders.items():
-        names = sorted(e for e in os.listdir(path) if os.path.isdir(os.path.join(path, e))) if os.path.isdir(
-            path) else []
-        maps[v] = in9_class_map(names)
+        maps[v] = in9_class_map(visible_folders(path) if os.path.isdir(path) else [])
         scans[v] = scan_class_folders(path, maps[v], f'ImageNet-9 {v}', EXPECTED_IMAGES['imagenet_9'], '00_dog',
                                       settings.strict)
     protocol = no_resize_protocol(model)
@@ -312,10 +396,8 @@ def evaluate_imagenet_9(model: nn.Module, root: str, settings: EvalSettings,
                                mapping='argmax over 1000 logits, then in_to_in9; unmapped (-1) counts as wrong')
     for v, scan in scans.items():
         acc = In9Accuracy(table)
-        for logits, target in predict(model, _loader(_dataset(scan, maps[v], f'ImageNet-9 {v}'), protocol, settings),
-                                      settings, f'IN-9 {v}'):
-            acc.update(logits, target)
-        out['variants'][v] = dict(_record(scan, protocol), **acc.result())
+        record = _score(model, scan, protocol, settings, f'ImageNet-9 {v}', _update_accuracy(acc), NO_RESIZE_SIZE)
+        out['variants'][v] = dict(record, **acc.result())
     res = out['variants']
     out['bg_gap'] = (res['mixed_same']['top1'] - res['mixed_rand']['top1']
                      if 'mixed_same' in res and 'mixed_rand' in res else None)
@@ -342,7 +424,7 @@ def evaluate_corrupt_on_the_fly(
     root = resolve_split(root)
     if not os.path.isdir(root):
         raise LayoutError(f'corrupt-on-the-fly: folder {root} does not exist (expected {root}/<class>/<image>)')
-    names = sorted(e for e in os.listdir(root) if os.path.isdir(os.path.join(root, e)))
+    names = visible_folders(root)
     wnid_map = imagenet_class_map()
     imagenet_labels = bool(names) and all(n in wnid_map for n in names)
     if imagenet_labels:
@@ -353,14 +435,14 @@ def evaluate_corrupt_on_the_fly(
         labels, num_classes = 'folder names in natural sort order (not ImageNet wnids)', len(class_map)
     scan = scan_class_folders(root, class_map, 'corrupt-on-the-fly', None, WNID_EXAMPLE, settings.strict)
     protocol = no_resize_protocol(model)
-    scans = {(c, s): scan for c in corruptions for s in severities}
+    sets = {(c, s): lambda: scan for c in corruptions for s in severities}
 
-    def wrap(c: str, s: int, loader: Any) -> None:
-        dataset = getattr(loader, 'loader', loader).dataset  # PrefetchLoader wraps the DataLoader
+    def wrap(c: str, s: int, dataset: Any) -> None:
         dataset.transform = Compose([ImageNetCCorruption(c, s, seed=seed), dataset.transform])
 
-    out = _corruption_results(model, scans, class_map, protocol, settings, clean_error, 'corrupt-on-the-fly', wrap,
+    out = _corruption_results(model, sets, protocol, settings, clean_error, 'corrupt-on-the-fly', None, wrap,
                               num_classes)
+    out['layout_warnings'] = scan.warnings + out['layout_warnings']
     if not imagenet_labels:
         out.update(mce=None, relative_mce=None)
         for row in out['corruptions'].values():

@@ -2,9 +2,11 @@
 
 Every suite is a folder tree that timm's folder reader loads (``timm.data.create_dataset``) with an explicit class
 map, so that a partial or misnamed tree can never be silently re-indexed. The checks here run before any image is
-scored: a missing corruption or severity folder, class folders the map does not know, images lying flat in the root,
-or files timm would skip raise a ``LayoutError`` that names the path and what was expected; image counts that differ
-from the real dataset's give a ``LayoutWarning`` (fixtures and subsets are legitimate, but never unnoticed).
+scored: a missing corruption or severity folder, class folders the map does not know, class folders without images
+and images lying flat in the root raise a ``LayoutError`` that names the path and what was expected; image counts
+that differ from the real dataset's and files that are not images give a ``LayoutWarning`` (fixtures and subsets are
+legitimate, but never unnoticed). Hidden files (names starting with '.': AppleDouble ``._x.JPEG``, ``.DS_Store``) are
+never images. The scan's file list is the one the loader reads.
 
 Facts (counts, folder names, AlexNet normalisers, the IN-9 mapping) are from ``shared/specs/robustness.md``.
 """
@@ -17,13 +19,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from timm.data import ImageNetInfo
 from timm.data.readers.img_extensions import get_img_extensions
+from timm.utils.misc import natural_key
 
 __all__ = [
     'CORRUPTIONS', 'EXTRA_CORRUPTIONS', 'ALL_CORRUPTIONS', 'CORRUPTION_GROUPS', 'SEVERITIES', 'ALEXNET_ERRORS',
     'ALEXNET_CLEAN_ERROR', 'V2_VARIANTS', 'IN9_CLASSES', 'IN9_VARIANTS', 'IN9_RANGES', 'EXPECTED_IMAGES',
     'LayoutError', 'LayoutWarning', 'FolderScan', 'imagenet_class_map', 'v2_class_map', 'in9_class_map',
-    'subset_indices', 'subset_synsets', 'in_to_in9', 'scan_class_folders', 'resolve_split', 'imagenet_c_folders',
-    'v2_folders', 'in9_folders',
+    'subset_indices', 'subset_synsets', 'in_to_in9', 'is_hidden', 'visible_folders', 'scan_class_folders',
+    'resolve_split', 'imagenet_c_folders', 'v2_folders', 'in9_folders',
 ]
 
 # ImageNet-C: the 15 corruptions of mCE in the order of the paper (noise, blur, weather, digital) and the 4 held-out
@@ -159,9 +162,15 @@ def in_to_in9() -> List[int]:
 
 @dataclass
 class FolderScan:
-    """What a class-folder tree holds: images per class folder, in timm's image types, and the problems found."""
+    """What a class-folder tree holds: the images to evaluate, per class folder, and the problems found.
+
+    ``samples`` is the one file list of the set: the dataset the loader reads is built from it
+    (`lsvision.eval.dataset.EvalImageDataset`), so the counts reported are the images evaluated. It is empty for a
+    scan made with ``list_files=False`` (counts only).
+    """
     root: str
     counts: Dict[str, int]
+    samples: List[Tuple[str, int]] = field(default_factory=list)  # (image path, label), timm's natural order
     warnings: List[str] = field(default_factory=list)
 
     @property
@@ -169,45 +178,64 @@ class FolderScan:
         return sum(self.counts.values())
 
 
-def _warn(scan: FolderScan, message: str, strict: bool, emit: bool) -> None:
+def warn_or_raise(found: List[str], message: str, strict: bool, emit: bool = True, stacklevel: int = 3) -> None:
+    """Appends ``message`` to ``found`` and issues it as a `LayoutWarning`, or raises it as a `LayoutError` if
+    ``strict``; ``emit=False`` only collects it (the caller summarises)."""
     if strict:
         raise LayoutError(message + ' (--strict turns this into an error)')
-    scan.warnings.append(message)
+    found.append(message)
     if emit:
-        warnings.warn(message, LayoutWarning, stacklevel=3)
+        warnings.warn(message, LayoutWarning, stacklevel=stacklevel)
+
+
+def is_hidden(name: str) -> bool:
+    """Names starting with '.' are never data: macOS AppleDouble files (``._x.JPEG``), ``.DS_Store``, ``.Trashes``."""
+    return name.startswith('.')
+
+
+def visible_folders(path: str) -> List[str]:
+    """The sorted names of the sub-folders of ``path`` that are not hidden."""
+    return sorted(e for e in os.listdir(path) if not is_hidden(e) and os.path.isdir(os.path.join(path, e)))
 
 
 def scan_class_folders(
         root: str,
-        class_map: Optional[Dict[str, int]],
+        class_map: Dict[str, int],
         suite: str,
         expected: Optional[Tuple[int, int]] = None,
         example: str = '<class>',
         strict: bool = False,
         emit: bool = True,
+        list_files: bool = True,
 ) -> FolderScan:
-    """Checks that ``root`` holds one folder of images per class, every folder a key of ``class_map``.
+    """Lists the images of ``root``, which holds one folder of images per class, every folder a key of ``class_map``.
+
+    Hidden files and folders (names starting with '.') are never images and are not looked at.
 
     Args:
         root: the folder whose sub-folders are the classes (e.g. ``val/``).
-        class_map: folder name -> label; None accepts any folder names (the caller derives the map from them).
+        class_map: folder name -> label.
         suite: suite name for messages.
         expected: (images, class folders) of the full dataset; a difference warns (or raises if ``strict``).
         example: a folder name to show in messages, e.g. ``'n01440764'``.
-        strict: raise on count differences instead of warning.
+        strict: raise on count differences and on files that are not images, instead of warning.
         emit: issue the warnings (``LayoutWarning``); False only collects them in the result (the caller summarises).
+        list_files: keep the file list; False only counts (to check many sets up front without holding millions of
+            paths, e.g. ImageNet-C's 3.75 M: each set is scanned again, with its list, when it is read).
 
     Returns:
-        the images per class folder (only files timm reads: .png/.jpg/.jpeg in any case) and the warnings issued.
+        the images (only files timm reads: .png/.jpg/.jpeg in any case) with their labels, the count per class folder,
+        and the warnings issued.
 
     Raises:
         LayoutError: ``root`` missing, images directly in ``root`` (a flat folder has no labels), no class folders,
-            or folder names the class map does not know.
+            folder names the class map does not know, class folders with sub-folders, or class folders without
+            images.
     """
     layout = f'{root}/{example}/<image>'
     if not os.path.isdir(root):
         raise LayoutError(f'{suite}: folder {root} does not exist (expected {layout})')
-    entries = sorted(os.listdir(root))
+    entries = sorted(e for e in os.listdir(root) if not is_hidden(e))
     flat = [e for e in entries if os.path.isfile(os.path.join(root, e)) and _is_image(e)]
     if flat:
         raise LayoutError(
@@ -217,45 +245,54 @@ def scan_class_folders(
     folders = [e for e in entries if os.path.isdir(os.path.join(root, e))]
     if not folders:
         raise LayoutError(f'{suite}: no class folders in {root} (expected {layout})')
-    if class_map is not None:
-        unknown = [f for f in folders if f not in class_map]
-        if unknown:
-            raise LayoutError(
-                f'{suite}: {len(unknown)} folder(s) in {root} are not classes of this suite: '
-                f'{", ".join(map(repr, unknown[:5]))}{" ..." if len(unknown) > 5 else ""}; expected class folders '
-                f'like {example!r} ({layout}). Point the suite at the folder that holds the class folders.')
+    unknown = [f for f in folders if f not in class_map]
+    if unknown:
+        raise LayoutError(
+            f'{suite}: {len(unknown)} folder(s) in {root} are not classes of this suite: '
+            f'{", ".join(map(repr, unknown[:5]))}{" ..." if len(unknown) > 5 else ""}; expected class folders '
+            f'like {example!r} ({layout}). Point the suite at the folder that holds the class folders.')
     scan = FolderScan(root=root, counts={})
     for folder in folders:
         path = os.path.join(root, folder)
-        n_images, skipped, nested = 0, [], []
+        images, skipped, nested = [], [], []
         for dirpath, dirnames, files in os.walk(path, followlinks=True):
+            dirnames[:] = [d for d in dirnames if not is_hidden(d)]
             nested.extend(os.path.join(dirpath, d) for d in dirnames)
             for f in files:
                 if _is_image(f):
-                    n_images += 1
-                elif not f.startswith('.'):
+                    images.append(os.path.join(dirpath, f))
+                elif not is_hidden(f):
                     skipped.append(os.path.join(dirpath, f))
         if nested:
             raise LayoutError(f'{suite}: class folder {path} has sub-folders ({nested[0]}); expected images '
                               f'directly in each class folder ({layout})')
-        scan.counts[folder] = n_images
+        scan.counts[folder] = len(images)
+        if list_files:
+            scan.samples += [(f, class_map[folder]) for f in images]
         if skipped:
-            _warn(scan, f'{suite}: {len(skipped)} file(s) in {path} are not .png/.jpg/.jpeg images and are skipped '
-                        f'(e.g. {skipped[0]})', strict, emit)
-    empty = [f for f, n in scan.counts.items() if n == 0]
+            warn_or_raise(scan.warnings, f'{suite}: {len(skipped)} file(s) in {path} are not .png/.jpg/.jpeg images '
+                                         f'and are skipped (e.g. {skipped[0]})', strict, emit)
+    empty = [os.path.join(root, f) for f, n in scan.counts.items() if n == 0]
+    if len(empty) == len(folders):
+        raise LayoutError(f'{suite}: no images in {root} (its {len(folders)} class folder(s) are empty; only '
+                          '.png/.jpg/.jpeg files not starting with "." count)')
     if empty:
-        _warn(scan, f'{suite}: {len(empty)} class folder(s) in {root} hold no images (e.g. {empty[0]!r})', strict, emit)
+        more = ' ...' if len(empty) > 3 else ''
+        raise LayoutError(f'{suite}: {len(empty)} class folder(s) hold no images: {", ".join(empty[:3])}{more}; only '
+                          '.png/.jpg/.jpeg files not starting with "." count. Restore the images or remove the '
+                          'folder(s).')
+    scan.samples.sort(key=lambda sample: natural_key(sample[0]))  # the order of timm's folder reader
     if expected is not None:
         n_images, n_classes = expected
         if scan.total != n_images or len(folders) != n_classes:
-            _warn(scan, f'{suite}: {root} holds {scan.total} images in {len(folders)} class folders; the full '
-                        f'dataset has {n_images} in {n_classes}. Results are not comparable with published ones.',
-                  strict, emit)
+            warn_or_raise(scan.warnings, f'{suite}: {root} holds {scan.total} images in {len(folders)} class '
+                                         f'folders; the full dataset has {n_images} in {n_classes}. Results are not '
+                                         'comparable with published ones.', strict, emit)
     return scan
 
 
 def _is_image(filename: str) -> bool:
-    return os.path.splitext(filename)[1].lower() in _IMG_EXTENSIONS
+    return not is_hidden(filename) and os.path.splitext(filename)[1].lower() in _IMG_EXTENSIONS
 
 
 def resolve_split(root: str, split: str = 'val') -> str:
