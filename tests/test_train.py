@@ -236,8 +236,9 @@ def test_time_budget_stops_evaluates_and_leaves_a_resumable_checkpoint(image_roo
     assert math.isfinite(result['top1'])
     state = load_checkpoint(result['last_checkpoint'])
     assert (state['next_epoch'], state['next_batch']) == (0, 1)
-    # --resume auto: the most advanced checkpoint of the run directory named by --experiment
+    # --resume auto: the most advanced checkpoint of the run directory named by --experiment; the run's arguments
+    # (its time budget too) are restored, so the budget is lifted explicitly
     resumed = run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0',
-                                         '--resume', 'auto')))
+                                         '--resume', 'auto', '--time-budget', '0')))
     assert resumed['output_dir'] == result['output_dir']
     assert resumed['num_updates'] == 12 and not resumed['stopped_by_time_budget']
