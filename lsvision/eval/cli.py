@@ -93,11 +93,12 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
         overlay = dict(file=os.path.abspath(checkpoint), source='')
         try:
             model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
-        except RuntimeError as e:
-            if 'loading state_dict' not in str(e):
+        except (RuntimeError, ValueError) as e:
+            from lsvision.models import CheckpointMismatchError, checkpoint_arch, read_checked_state_dict
+            if not ('loading state_dict' in str(e) or isinstance(e, CheckpointMismatchError) and
+                    checkpoint_arch(checkpoint) not in (None, name)):
                 raise
-            # a short message naming both architectures instead of torch's listing of every key
-            from lsvision.models import read_checked_state_dict
+            # a short message naming both architectures, instead of torch's listing of every key
             read_checked_state_dict(timm.create_model(name, device='meta', **kwargs), checkpoint, name)
             raise
     else:

@@ -7,6 +7,7 @@ from timm.models import model_entrypoint as _model_entrypoint
 from ._helpers import (  # noqa: F401  (checkpoint checks shared by tools/train.py and tools/validate.py)
     CheckpointMismatchError,
     check_state_dict_fits,
+    checkpoint_arch,
     read_checked_state_dict,
     state_dict_mismatch,
 )

@@ -12,7 +12,7 @@ from lsvision.layers import GatedRecurrentCache
 __all__ = [
     'check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
     'GRC_CHECKPOINT_ERROR', 'CheckpointMismatchError', 'state_dict_mismatch', 'check_state_dict_fits',
-    'read_checked_state_dict',
+    'read_checked_state_dict', 'checkpoint_arch',
 ]
 
 GRC_CHECKPOINT_ERROR = (
@@ -104,7 +104,7 @@ def check_state_dict_fits(
     raise CheckpointMismatchError(f'{source} does not fit {model_name} ({what}): {detail}. Fix: {fix}.')
 
 
-def _recorded_arch(path: str) -> Optional[str]:
+def checkpoint_arch(path: str) -> Optional[str]:
     """The `arch` a training checkpoint records (timm's and tools/train.py's), read lazily (mmap); None if absent."""
     if str(path).endswith('.safetensors'):
         return None
@@ -129,7 +129,7 @@ def read_checked_state_dict(
         CheckpointMismatchError: the file holds another architecture's or configuration's weights.
     """
     state_dict = timm_load_state_dict(path, use_ema=use_ema, weights_only=True)
-    check_state_dict_fits(model, state_dict, model_name, _recorded_arch(path), source=str(path))
+    check_state_dict_fits(model, state_dict, model_name, checkpoint_arch(path), source=str(path))
     return state_dict
 
 

@@ -346,7 +346,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     data nor a model given, the digits demo preset (configs/digits_demo.yaml) is the config.
 
     Raises:
-        ConfigError: an unusable config, or a `--resume` whose run arguments cannot be found (with no --model).
+        ConfigError: an unusable config, a `--resume` whose run arguments cannot be found (with no --model), or a
+            --model other than the resumed run's.
     """
     parser = build_parser()
     config_parser = argparse.ArgumentParser(add_help=False)
@@ -366,6 +367,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if known.resume and known.resume != 'auto' and not run_source and not args.model:
         raise ConfigError(f'--resume {known.resume}: the checkpoint records no arguments and there is no args.yaml '
                           "beside it; give the run's arguments too (-c <its config> or --model ...)")
+    if run_cfg.get('model') and args.model != run_cfg['model']:
+        raise ConfigError(f'--resume {known.resume}: that run trains {run_cfg["model"]}, not --model {args.model}; '
+                          'drop --model (and -c) to resume it, or start a new run from its weights with '
+                          '--initial-checkpoint')
     if not known.config and not run_source and not args.model and not (args.data or args.data_dir) \
             and not args.dataset:
         args = parse_args(['-c', DIGITS_DEMO_CONFIG] + argv)
