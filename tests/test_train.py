@@ -411,14 +411,32 @@ def test_link_atomic_copies_where_links_fail(tmp_path, monkeypatch):
 
 
 def test_torchrun_syncs_grc_caches_by_default(image_root, tmp_path):
-    # without the all-reduce, DDP's buffer broadcast leaves each rank with its own last cache update
-    args = [str(image_root), '--output', str(tmp_path), '--experiment', 'run', '--model', 'pvt_v2_b0_grc',
-            '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
-            'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1', '--epochs',
-            '1', '-b', '4', '-j', '0', '--warmup-epochs', '0', '--progress', 'log']
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN), *args],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert 'GRC cache sync on: every training forward all-reduces the cache update of each of the 4 GRC' in proc.stderr
-    assert 'weights identical on all 2 processes' in proc.stderr, proc.stderr[-3000:]
+    # lr 0: the weights stay put, so the caches differ between the two runs only by the all-reduce (without it, DDP's
+    # buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch (test_grc.py)
+    caches = {}
+    for sync in ('--grc-sync-cache', '--no-grc-sync-cache'):
+        args = [str(image_root), '--output', str(tmp_path), '--experiment', sync[2:], '--model', 'pvt_v2_b0_grc',
+                '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
+                'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
+                '--epochs', '1', '-b', '4', '-j', '0', '--warmup-epochs', '0', '--lr', '0', '--progress', 'log']
+        if sync == '--no-grc-sync-cache':
+            args.append(sync)  # the default is on
+        proc = subprocess.run(
+            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN), *args],
+            capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        state = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
+        caches[sync] = {k: v for k, v in state.items() if k.endswith('.grc.cache')}
+        if sync == '--grc-sync-cache':
+            weights = {k: v for k, v in state.items() if not k.endswith('.grc.cache')}
+            assert 'GRC cache sync on: every training forward all-reduces the cache update of each of the 4 ' \
+                   'GRC layers (mean over 2 processes)' in proc.stderr, proc.stderr[-3000:]
+        else:
+            assert "caches follow rank 0's batches only" in proc.stderr, proc.stderr[-3000:]
+            for k, v in state.items():
+                if k in weights:
+                    assert torch.equal(v, weights[k]), k
+    assert len(caches['--grc-sync-cache']) == 4
+    for k, v in caches['--grc-sync-cache'].items():
+        assert v.abs().sum() > 0 and not torch.allclose(v, caches['--no-grc-sync-cache'][k]), k
