@@ -91,16 +91,9 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
             raise FileNotFoundError(f'checkpoint {checkpoint} not found')
         # source='' makes timm load this file even for models whose default weights live on the HF hub
         overlay = dict(file=os.path.abspath(checkpoint), source='')
-        try:
+        from lsvision.models import explain_checkpoint_errors
+        with explain_checkpoint_errors(name, checkpoint, kwargs):  # both architectures, not torch's key listing
             model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
-        except (RuntimeError, ValueError) as e:
-            from lsvision.models import CheckpointMismatchError, checkpoint_arch, read_checked_state_dict
-            if not ('loading state_dict' in str(e) or isinstance(e, CheckpointMismatchError) and
-                    checkpoint_arch(checkpoint) not in (None, name)):
-                raise
-            # a short message naming both architectures, instead of torch's listing of every key
-            read_checked_state_dict(timm.create_model(name, device='meta', **kwargs), checkpoint, name)
-            raise
     else:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     cfg = getattr(model, 'pretrained_cfg', {}) or {}

@@ -1,5 +1,6 @@
 """Small pieces shared by the lsvision model families."""
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -12,7 +13,7 @@ from lsvision.layers import GatedRecurrentCache
 __all__ = [
     'check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
     'GRC_CHECKPOINT_ERROR', 'CheckpointMismatchError', 'state_dict_mismatch', 'check_state_dict_fits',
-    'read_checked_state_dict', 'checkpoint_arch',
+    'read_checked_state_dict', 'checkpoint_arch', 'explain_checkpoint_errors',
 ]
 
 GRC_CHECKPOINT_ERROR = (
@@ -60,7 +61,7 @@ def state_dict_mismatch(
               if k in state_dict and hasattr(state_dict[k], 'shape') and state_dict[k].shape != model_state[k].shape]
     if not (missing or unexpected or shapes):
         return None
-    parts = [f"{len(model_state) - len(missing)} of the model's {len(model_state)} tensors found"]
+    parts = [f"{len(model_state) - len(missing)} of the model's {len(model_state)} tensor names found"]
     if missing:
         parts.append(f'missing: {_sample(missing)}')
     if unexpected:
@@ -94,7 +95,7 @@ def check_state_dict_fits(
         return
     if checkpoint_arch and checkpoint_arch != model_name:
         what = f'it holds {checkpoint_arch} weights'
-        fix = f'use --model {checkpoint_arch}, or a checkpoint of {model_name}'
+        fix = f'load it into {checkpoint_arch}, or use a checkpoint of {model_name}'
     elif checkpoint_arch:
         what = f'it holds {checkpoint_arch} weights of another configuration (model kwargs, num_classes, img_size)'
         fix = 'build the model with the arguments it was trained with'
@@ -131,6 +132,28 @@ def read_checked_state_dict(
     state_dict = timm_load_state_dict(path, use_ema=use_ema, weights_only=True)
     check_state_dict_fits(model, state_dict, model_name, checkpoint_arch(path), source=str(path))
     return state_dict
+
+
+@contextlib.contextmanager
+def explain_checkpoint_errors(model_name: str, path: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Iterator:
+    """Around `timm.create_model(model_name, pretrained=True, pretrained_cfg_overlay=dict(file=path), ...)`: turn
+    torch's listing of every mismatched key (and a GRC filter's error about a checkpoint whose file names another
+    architecture) into the short `CheckpointMismatchError` of `read_checked_state_dict`, with both architectures.
+
+    Args:
+        model_name: The model being created.
+        path: The checkpoint file it loads.
+        model_kwargs: The other create_model arguments (the comparison builds the model on the meta device).
+    """
+    try:
+        yield
+    except (RuntimeError, CheckpointMismatchError) as e:
+        if not ('loading state_dict' in str(e) or isinstance(e, CheckpointMismatchError)
+                and checkpoint_arch(path) not in (None, model_name)):
+            raise
+        from timm import create_model  # at call time: timm.models imports nothing of lsvision
+        read_checked_state_dict(create_model(model_name, device='meta', **(model_kwargs or {})), path, model_name)
+        raise
 
 
 def require_non_grc_keys(

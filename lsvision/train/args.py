@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--device', default='', type=str, help="'cuda', 'cpu', ... ('' = cuda if available)")
     group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
     group.add_argument('--amp-dtype', default=None, type=str, choices=('float16', 'bfloat16'),
-                       help='float16 uses a loss scaler, bfloat16 does not (unset = bfloat16 on CPU, where float16 '
-                            'autocast is about 9x slower, float16 elsewhere)')
+                       help='float16 uses a loss scaler, bfloat16 does not (unset = bfloat16 on CPU, float16 '
+                            'elsewhere; CPU autocast is fast only in bfloat16 on CPUs with AVX512-BF16 or AMX)')
     group.add_argument('--grc-sync-cache', action=Flag, default=True,
                        help='under torchrun, all-reduce the GRC cache updates of GRC models across processes '
                             '(otherwise DDP keeps only rank 0 cache); no effect on other models')

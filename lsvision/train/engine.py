@@ -42,7 +42,7 @@ from timm.utils import (
 
 from ..data.digits import export_digits
 from ..layers import GatedRecurrentCache
-from ..models import check_state_dict_fits, read_checked_state_dict
+from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import ResumableSampler, SeededTrainDataset, derive_seed, num_classes_of, seed_everything
@@ -195,6 +195,22 @@ def _fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, A
     return True
 
 
+def _warn_slow_cpu_amp(amp_dtype: str) -> None:
+    """CPU autocast is fast only in bfloat16 on CPUs with native bfloat16 (AVX512-BF16, AMX); otherwise it runs
+    several times slower than float32 (a train step of cvt_ls_13 on an AVX2 CPU: 0.3 img/s in bfloat16 or float16
+    against 3.0 in float32)."""
+    try:
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        native = False
+    if amp_dtype == 'float16':
+        _logger.warning('--amp-dtype float16 on CPU runs several times slower than bfloat16 or float32; use '
+                        '--amp-dtype bfloat16, or --no-amp')
+    elif not native:
+        _logger.warning('this CPU has no native bfloat16 (AVX512-BF16 / AMX): bfloat16 autocast runs several times '
+                        'slower than float32 here; --no-amp trains faster')
+
+
 def _grc_cache_sync(model: nn.Module, args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> None:
     """Under torchrun, turn on the all-reduce of GRC cache updates (unless --no-grc-sync-cache or --model-kwargs
     grc_sync_cache=... decides): DDP's buffer broadcast alone keeps only rank 0's cache updates."""
@@ -293,11 +309,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.pretrained_path:
         model_kwargs['pretrained_cfg_overlay'] = dict(file=args.pretrained_path)
     sized = _fixed_input_size_kwargs(args, model_kwargs)
+    explained = contextlib.nullcontext()
+    if args.pretrained_path:
+        explained = explain_checkpoint_errors(args.model, args.pretrained_path, dict(
+            in_chans=in_chans, num_classes=args.num_classes, global_pool=args.gp,
+            **{k: v for k, v in model_kwargs.items() if k != 'pretrained_cfg_overlay'}))
     try:
-        model = create_model(
-            args.model, pretrained=args.pretrained, in_chans=in_chans, num_classes=args.num_classes,
-            drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block, global_pool=args.gp,
-            bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
+        with explained:
+            model = create_model(
+                args.model, pretrained=args.pretrained, in_chans=in_chans, num_classes=args.num_classes,
+                drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block,
+                global_pool=args.gp, bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
     except TypeError as e:
         if sized and 'img_size' in str(e):
             raise TrainSetupError(f'{args.model} takes only its fixed input size and no img_size argument; drop '
@@ -368,11 +390,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # optimizer, precision, EMA, schedule
     _resolve_lr(args)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **(args.opt_kwargs or {}))
-    if args.amp_dtype is None:  # float16 autocast on CPU measured 9x slower than bfloat16 or fp32
+    if args.amp_dtype is None:
         args.amp_dtype = 'bfloat16' if device.type == 'cpu' else 'float16'
-    elif args.amp and args.amp_dtype == 'float16' and device.type == 'cpu' and primary:
-        _logger.warning('--amp-dtype float16 on CPU: about 9x slower than bfloat16 or no AMP (5.4 against 47.6 img/s '
-                        'measured); use --amp-dtype bfloat16 or --no-amp')
+    if args.amp and device.type == 'cpu' and primary:
+        _warn_slow_cpu_amp(args.amp_dtype)
     if args.amp and primary:
         _logger.info(f'AMP: {args.amp_dtype} autocast on {device.type}'
                      + (' with a loss scaler' if args.amp_dtype == 'float16' else '') + ' (--no-amp: float32)')
