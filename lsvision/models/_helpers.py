@@ -75,7 +75,7 @@ def check_state_dict_fits(
         model: nn.Module,
         state_dict: Mapping[str, torch.Tensor],
         model_name: str,
-        checkpoint_arch: Optional[str] = None,
+        recorded_arch: Optional[str] = None,
         source: str = 'checkpoint',
         ignore: Optional[Callable[[str], bool]] = None,
 ) -> None:
@@ -86,18 +86,18 @@ def check_state_dict_fits(
         model: The model the weights are for.
         state_dict: The checkpoint's tensors (already converted by the model's filter, if any).
         model_name: The model's timm name, for the message.
-        checkpoint_arch: The architecture the checkpoint records (a tools/train.py checkpoint's `arch`), if any.
+        recorded_arch: The architecture the checkpoint records (a tools/train.py checkpoint's `arch`), if any.
         source: What the checkpoint is, for the message (e.g. its path).
         ignore: A predicate on a model key: True for keys the checkpoint need not carry.
     """
     detail = state_dict_mismatch(model.state_dict(), state_dict, ignore)
     if detail is None:
         return
-    if checkpoint_arch and checkpoint_arch != model_name:
-        what = f'it holds {checkpoint_arch} weights'
-        fix = f'load it into {checkpoint_arch}, or use a checkpoint of {model_name}'
-    elif checkpoint_arch:
-        what = f'it holds {checkpoint_arch} weights of another configuration (model kwargs, num_classes, img_size)'
+    if recorded_arch and recorded_arch != model_name:
+        what = f'it holds {recorded_arch} weights'
+        fix = f'load it into {recorded_arch}, or use a checkpoint of {model_name}'
+    elif recorded_arch:
+        what = f'it holds {recorded_arch} weights of another configuration (model kwargs, num_classes, img_size)'
         fix = 'build the model with the arguments it was trained with'
     else:
         what = 'the checkpoint does not record its architecture'

@@ -504,13 +504,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     def evaluate() -> Tuple[Dict[str, float], Dict[str, float], Optional[Dict[str, float]]]:
         """(metrics that pick best, the model's, the EMA's or None)."""
-        model_metrics = validate(model, loader_eval, args, device, autocast)
+        raw = validate(model, loader_eval, args, device, autocast)
         if model_ema is None:
-            return model_metrics, model_metrics, None
+            return raw, raw, None
         if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
             distribute_bn(model_ema, args.world_size, args.dist_bn == 'reduce')
         ema = validate(model_ema, loader_eval, args, device, autocast)
-        return ema, model_metrics, ema
+        return ema, raw, ema
 
     out_of_time = False
     epoch = start_epoch
