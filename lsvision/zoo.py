@@ -191,7 +191,8 @@ _GRC_USE = ('Image classification and research on cross-sample attention memory.
 _GRC_WEIGHTS = (_NO_WEIGHTS + 'A GRC model loads the weights of its base model and reports only the `attn.grc.*` '
                 'tensors as missing, so it fine-tunes from a base checkpoint:\n\n```python\nmodel = timm.create_model('
                 "'{name}', pretrained=True, pretrained_cfg_overlay=dict(file='{base}.pth'))\n```\n\nWith DDP, "
-                '`sync_cache=True` all-reduces the cache updates across processes.')
+                '`grc_sync_cache=True` all-reduces the cache updates across processes (tools/train.py turns it on '
+                'under torchrun).')
 
 FAMILIES: List[Tuple[str, Family]] = [
     ('vil_ls_*', Family(

@@ -85,7 +85,9 @@ def test_validate_tool_subprocess(data, tmp_path):
     res = json.loads((out / 'results.json').read_text())
     assert res['tool'] == 'validate' and res['versions']['timm'] == timm.__version__
     (m,) = res['models']
-    assert m['model'] == 'cvt_ls_13' and m['params'] == 164364 and m['pretrained']
+    assert m['model'] == 'cvt_ls_13' and m['params'] == 164364
+    # the weights are the checkpoint's (path and hash), not timm's pretrained ones
+    assert m['pretrained'] is False and m['pretrained_tag'] is None and m['checkpoint'] == str(data['ckpt'])
     assert m['checkpoint_sha256'] == hashlib.sha256(data['ckpt'].read_bytes()).hexdigest()
     assert m['model_kwargs'] == dict(embed_dims=[16, 32, 64], num_heads=[1, 1, 1], depths=[1, 1, 1])
     inet = m['suites']['imagenet']

@@ -5,7 +5,9 @@ PVT v1 (`pvt_*`, `pvt_*_grc`), PVT v2 (`pvt_v2_*_grc`), Swin (`swin_*_grc`) and 
 parameter counts (meta device) and the FLOP overheads (224 px, four small models).
 """
 import os
+import re
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.flops import count_flops
 from lsvision.layers import GatedRecurrentCache, GrcAttention
+from lsvision.models import CheckpointMismatchError
 from lsvision.models.pvt_v2_grc import PvtV2GrcAttention
 from lsvision.models.swin_grc import SwinGrcWindowAttention
 from lsvision.models.vit_grc import VitGrcAttention
@@ -550,6 +553,30 @@ def test_baseline_weights_missing_a_non_grc_key_is_an_error(name, tmp_path):
     dropped = next(k for k in state_dict if k.endswith('attn.proj.weight'))
     del state_dict[dropped]
     torch.save(state_dict, tmp_path / 'base.pth')
-    with pytest.raises(KeyError, match=f'lacks non-GRC keys.*{dropped}'):
+    with pytest.raises(CheckpointMismatchError, match=f'lacks non-GRC keys.*{dropped}'):
         timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / 'base.pth')),
                           **kwargs)
+
+
+@pytest.mark.parametrize('name', ['pvt_v2_b0_grc', SWIN_T, VIT_S])
+def test_another_architectures_checkpoint_is_not_blamed_on_grc(name, tmp_path):
+    # a CvT checkpoint holds none of the model's tensors: the error says so, with both names and sample keys
+    other = timm.create_model('cvt_13', embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1))
+    torch.save(other.state_dict(), tmp_path / 'cvt.pth')
+    kwargs = dict(num_classes=10, **({} if name == 'pvt_v2_b0_grc' else TINY[name]))
+    with pytest.raises(CheckpointMismatchError) as e:
+        timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / 'cvt.pth')),
+                          **kwargs)
+    message = str(e.value)
+    assert f'does not fit {name}' in message and 'GRC' not in message and len(message) < 1000
+    assert 'missing: ' in message and 'not in the model: stages.0' in message
+
+
+@pytest.mark.parametrize('doc', ['README.md', 'model_cards/pvt_v2_b0_grc.md', f'model_cards/{SWIN_T}.md',
+                                 f'model_cards/{VIT_S}.md', 'model_cards/pvt_tiny_grc.md'])
+def test_documented_cache_sync_keyword_works(doc):
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    (keyword,) = re.findall(r'With DDP, `(\w+)=True`', text)
+    for name in ('pvt_v2_b0_grc', SWIN_T, VIT_S, 'pvt_tiny_grc'):
+        grcs = _grcs(_tiny(name, **{keyword: True}))
+        assert grcs and all(m.sync_cache for m in grcs)

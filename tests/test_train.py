@@ -17,7 +17,16 @@ from PIL import Image
 
 import lsvision
 from lsvision.data import DIGITS_CLASSES, export_digits
-from lsvision.train import ConfigError, NonFiniteLossError, build_parser, load_checkpoint, load_config, parse_args, run
+from lsvision.train import (
+    ConfigError,
+    NonFiniteLossError,
+    TrainSetupError,
+    build_parser,
+    load_checkpoint,
+    load_config,
+    parse_args,
+    run,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / 'tools' / 'train.py'
@@ -236,8 +245,202 @@ def test_time_budget_stops_evaluates_and_leaves_a_resumable_checkpoint(image_roo
     assert math.isfinite(result['top1'])
     state = load_checkpoint(result['last_checkpoint'])
     assert (state['next_epoch'], state['next_batch']) == (0, 1)
-    # --resume auto: the most advanced checkpoint of the run directory named by --experiment
+    # --resume auto: the most advanced checkpoint of the run directory named by --experiment; the run's arguments
+    # (its time budget too) are restored, so the budget is lifted explicitly
     resumed = run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0',
-                                         '--resume', 'auto')))
+                                         '--resume', 'auto', '--time-budget', '0')))
     assert resumed['output_dir'] == result['output_dir']
     assert resumed['num_updates'] == 12 and not resumed['stopped_by_time_budget']
+
+
+def _load_train_tool():
+    spec = importlib.util.spec_from_file_location('train_tool', TRAIN)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    return tool
+
+
+@pytest.fixture(scope='module')
+def one_epoch_run(image_root, tmp_path_factory) -> Path:
+    """A finished 1-epoch run of the tiny CvT-LS (24 images, batch 4: 6 updates); returns its run directory."""
+    out = tmp_path_factory.mktemp('one_epoch')
+    run(parse_args(_train_args(image_root, out, '--epochs', '1', '-b', '4', '-j', '0')))
+    return out / 'run'
+
+
+def test_resume_alone_restores_the_run_and_names_what_the_command_line_changes(one_epoch_run, tmp_path, caplog):
+    run_dir = tmp_path / 'run'
+    shutil.copytree(one_epoch_run, run_dir)
+    last = run_dir / 'last.pth.tar'
+    args = parse_args(['--resume', str(last), '--epochs', '2'])  # nothing else: not the digits demo
+    assert args.model == 'cvt_ls_13' and args.model_kwargs['depths'] == [1, 1, 1] and args.num_classes == 2
+    assert args.data_dir and args.batch_size == 4 and args.resume_config == str(last)  # the checkpoint's record
+    assert args.resume_overrides == ['epochs: 1 -> 2']
+    with caplog.at_level(logging.INFO):
+        result = run(args)
+    assert result['num_updates'] == 12 and result['output_dir'] == str(run_dir)
+    assert 'given on the command line: epochs: 1 -> 2' in caplog.text
+    # --resume auto with the run's name, and args.yaml when a checkpoint records no arguments
+    auto = parse_args(['--resume', 'auto', '--output', str(tmp_path), '--experiment', 'run'])
+    assert auto.model == 'cvt_ls_13' and auto.epochs == 2 and auto.resume_config == str(run_dir / 'args.yaml')
+    state = load_checkpoint(str(last))
+    del state['args']
+    torch.save(state, run_dir / 'old.pth.tar')
+    assert parse_args(['--resume', str(run_dir / 'old.pth.tar')]).resume_config == str(run_dir / 'args.yaml')
+
+
+def test_resume_with_another_model_is_refused_naming_both(one_epoch_run, capsys):
+    last = str(one_epoch_run / 'last.pth.tar')
+    with pytest.raises(ConfigError, match='that run trains cvt_ls_13, not --model cvt_13'):
+        parse_args(['--resume', last, '--model', 'cvt_13'])
+    assert _load_train_tool().main(['--resume', last, '--model', 'cvt_13']) == 2
+    assert 'cvt_ls_13' in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_model_is_a_short_error_naming_both(one_epoch_run, image_root, tmp_path, caplog):
+    from lsvision.eval.cli import load_model
+    from lsvision.models import CheckpointMismatchError
+    last = str(one_epoch_run / 'last.pth.tar')
+    # validate.py's loader: a plain model (torch's strict load) and a GRC model (the GRC filter's check)
+    for name, kwargs in (('cvt_13', dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1))),
+                         ('pvt_v2_b0_grc', dict(depths=(1, 1, 1, 1)))):
+        with pytest.raises(CheckpointMismatchError) as e:
+            load_model(name, last, model_kwargs=kwargs)
+        message = str(e.value)
+        assert len(message) < 1000, message
+        assert f'does not fit {name} (it holds cvt_ls_13 weights)' in message and 'stages.0' in message
+        assert 'GRC' not in message
+    # train.py --initial-checkpoint and --pretrained-path: the same message, exit code 2, before training
+    args = _train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0')
+    args[args.index('embed_dims=(16,32,32)')] = 'embed_dims=(16,32,48)'
+    for flags in (['--initial-checkpoint', last], ['--pretrained', '--pretrained-path', last]):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            assert _load_train_tool().main(args + flags) == 2
+        (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert 'does not fit cvt_ls_13 (it holds cvt_ls_13 weights of another configuration' in error
+        assert 'other shape' in error and len(error) < 1000
+    assert not (tmp_path / 'run' / 'last.pth.tar').exists()
+
+
+def test_unknown_model_lists_close_names(image_root, tmp_path):
+    with pytest.raises(TrainSetupError, match="unknown model 'cvt_ls13'; did you mean cvt_ls_13"):
+        run(parse_args([str(image_root), '--model', 'cvt_ls13', '--output', str(tmp_path)]))
+
+
+def test_missing_split_folder_is_an_error_not_the_training_set(image_root, tmp_path):
+    only_train = tmp_path / 'only_train'
+    shutil.copytree(image_root / 'train', only_train / 'train')
+    with pytest.raises(TrainSetupError, match='no validation split in .*only_train.*would score the training'):
+        run(parse_args(_train_args(only_train, tmp_path / 'out', '--epochs', '1')))
+    flat = tmp_path / 'flat'  # class folders at the root next to val/: training on the root would include val/
+    shutil.copytree(image_root / 'train', flat)
+    shutil.copytree(image_root / 'val', flat / 'val')
+    with pytest.raises(TrainSetupError, match='no training split'):
+        run(parse_args(_train_args(flat, tmp_path / 'out', '--epochs', '1')))
+    assert not (tmp_path / 'out').exists()
+
+
+def test_no_flags_override_a_config_and_amp_is_bfloat16_on_cpu(image_root, tmp_path, caplog):
+    path = tmp_path / 'c.yaml'
+    path.write_text(yaml.safe_dump(dict(model='cvt_ls_13', amp=True, no_aug=True, model_ema=True, pin_mem=True)))
+    args = parse_args(['-c', str(path), '--no-amp', '--aug', '--no-model-ema', '--no-pin-mem'])
+    assert (args.amp, args.no_aug, args.model_ema, args.pin_mem) == (False, False, False, False)
+    assert parse_args(['-c', str(path)]).amp_dtype is None  # resolved by the device
+    with caplog.at_level(logging.INFO):
+        result = run(parse_args(_train_args(image_root, tmp_path / 'out', '--epochs', '1', '-b', '4', '-j', '0',
+                                            '--amp')))
+    assert 'AMP: bfloat16 autocast on cpu' in caplog.text and math.isfinite(result['eval_loss'])
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # e.g. AVX2 only: autocast is slower than float32
+        assert 'this CPU has no native bfloat16' in caplog.text
+    assert yaml.safe_load((tmp_path / 'out' / 'run' / 'args.yaml').read_text())['amp_dtype'] == 'bfloat16'
+
+
+def test_img_size_reaches_a_fixed_size_model(image_root, tmp_path):
+    # Swin-GRC is built for one input size; --img-size must build it at that size (timm's img_size=)
+    args = [str(image_root), '--output', str(tmp_path), '--experiment', 'run', '--model',
+            'swin_tiny_patch4_window7_224_grc', '--num-classes', '2', '--img-size', '64', '--model-kwargs',
+            'embed_dim=16', 'depths=(1,1,1,1)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
+            '--epochs', '1', '-b', '8', '-j', '0', '--warmup-epochs', '0', '--progress', 'log']
+    result = run(parse_args(args))
+    assert result['num_updates'] == 3 and math.isfinite(result['eval_loss'])
+    state = load_checkpoint(result['last_checkpoint'])
+    assert state['state_dict']['layers.0.blocks.0.attn.grc.cache'].shape[1] == 49  # 7x7 window slots
+
+
+def test_ema_and_model_metrics_logged_lr_column_aligned_and_long_warmup_warned(image_root, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0', '--model-ema',
+                                   '--model-ema-decay', '0.5', '--warmup-epochs', '1', '--warmup-lr', '1e-5',
+                                   '--log-interval', '1')))
+    rows = _final_rows(tmp_path / 'run' / 'summary.csv')
+    assert {'eval_top1', 'eval_loss', 'eval_ema_top1', 'eval_ema_loss'} <= set(rows[0])
+    assert rows[0]['eval_loss'] != rows[0]['eval_ema_loss']
+    # the lr of each row is the lr the epoch trained with, as its progress lines say: warmup_lr in epoch 1, then
+    # cosine from 1e-3 over 2 epochs at t=1 (the row of epoch 1 used to hold this next epoch's lr)
+    assert float(rows[0]['lr']) == pytest.approx(1e-5) and float(rows[1]['lr']) == pytest.approx(5e-4)
+    epoch_1 = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 1/2 [6/6]')]
+    assert epoch_1 and ' lr 1e-05 ' in epoch_1[-1]
+    (end_1,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 1/2: ')]
+    assert 'lr 1e-05; model: val loss' in end_1 and 'EMA (picks best): val loss' in end_1
+    assert 'warmup' not in caplog.text.lower().replace('warmup_', '')
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        run(parse_args(_train_args(image_root, tmp_path / 'warm', '--epochs', '1', '-b', '8', '-j', '0',
+                                   '--warmup-epochs', '5')))
+    assert '--warmup-epochs 5 is not shorter than the run (1 epochs)' in caplog.text
+
+
+def test_last_best_and_epoch_checkpoints_are_one_file(image_root, tmp_path):
+    run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0', '--checkpoint-hist',
+                               '2')))
+    run_dir = tmp_path / 'run'
+    inodes = {p.name: p.stat().st_ino for p in run_dir.glob('*.pth.tar')}
+    assert set(inodes) == {'last.pth.tar', 'model_best.pth.tar', 'checkpoint-0.pth.tar', 'checkpoint-1.pth.tar'}
+    assert inodes['checkpoint-1.pth.tar'] == inodes['last.pth.tar'] != inodes['checkpoint-0.pth.tar']
+    assert inodes['model_best.pth.tar'] in (inodes['checkpoint-0.pth.tar'], inodes['checkpoint-1.pth.tar'])
+    assert load_checkpoint(str(run_dir / 'checkpoint-0.pth.tar'))['next_epoch'] == 1  # epoch 1's state, kept
+
+
+def test_link_atomic_copies_where_links_fail(tmp_path, monkeypatch):
+    from lsvision.train.checkpoint import link_atomic, save_atomic
+    save_atomic({'x': torch.arange(3)}, str(tmp_path / 'last.pth.tar'))
+
+    def no_links(src, dst):
+        raise OSError('hard links not supported')
+    monkeypatch.setattr(os, 'link', no_links)
+    link_atomic(str(tmp_path / 'last.pth.tar'), str(tmp_path / 'best.pth.tar'))
+    assert torch.equal(load_checkpoint(str(tmp_path / 'best.pth.tar'))['x'], torch.arange(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['best.pth.tar', 'last.pth.tar']
+
+
+def test_torchrun_syncs_grc_caches_by_default(image_root, tmp_path):
+    # lr 0: the weights stay put, so the caches differ between the two runs only by the all-reduce (without it, DDP's
+    # buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch (test_grc.py)
+    caches = {}
+    for sync in ('--grc-sync-cache', '--no-grc-sync-cache'):
+        args = [str(image_root), '--output', str(tmp_path), '--experiment', sync[2:], '--model', 'pvt_v2_b0_grc',
+                '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
+                'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
+                '--epochs', '1', '-b', '4', '-j', '0', '--warmup-epochs', '0', '--lr', '0', '--progress', 'log']
+        if sync == '--no-grc-sync-cache':
+            args.append(sync)  # the default is on
+        proc = subprocess.run(
+            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN), *args],
+            capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        state = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
+        caches[sync] = {k: v for k, v in state.items() if k.endswith('.grc.cache')}
+        if sync == '--grc-sync-cache':
+            weights = {k: v for k, v in state.items() if not k.endswith('.grc.cache')}
+            assert 'GRC cache sync on: every training forward all-reduces the cache update of each of the 4 ' \
+                   'GRC layers (mean over 2 processes)' in proc.stderr, proc.stderr[-3000:]
+        else:
+            assert "caches follow rank 0's batches only" in proc.stderr, proc.stderr[-3000:]
+            for k, v in state.items():
+                if k in weights:
+                    assert torch.equal(v, weights[k]), k
+    assert len(caches['--grc-sync-cache']) == 4
+    for k, v in caches['--grc-sync-cache'].items():
+        assert v.abs().sum() > 0 and not torch.allclose(v, caches['--no-grc-sync-cache'][k]), k

@@ -4,6 +4,7 @@
     python tools/train.py -c configs/cvt_ls_13.yaml --data-dir /data/imagenet
     torchrun --nproc_per_node=8 tools/train.py -c configs/vil_ls_medium.yaml --data-dir /data/imagenet --amp
     python tools/train.py --resume output/train/<run>/recovery.pth.tar    # continue a killed run exactly
+    python tools/train.py --resume auto --experiment <run> --epochs 400     # its latest checkpoint; flags win
 
 Without --data-dir (and no --dataset), training uses scikit-learn's bundled digits, exported once to an
 ImageFolder tree; with no model either, it runs configs/digits_demo.yaml.
@@ -12,6 +13,7 @@ import logging
 import sys
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
+from lsvision.models import CheckpointMismatchError
 from lsvision.train import ConfigError, NonFiniteLossError, TrainSetupError, parse_args, run
 
 
@@ -26,11 +28,12 @@ def main(argv=None) -> int:
     except NonFiniteLossError as e:
         logging.getLogger('train').error(str(e))
         return 1
-    except (TrainSetupError, FileNotFoundError) as e:  # bad arguments or files, explained in the message
+    except (TrainSetupError, CheckpointMismatchError, FileNotFoundError) as e:  # explained in the message
         logging.getLogger('train').error(str(e))
         return 2
     if args.rank == 0:
-        print(f"\n{result['model']}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%) after "
+        weights = 'EMA weights' if result['metrics_of'] == 'ema' else 'model weights'
+        print(f"\n{result['model']}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%, {weights}) after "
               f"{result['epochs_done']} epoch(s), {result['num_updates']} updates, {result['total_seconds']:.0f}s"
               + (' (stopped by --time-budget)' if result['stopped_by_time_budget'] else ''))
         print(f"checkpoint (these weights): {result['last_checkpoint']}")

@@ -93,12 +93,16 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
             raise FileNotFoundError(f'checkpoint {checkpoint} not found')
         # source='' makes timm load this file even for models whose default weights live on the HF hub
         overlay = dict(file=os.path.abspath(checkpoint), source='')
-        model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+        from lsvision.models import explain_checkpoint_errors
+        with explain_checkpoint_errors(name, checkpoint, kwargs):  # both architectures, not torch's key listing
+            model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
     else:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     cfg = getattr(model, 'pretrained_cfg', {}) or {}
     identity = dict(
-        model=name, pretrained_tag=cfg.get('tag'), pretrained=bool(pretrained or checkpoint),
+        # `pretrained`: timm's weights were loaded; a checkpoint's weights are recorded by path and hash instead
+        model=name, pretrained_tag=cfg.get('tag') if pretrained and not checkpoint else None,
+        pretrained=bool(pretrained and not checkpoint),
         checkpoint=os.path.abspath(checkpoint) if checkpoint else None,
         checkpoint_sha256=file_sha256(checkpoint) if checkpoint else None,
         params=sum(p.numel() for p in model.parameters()), model_kwargs=kwargs,

@@ -4,6 +4,14 @@ from typing import List, Union
 from timm.models import list_models as _timm_list_models
 from timm.models import model_entrypoint as _model_entrypoint
 
+from ._helpers import (  # noqa: F401  (checkpoint checks shared by tools/train.py and tools/validate.py)
+    CheckpointMismatchError,
+    check_state_dict_fits,
+    checkpoint_arch,
+    explain_checkpoint_errors,
+    read_checked_state_dict,
+    state_dict_mismatch,
+)
 from .cvt import *  # noqa: F401,F403
 from .cvt_ls import *  # noqa: F401,F403
 from .pvt import *  # noqa: F401,F403

@@ -1,16 +1,19 @@
 """Small pieces shared by the lsvision model families."""
-from typing import Any, Dict, Sequence
+import contextlib
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from timm.layers import _assert, register_notrace_function, trunc_normal_
+from timm.models import load_state_dict as timm_load_state_dict
 
 from lsvision.layers import GatedRecurrentCache
 
 __all__ = [
     'check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
-    'GRC_CHECKPOINT_ERROR',
+    'GRC_CHECKPOINT_ERROR', 'CheckpointMismatchError', 'state_dict_mismatch', 'check_state_dict_fits',
+    'read_checked_state_dict', 'checkpoint_arch', 'explain_checkpoint_errors',
 ]
 
 GRC_CHECKPOINT_ERROR = (
@@ -31,24 +34,158 @@ def grc_layer_kwargs(
                 interp_mode=interp_mode, sync_cache=sync_cache)
 
 
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose tensors do not fit the model: another architecture, or the same one built differently."""
+
+
+def _sample(keys: Sequence[str], n: int = 4) -> str:
+    return ', '.join(keys[:n]) + (f', ... ({len(keys)} in all)' if len(keys) > n else '')
+
+
+def state_dict_mismatch(
+        model_state: Mapping[str, torch.Tensor],
+        state_dict: Mapping[str, torch.Tensor],
+        ignore: Optional[Callable[[str], bool]] = None,
+) -> Optional[str]:
+    """A one-line summary of how `state_dict` differs from `model_state` (missing, unexpected, other shapes), with a
+    few key names of each kind; None when every key and shape matches.
+
+    Args:
+        model_state: The model's `state_dict()` (or any mapping of its tensors).
+        state_dict: The checkpoint's tensors.
+        ignore: A predicate on a model key: True for keys the checkpoint need not carry.
+    """
+    missing = [k for k in model_state if k not in state_dict and not (ignore and ignore(k))]
+    unexpected = [k for k in state_dict if k not in model_state]
+    shapes = [f'{k} {tuple(state_dict[k].shape)} vs {tuple(model_state[k].shape)}' for k in model_state
+              if k in state_dict and hasattr(state_dict[k], 'shape') and state_dict[k].shape != model_state[k].shape]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{len(model_state) - len(missing)} of the model's {len(model_state)} tensor names found"]
+    if missing:
+        parts.append(f'missing: {_sample(missing)}')
+    if unexpected:
+        parts.append(f'not in the model: {_sample(unexpected)}')
+    if shapes:
+        parts.append(f'other shape (checkpoint vs model): {_sample(shapes, 2)}')
+    return '; '.join(parts)
+
+
+def check_state_dict_fits(
+        model: nn.Module,
+        state_dict: Mapping[str, torch.Tensor],
+        model_name: str,
+        recorded_arch: Optional[str] = None,
+        source: str = 'checkpoint',
+        ignore: Optional[Callable[[str], bool]] = None,
+) -> None:
+    """Raise a short `CheckpointMismatchError` naming both architectures and a sample of keys when `state_dict` does
+    not load strictly into `model` (instead of `load_state_dict`'s full listing of every key).
+
+    Args:
+        model: The model the weights are for.
+        state_dict: The checkpoint's tensors (already converted by the model's filter, if any).
+        model_name: The model's timm name, for the message.
+        recorded_arch: The architecture the checkpoint records (a tools/train.py checkpoint's `arch`), if any.
+        source: What the checkpoint is, for the message (e.g. its path).
+        ignore: A predicate on a model key: True for keys the checkpoint need not carry.
+    """
+    detail = state_dict_mismatch(model.state_dict(), state_dict, ignore)
+    if detail is None:
+        return
+    if recorded_arch and recorded_arch != model_name:
+        what = f'it holds {recorded_arch} weights'
+        fix = f'load it into {recorded_arch}, or use a checkpoint of {model_name}'
+    elif recorded_arch:
+        what = f'it holds {recorded_arch} weights of another configuration (model kwargs, num_classes, img_size)'
+        fix = 'build the model with the arguments it was trained with'
+    else:
+        what = 'the checkpoint does not record its architecture'
+        fix = f'check that it is a checkpoint of {model_name} built with the same arguments'
+    raise CheckpointMismatchError(f'{source} does not fit {model_name} ({what}): {detail}. Fix: {fix}.')
+
+
+def checkpoint_arch(path: str) -> Optional[str]:
+    """The `arch` a training checkpoint records (timm's and tools/train.py's), read lazily (mmap); None if absent."""
+    if str(path).endswith('.safetensors'):
+        return None
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
+    except Exception:  # not a zip checkpoint (no mmap) or unreadable: the state dict read reports the latter
+        return None
+    arch = ckpt.get('arch') if isinstance(ckpt, dict) else None
+    return arch if isinstance(arch, str) else None
+
+
+def read_checked_state_dict(
+        model: nn.Module,
+        path: str,
+        model_name: str,
+        use_ema: bool = True,
+) -> Dict[str, torch.Tensor]:
+    """Read a checkpoint file's state dict (timm's `load_state_dict`, weights_only; the EMA weights when present and
+    `use_ema`) and check that it fits `model` (`check_state_dict_fits`, with the architecture the file records).
+
+    Raises:
+        CheckpointMismatchError: the file holds another architecture's or configuration's weights.
+    """
+    state_dict = timm_load_state_dict(path, use_ema=use_ema, weights_only=True)
+    check_state_dict_fits(model, state_dict, model_name, checkpoint_arch(path), source=str(path))
+    return state_dict
+
+
+@contextlib.contextmanager
+def explain_checkpoint_errors(model_name: str, path: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Iterator:
+    """Around `timm.create_model(model_name, pretrained=True, pretrained_cfg_overlay=dict(file=path), ...)`: turn
+    torch's listing of every mismatched key (and a GRC filter's error about a checkpoint whose file names another
+    architecture) into the short `CheckpointMismatchError` of `read_checked_state_dict`, with both architectures.
+
+    Args:
+        model_name: The model being created.
+        path: The checkpoint file it loads.
+        model_kwargs: The other create_model arguments (the comparison builds the model on the meta device).
+    """
+    try:
+        yield
+    except (RuntimeError, CheckpointMismatchError) as e:
+        if not ('loading state_dict' in str(e) or isinstance(e, CheckpointMismatchError)
+                and checkpoint_arch(path) not in (None, model_name)):
+            raise
+        from timm import create_model  # at call time: timm.models imports nothing of lsvision
+        read_checked_state_dict(create_model(model_name, device='meta', **(model_kwargs or {})), path, model_name)
+        raise
+
+
 def require_non_grc_keys(
         state_dict: Dict[str, torch.Tensor],
         model: nn.Module,
         ignore_suffixes: Sequence[str] = (),
 ) -> Dict[str, torch.Tensor]:
-    """Return `state_dict` if it holds every key of `model` except the GRC ones (`.grc.`), else raise a KeyError
-    naming the missing keys: a baseline checkpoint loaded with `strict=False` may leave only GRC layers fresh.
+    """Return `state_dict` if it holds every key of `model` except the GRC ones (`.grc.`), else raise a
+    `CheckpointMismatchError`: a baseline checkpoint loaded with `strict=False` may leave only GRC layers fresh.
+
+    The message tells a base checkpoint that lacks a few keys from another architecture's checkpoint (which holds
+    fewer than half of the model's non-GRC tensors), so a wrong checkpoint is not blamed on GRC.
 
     Args:
         state_dict: The filtered checkpoint.
         model: The GRC model it is for.
         ignore_suffixes: Endings of non-persistent keys a checkpoint need not carry (e.g. Swin's index buffers).
     """
-    missing = [k for k in model.state_dict()
-               if k not in state_dict and '.grc.' not in k and not k.endswith(tuple(ignore_suffixes))]
-    if missing:
-        raise KeyError(f'checkpoint lacks non-GRC keys of {type(model).__name__}: {missing[:8]}')
-    return state_dict
+    def ignore(k: str) -> bool:
+        return k.endswith(tuple(ignore_suffixes))
+
+    wanted = [k for k in model.state_dict() if '.grc.' not in k and not ignore(k)]
+    missing = [k for k in wanted if k not in state_dict]
+    if not missing:
+        return state_dict
+    name = (getattr(model, 'pretrained_cfg', None) or {}).get('architecture') or type(model).__name__
+    if len(missing) * 2 > len(wanted):  # most of the model is absent: not its base model's checkpoint
+        check_state_dict_fits(model, state_dict, name, source='checkpoint',
+                              ignore=lambda k: '.grc.' in k or ignore(k))
+    raise CheckpointMismatchError(
+        f'checkpoint lacks non-GRC keys of {name} (a base-model checkpoint may lack only `.grc.` keys): '
+        f'{_sample(missing, 8)}')
 
 
 def init_linear_trunc_normal(m: nn.Module) -> None:

@@ -8,14 +8,15 @@ import argparse
 import difflib
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import yaml
 
 from timm.utils import ParseKwargs
 
-__all__ = ['ConfigError', 'build_parser', 'load_config', 'validate_config', 'parse_args', 'args_to_yaml', 'config_keys',
-           'DIGITS_DEMO_CONFIG']
+__all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'parse_args', 'args_to_dict',
+           'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
 
 # the preset used when no data and no model are given (the README's first command)
 DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -30,6 +31,27 @@ class MergeKwargs(ParseKwargs):
         super().__call__(parser, namespace, values, option_string)
         base.update(getattr(namespace, self.dest))
         setattr(namespace, self.dest, base)
+
+
+class Flag(argparse.Action):
+    """A boolean flag with its negation, so the command line can undo a config's `true`: `--amp` / `--no-amp`, and
+    for flags named `--no-x` (timm's `--no-aug`, `--no-resume-opt`), `--x` sets them back to false."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, default: bool = False, help: Optional[str] = None):
+        names, self.negations = [], set()
+        for name in option_strings:
+            negation = ('--' + name[5:]) if name.startswith('--no-') else ('--no-' + name[2:])
+            names.append(name)
+            if name.startswith('--'):
+                names.append(negation)
+                self.negations.add(negation)
+        super().__init__(names, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, option_string not in self.negations)
+
+    def format_usage(self) -> str:
+        return ' | '.join(self.option_strings)
 
 
 class ConfigError(ValueError):
@@ -54,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--val-split', metavar='NAME', default='validation')
     group.add_argument('--train-num-samples', default=None, type=int, metavar='N')
     group.add_argument('--val-num-samples', default=None, type=int, metavar='N')
-    group.add_argument('--dataset-download', action='store_true', default=False,
+    group.add_argument('--dataset-download', action=Flag, default=False,
                        help='allow download of torch/ datasets')
     group.add_argument('--class-map', default='', type=str, metavar='FILENAME',
                        help='path to class-to-index mapping file (txt, one folder name a line)')
@@ -64,12 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     group = parser.add_argument_group('Model parameters')
     group.add_argument('--model', default='', type=str, metavar='MODEL', help='timm model name')
-    group.add_argument('--pretrained', action='store_true', default=False)
+    group.add_argument('--pretrained', action=Flag, default=False)
     group.add_argument('--pretrained-path', default=None, type=str, help='load this file as pretrained weights')
     group.add_argument('--initial-checkpoint', default='', type=str, metavar='PATH')
     group.add_argument('--resume', default='', type=str, metavar='PATH',
                        help="resume the full training state from a checkpoint ('auto' = latest in the output dir)")
-    group.add_argument('--no-resume-opt', action='store_true', default=False,
+    group.add_argument('--no-resume-opt', action=Flag, default=False,
                        help='do not restore optimizer, scheduler and scaler when resuming')
     group.add_argument('--num-classes', type=int, default=None, metavar='N')
     group.add_argument('--gp', default=None, type=str, metavar='POOL', help='global pool type')
@@ -82,17 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--interpolation', default='', type=str, metavar='NAME')
     group.add_argument('-b', '--batch-size', type=int, default=128, metavar='N', help='batch size per process')
     group.add_argument('-vb', '--validation-batch-size', type=int, default=None, metavar='N')
-    group.add_argument('--channels-last', action='store_true', default=False)
+    group.add_argument('--channels-last', action=Flag, default=False)
     group.add_argument('--grad-accum-steps', type=int, default=1, metavar='N')
-    group.add_argument('--grad-checkpointing', action='store_true', default=False)
+    group.add_argument('--grad-checkpointing', action=Flag, default=False)
     group.add_argument('--model-kwargs', nargs='*', default={}, action=MergeKwargs,
                        help='constructor kwargs, k=v (a mapping in YAML; flags update it key by key)')
 
     group = parser.add_argument_group('Device, precision and compile')
     group.add_argument('--device', default='', type=str, help="'cuda', 'cpu', ... ('' = cuda if available)")
-    group.add_argument('--amp', action='store_true', default=False, help='mixed precision (torch.autocast)')
-    group.add_argument('--amp-dtype', default='float16', type=str, choices=('float16', 'bfloat16'),
-                       help='float16 uses a loss scaler, bfloat16 does not')
+    group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
+    group.add_argument('--amp-dtype', default=None, type=str, choices=('float16', 'bfloat16'),
+                       help='float16 uses a loss scaler, bfloat16 does not (unset = bfloat16 on CPU, float16 '
+                            'elsewhere; CPU autocast is fast only in bfloat16 on CPUs with AVX512-BF16 or AMX)')
+    group.add_argument('--grc-sync-cache', action=Flag, default=True,
+                       help='under torchrun, all-reduce the GRC cache updates of GRC models across processes '
+                            '(otherwise DDP keeps only rank 0 cache); no effect on other models')
     group.add_argument('--torchcompile', nargs='?', type=str, default=None, const='inductor',
                        help='torch.compile the model (optional backend)')
     group.add_argument('--torchcompile-mode', type=str, default=None)
@@ -112,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     group = parser.add_argument_group('Learning rate schedule parameters')
     group.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')
-    group.add_argument('--sched-on-updates', action='store_true', default=False)
+    group.add_argument('--sched-on-updates', action=Flag, default=False)
     group.add_argument('--lr', type=float, default=None, metavar='LR',
                        help='learning rate; unset = lr_base * global batch / lr_base_size')
     group.add_argument('--lr-base', type=float, default=0.1, metavar='LR')
@@ -134,13 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+')
     group.add_argument('--decay-epochs', type=float, default=90)
     group.add_argument('--warmup-epochs', type=int, default=5)
-    group.add_argument('--warmup-prefix', action='store_true', default=False)
+    group.add_argument('--warmup-prefix', action=Flag, default=False)
     group.add_argument('--cooldown-epochs', type=int, default=0)
     group.add_argument('--patience-epochs', type=int, default=10)
     group.add_argument('--decay-rate', '--dr', type=float, default=0.1)
 
     group = parser.add_argument_group('Augmentation and regularization parameters')
-    group.add_argument('--no-aug', action='store_true', default=False)
+    group.add_argument('--no-aug', action=Flag, default=False)
     group.add_argument('--train-crop-mode', type=str, default=None)
     group.add_argument('--scale', type=float, nargs='+', default=[0.08, 1.0], metavar='PCT')
     group.add_argument('--ratio', type=float, nargs='+', default=[3. / 4., 4. / 3.], metavar='RATIO')
@@ -152,14 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--gaussian-blur-prob', type=float, default=None, metavar='PCT')
     group.add_argument('--aa', type=str, default=None, metavar='NAME', help='auto augment, e.g. rand-m9-mstd0.5-inc1')
     group.add_argument('--aug-repeats', type=float, default=0, help='repeated augmentation (needs distributed)')
-    group.add_argument('--bce-loss', action='store_true', default=False)
-    group.add_argument('--bce-sum', action='store_true', default=False)
+    group.add_argument('--bce-loss', action=Flag, default=False)
+    group.add_argument('--bce-sum', action=Flag, default=False)
     group.add_argument('--bce-target-thresh', type=float, default=None)
     group.add_argument('--bce-pos-weight', type=float, default=None)
     group.add_argument('--reprob', type=float, default=0., metavar='PCT', help='random erase prob')
     group.add_argument('--remode', type=str, default='pixel')
     group.add_argument('--recount', type=int, default=1)
-    group.add_argument('--resplit', action='store_true', default=False)
+    group.add_argument('--resplit', action=Flag, default=False)
     group.add_argument('--mixup', type=float, default=0.0)
     group.add_argument('--cutmix', type=float, default=0.0)
     group.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
@@ -176,14 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group('Batch norm parameters')
     group.add_argument('--bn-momentum', type=float, default=None)
     group.add_argument('--bn-eps', type=float, default=None)
-    group.add_argument('--sync-bn', action='store_true', default=False, help='SyncBatchNorm across processes')
+    group.add_argument('--sync-bn', action=Flag, default=False, help='SyncBatchNorm across processes')
     group.add_argument('--dist-bn', type=str, default='reduce', help="'broadcast', 'reduce' or ''")
 
     group = parser.add_argument_group('Model exponential moving average parameters')
-    group.add_argument('--model-ema', action='store_true', default=False, help='track an EMA (ModelEmaV3)')
-    group.add_argument('--model-ema-force-cpu', action='store_true', default=False)
+    group.add_argument('--model-ema', action=Flag, default=False, help='track an EMA (ModelEmaV3)')
+    group.add_argument('--model-ema-force-cpu', action=Flag, default=False)
     group.add_argument('--model-ema-decay', type=float, default=0.9998)
-    group.add_argument('--model-ema-warmup', action='store_true', default=False)
+    group.add_argument('--model-ema-warmup', action=Flag, default=False)
 
     group = parser.add_argument_group('Miscellaneous parameters')
     group.add_argument('--seed', type=int, default=42, metavar='S')
@@ -194,14 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('-j', '--workers', type=int, default=4, metavar='N')
     group.add_argument('--threads', type=int, default=0, metavar='N',
                        help='torch intra-op threads per process (0 = torch default); 1 is fastest on a busy CPU')
-    group.add_argument('--pin-mem', action='store_true', default=False)
-    group.add_argument('--no-prefetcher', action='store_true', default=False,
+    group.add_argument('--pin-mem', action=Flag, default=False)
+    group.add_argument('--no-prefetcher', action=Flag, default=False,
                        help='accepted for timm configs; lsvision never uses the prefetcher (augmentation runs in '
                             'the loader so resumed runs are exact)')
     group.add_argument('--output', default='', type=str, metavar='PATH', help="output root ('' = output/train)")
     group.add_argument('--experiment', default='', type=str, metavar='NAME', help='run directory name')
     group.add_argument('--eval-metric', default='top1', type=str, choices=('top1', 'top5', 'loss'))
-    group.add_argument('--log-wandb', action='store_true', default=False, help='accepted, not supported')
+    group.add_argument('--log-wandb', action=Flag, default=False, help='accepted, not supported')
     group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
                        help='stop training after this many seconds, then evaluate and save (0 = no limit)')
     group.add_argument('--progress', type=str, default='auto', choices=('auto', 'bar', 'log'),
@@ -240,7 +266,7 @@ def validate_config(cfg: Dict[str, Any], parser: argparse.ArgumentParser, path: 
         if isinstance(action, ParseKwargs):
             if not isinstance(value, dict):
                 raise _type_error(key, value, 'a mapping', path)
-        elif isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        elif isinstance(action, (Flag, argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if not isinstance(value, bool):
                 raise _type_error(key, value, 'true or false', path)
         elif action.nargs in ('+', '*') or isinstance(action.nargs, int):
@@ -287,23 +313,70 @@ def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> 
     return validate_config(cfg or {}, parser, path)
 
 
+def _resumed_run_config(resume: str, output: str, experiment: str,
+                        parser: argparse.ArgumentParser) -> Tuple[Dict[str, Any], str]:
+    """The arguments of the run that `--resume` continues, and where they come from: the checkpoint's own record
+    (`args`), else the run directory's args.yaml. ({}, '') for `--resume auto` with no earlier run (a new run).
+
+    Raises:
+        ConfigError: the checkpoint does not exist, or neither it nor its run directory records the arguments.
+    """
+    if resume == 'auto':
+        path = os.path.join(output or './output/train', experiment, 'args.yaml')
+        return (load_config(path, parser), path) if experiment and os.path.isfile(path) else ({}, '')
+    if not os.path.isfile(resume):
+        raise ConfigError(f'--resume {resume}: no such checkpoint file')
+    try:  # mmap: only the small `args` record is read here, the tensors later by the run
+        recorded = torch.load(resume, map_location='cpu', weights_only=True, mmap=True).get('args')
+    except Exception:  # an older or foreign checkpoint: fall back to args.yaml
+        recorded = None
+    if isinstance(recorded, dict):
+        return validate_config(recorded, parser, resume), resume
+    path = os.path.join(os.path.dirname(os.path.abspath(resume)), 'args.yaml')
+    if os.path.isfile(path):
+        return load_config(path, parser), path
+    return {}, ''
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse `-c` first, apply the config as defaults, then let the command line override it.
 
-    With neither data nor a model given, the digits demo preset (configs/digits_demo.yaml) is the config.
+    With `--resume`, the resumed run's arguments (`_resumed_run_config`) come first, then `-c`, then the command
+    line; `args.resume_overrides` lists what differs from the run (`name: old -> new`), for the log. With neither
+    data nor a model given, the digits demo preset (configs/digits_demo.yaml) is the config.
+
+    Raises:
+        ConfigError: an unusable config, a `--resume` whose run arguments cannot be found (with no --model), or a
+            --model other than the resumed run's.
     """
     parser = build_parser()
     config_parser = argparse.ArgumentParser(add_help=False)
-    config_parser.add_argument('-c', '--config', default='')
+    for flag, dest in (('-c', 'config'), ('--resume', 'resume'), ('--output', 'output'),
+                       ('--experiment', 'experiment')):
+        config_parser.add_argument(flag, dest=dest, default='')
     argv = list(sys.argv[1:] if argv is None else argv)
     known, _ = config_parser.parse_known_args(argv)
-    cfg: Dict[str, Any] = {}
+    run_cfg, run_source = {}, ''
+    if known.resume:
+        run_cfg, run_source = _resumed_run_config(known.resume, known.output, known.experiment, parser)
+    cfg: Dict[str, Any] = dict(run_cfg)
     if known.config:
-        cfg = load_config(known.config, parser)
+        cfg.update(load_config(known.config, parser))
     parser.set_defaults(**cfg)
     args = parser.parse_args(argv)
-    if not known.config and not args.model and not (args.data or args.data_dir) and not args.dataset:
+    if known.resume and known.resume != 'auto' and not run_source and not args.model:
+        raise ConfigError(f'--resume {known.resume}: the checkpoint records no arguments and there is no args.yaml '
+                          "beside it; give the run's arguments too (-c <its config> or --model ...)")
+    if run_cfg.get('model') and args.model != run_cfg['model']:
+        raise ConfigError(f'--resume {known.resume}: that run trains {run_cfg["model"]}, not --model {args.model}; '
+                          'drop --model (and -c) to resume it, or start a new run from its weights with '
+                          '--initial-checkpoint')
+    if not known.config and not run_source and not args.model and not (args.data or args.data_dir) \
+            and not args.dataset:
         args = parse_args(['-c', DIGITS_DEMO_CONFIG] + argv)
+    args.resume_config = run_source
+    args.resume_overrides = [f'{k}: {_plain(v)!r} -> {_plain(getattr(args, k))!r}' for k, v in run_cfg.items()
+                             if k in _REPLAYED and _plain(v) != _plain(getattr(args, k))]
     return args
 
 
@@ -315,12 +388,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# recorded in args.yaml and in checkpoints, replayed by --resume (not the test hooks, nor --resume itself)
+_NOT_REPLAYED = ('stop_after_steps', 'local_rank', 'resume')
+
+
+def args_to_dict(args: argparse.Namespace) -> Dict[str, Any]:
+    """The run's arguments as plain values (lists, not tuples), as args.yaml and checkpoints record them."""
+    return {k: _plain(getattr(args, k)) for k in _REPLAYED if hasattr(args, k)}
+
+
 def args_to_yaml(args: argparse.Namespace) -> str:
     """The run's arguments as a replayable flat YAML (what args.yaml holds; test-only flags left out)."""
-    skip = ('stop_after_steps', 'local_rank', 'resume')
-    cfg = {k: _plain(getattr(args, k)) for k in config_keys() if hasattr(args, k) and k not in skip}
-    return yaml.safe_dump(cfg, default_flow_style=False, sort_keys=False)
+    return yaml.safe_dump(args_to_dict(args), default_flow_style=False, sort_keys=False)
 
 
 def config_keys() -> List[str]:
     return [a.dest for a in build_parser()._actions if a.dest not in ('help', 'config')]
+
+
+_REPLAYED = [k for k in config_keys() if k not in _NOT_REPLAYED]

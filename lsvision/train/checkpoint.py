@@ -6,12 +6,13 @@ Everything a resumed run needs is a tensor, a number, a string, or a list/dict o
 import logging
 import os
 import random
+import shutil
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-__all__ = ['save_atomic', 'load_checkpoint', 'get_rng_state', 'set_rng_state', 'CheckpointKeeper']
+__all__ = ['save_atomic', 'link_atomic', 'load_checkpoint', 'get_rng_state', 'set_rng_state', 'CheckpointKeeper']
 
 _logger = logging.getLogger(__name__)
 
@@ -22,6 +23,23 @@ def save_atomic(obj: Any, path: str) -> None:
     tmp = f'{path}.tmp-{os.getpid()}'
     try:
         torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def link_atomic(src: str, path: str) -> None:
+    """Make `path` a hard link to `src` (one copy on disk, as timm's CheckpointSaver), or a copy where the file system
+    has no hard links; through a temporary name and os.replace, so `path` is never half written."""
+    tmp = f'{path}.tmp-{os.getpid()}'
+    try:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -97,7 +115,8 @@ class CheckpointKeeper:
         return os.path.join(self.output_dir, name)
 
     def save_epoch(self, state: Dict[str, Any], epoch: int, metric: Optional[float]) -> None:
-        """Write last (always), the epoch file if it makes the top-k, and best if it is the best so far.
+        """Write last (always); the epoch file if it makes the top-k and best if it is the best so far are hard links
+        to it (one file on disk, however many names; the next epoch's `last` is a new file, so they keep this state).
 
         `state` must already hold this keeper's state (call `state_dict()` after `update`); see `update`.
         """
@@ -107,9 +126,9 @@ class CheckpointKeeper:
             return
         name = self.path(f'checkpoint-{epoch}.pth.tar')
         if any(p == name for p, _ in self.history):
-            save_atomic(state, name)
+            link_atomic(last, name)
         if epoch == self.best_epoch:
-            save_atomic(state, self.path('model_best.pth.tar'))
+            link_atomic(last, self.path('model_best.pth.tar'))
 
     def update(self, epoch: int, metric: Optional[float]) -> List[str]:
         """Record this epoch's metric; return the epoch files that fell out of the top-k (to delete after saving)."""

@@ -6,24 +6,26 @@ and progress with speed and ETA.
 """
 import argparse
 import contextlib
+import difflib
 import json
 import logging
 import os
 import sys
 import time
 from datetime import datetime, timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.data
 
+import timm
 from timm.data import Mixup, create_dataset, create_loader, create_transform, resolve_data_config
+from timm.data.dataset_factory import _search_split
 from timm.layers import convert_sync_batchnorm
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from timm.models import create_model, safe_model_name
-from timm.models import load_checkpoint as timm_load_checkpoint
+from timm.models import create_model, get_pretrained_cfg, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import (
@@ -39,7 +41,9 @@ from timm.utils import (
 )
 
 from ..data.digits import export_digits
-from .args import args_to_yaml
+from ..layers import GatedRecurrentCache
+from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
+from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import ResumableSampler, SeededTrainDataset, derive_seed, num_classes_of, seed_everything
 
@@ -87,6 +91,15 @@ def _find_resume(output_dir: str) -> str:
     return best
 
 
+def _metrics_text(model_metrics: Dict[str, float], ema_metrics: Optional[Dict[str, float]]) -> str:
+    """Validation metrics for the log, labelled: the model's, and the EMA's (which pick "best") when there is one."""
+    def text(m: Dict[str, float]) -> str:
+        return f'val loss {m["loss"]:.4f}, top-1 {m["top1"]:.2f}%, top-5 {m["top5"]:.2f}%'
+    if ema_metrics is None:
+        return text(model_metrics)
+    return f'model: {text(model_metrics)}; EMA (picks best): {text(ema_metrics)}'
+
+
 def _progress_line(epoch: int, num_epochs: int, done: int, total: int, loss: AverageMeter, lr: float,
                    samples_per_s: float, eta_epoch: float, eta_run: float) -> str:
     return (f'epoch {epoch + 1}/{num_epochs} [{done}/{total}] loss {loss.val:.4f} (avg {loss.avg:.4f}) '
@@ -116,6 +129,109 @@ def _all_gather_cuda(gathered: list, local: torch.Tensor) -> None:
     dist.all_gather(out, local.to(device))
     for g, o in zip(gathered, out):
         g.copy_(o.cpu())
+
+
+def _check_model_name(name: str) -> None:
+    """An unknown model name is an error that lists the closest registered names (before any data is read)."""
+    if name.startswith(('hf-hub:', 'hf_hub:', 'local-dir:')) or timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name.split('.')[0], timm.list_models(), n=5, cutoff=0.6)
+    raise TrainSetupError(f'unknown model {name!r}; ' + (f'did you mean {", ".join(close)}?' if close else
+                          "timm.list_models('*part-of-the-name*') lists the names"))
+
+
+def _check_splits(args: argparse.Namespace) -> None:
+    """Refuse a folder dataset whose splits timm would resolve to overlapping folders.
+
+    timm's split search falls back to the dataset root when a split folder is missing: with no `val/` folder the run
+    would validate on the root, training images included; with no `train/` folder it would train on the root,
+    validation images included.
+    """
+    if args.dataset.lower() not in ('', 'folder', 'image_folder', 'torch/folder', 'torch/image_folder') or \
+            not os.path.isdir(args.data_dir):
+        return
+    root = os.path.abspath(args.data_dir)
+    train_root = os.path.abspath(_search_split(root, args.train_split))
+    val_root = os.path.abspath(_search_split(root, args.val_split))
+    if val_root == root:
+        raise TrainSetupError(
+            f'no validation split in {root}: there is no {args.val_split!r} folder (nor val/, validation/, eval/), and '
+            'validating on the dataset root would score the training images. Put held-out images in '
+            f'{os.path.join(root, "val")}/<class>/, or name the folder with --val-split NAME')
+    if train_root in (root, val_root):
+        raise TrainSetupError(
+            f'no training split in {root}: there is no {args.train_split!r} folder (nor train/, training/), and '
+            f'training on {train_root} would train on the validation images {val_root}. Put the training images in '
+            f'{os.path.join(root, "train")}/<class>/, or name the folder with --train-split NAME')
+
+
+def _fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> bool:
+    """For a model with a fixed input size (Swin, ViT), pass --img-size / --input-size to it as timm's `img_size=`
+    (models of any input size need nothing). Returns whether `img_size` was added.
+
+    Raises:
+        TrainSetupError: --model-kwargs img_size contradicts --img-size / --input-size.
+    """
+    size = args.input_size[1:] if args.input_size else ([args.img_size] * 2 if args.img_size else None)
+    if size is None:
+        return False
+    try:
+        cfg = get_pretrained_cfg(args.model)
+    except RuntimeError:  # an invalid tag: create_model says so
+        return False
+    if cfg is None or not cfg.fixed_input_size:
+        return False
+    size = tuple(size)
+    if 'img_size' in model_kwargs:
+        given = model_kwargs['img_size']
+        given = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
+        if given != size:
+            raise TrainSetupError(f'--model-kwargs img_size={model_kwargs["img_size"]} but the data is {size[0]}x'
+                                  f'{size[1]} (--img-size / --input-size); give one size')
+        return False
+    if size == tuple(cfg.input_size[1:]):
+        return False
+    model_kwargs['img_size'] = size[0] if size[0] == size[1] else size
+    return True
+
+
+def _warn_slow_cpu_amp(amp_dtype: str) -> None:
+    """CPU autocast is fast only in bfloat16 on CPUs with native bfloat16 (AVX512-BF16, AMX); otherwise it runs
+    several times slower than float32 (a train step of cvt_ls_13 on an AVX2 CPU: 0.3 img/s in bfloat16 or float16
+    against 3.0 in float32)."""
+    try:
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        native = False
+    if amp_dtype == 'float16':
+        _logger.warning('--amp-dtype float16 on CPU runs several times slower than bfloat16 or float32; use '
+                        '--amp-dtype bfloat16, or --no-amp')
+    elif not native:
+        _logger.warning('this CPU has no native bfloat16 (AVX512-BF16 / AMX): bfloat16 autocast runs several times '
+                        'slower than float32 here; --no-amp trains faster')
+
+
+def _grc_cache_sync(model: nn.Module, args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> None:
+    """Under torchrun, turn on the all-reduce of GRC cache updates (unless --no-grc-sync-cache or --model-kwargs
+    grc_sync_cache=... decides): DDP's buffer broadcast alone keeps only rank 0's cache updates."""
+    grcs = [m for m in model.modules() if isinstance(m, GatedRecurrentCache)]
+    if not args.distributed or not grcs:
+        return
+    if 'grc_sync_cache' in model_kwargs:
+        enabled = bool(model_kwargs['grc_sync_cache'])
+    else:
+        enabled = args.grc_sync_cache
+        for m in grcs:
+            m.sync_cache = enabled
+    if args.rank != 0:
+        return
+    if enabled:
+        _logger.info(f'GRC cache sync on: every training forward all-reduces the cache update of each of the '
+                     f'{len(grcs)} GRC layers (mean over {args.world_size} processes), so all processes keep the '
+                     'cache of the global batch')
+    else:
+        _logger.warning(f'GRC cache sync off: DDP broadcasts rank 0 buffers at each forward, so the {len(grcs)} GRC '
+                        "caches follow rank 0's batches only (--grc-sync-cache to average them)")
 
 
 @torch.no_grad()
@@ -154,6 +270,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         _logger.warning('--log-wandb is not supported by lsvision; metrics go to summary.csv')
     if args.threads:
         torch.set_num_threads(args.threads)
+    _check_model_name(args.model)
     device = init_distributed_device(args)
     primary = args.rank == 0
     if args.distributed:
@@ -169,6 +286,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.distributed:
             dist.barrier()
         args.data_dir = export_digits()['root']
+    _check_splits(args)
     class_map = args.class_map or ''
     dataset_kwargs = dict(root=args.data_dir, class_map=class_map, download=args.dataset_download,
                           batch_size=args.batch_size, seed=args.seed)
@@ -190,12 +308,26 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     model_kwargs = dict(args.model_kwargs or {})
     if args.pretrained_path:
         model_kwargs['pretrained_cfg_overlay'] = dict(file=args.pretrained_path)
-    model = create_model(
-        args.model, pretrained=args.pretrained, in_chans=in_chans, num_classes=args.num_classes,
-        drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block, global_pool=args.gp,
-        bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
+    sized = _fixed_input_size_kwargs(args, model_kwargs)
+    explained = contextlib.nullcontext()
+    if args.pretrained_path:
+        explained = explain_checkpoint_errors(args.model, args.pretrained_path, dict(
+            in_chans=in_chans, num_classes=args.num_classes, global_pool=args.gp,
+            **{k: v for k, v in model_kwargs.items() if k != 'pretrained_cfg_overlay'}))
+    try:
+        with explained:
+            model = create_model(
+                args.model, pretrained=args.pretrained, in_chans=in_chans, num_classes=args.num_classes,
+                drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block,
+                global_pool=args.gp, bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
+    except TypeError as e:
+        if sized and 'img_size' in str(e):
+            raise TrainSetupError(f'{args.model} takes only its fixed input size and no img_size argument; drop '
+                                  '--img-size / --input-size') from None
+        raise
     if args.initial_checkpoint:
-        timm_load_checkpoint(model, args.initial_checkpoint, weights_only=True)
+        model.load_state_dict(read_checked_state_dict(model, args.initial_checkpoint, args.model))
+    _grc_cache_sync(model, args, model_kwargs)
     if args.grad_checkpointing:
         model.set_grad_checkpointing(enable=True)
     if primary:
@@ -258,6 +390,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     # optimizer, precision, EMA, schedule
     _resolve_lr(args)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **(args.opt_kwargs or {}))
+    if args.amp_dtype is None:
+        args.amp_dtype = 'bfloat16' if device.type == 'cpu' else 'float16'
+    if args.amp and device.type == 'cpu' and primary:
+        _warn_slow_cpu_amp(args.amp_dtype)
+    if args.amp and primary:
+        _logger.info(f'AMP: {args.amp_dtype} autocast on {device.type}'
+                     + (' with a loss scaler' if args.amp_dtype == 'float16' else '') + ' (--no-amp: float32)')
     amp_dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
     if args.amp:
         def autocast():
@@ -274,6 +413,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     lr_scheduler, num_epochs = create_scheduler_v2(
         optimizer, **scheduler_kwargs(args, decreasing_metric=args.eval_metric == 'loss'),
         updates_per_epoch=updates_per_epoch)
+    if primary and args.warmup_epochs > 0 and args.warmup_epochs >= num_epochs:
+        _logger.warning(f'--warmup-epochs {args.warmup_epochs} is not shorter than the run ({num_epochs} epochs): the '
+                        f'lr rises from {args.warmup_lr:g} and never reaches {args.lr:.3g}; lower --warmup-epochs')
 
     # run directory, resume
     if args.resume and args.resume != 'auto':
@@ -297,6 +439,12 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if 'next_epoch' not in ckpt:
             raise TrainSetupError(f'{resume_path} is not a tools/train.py training checkpoint (no training state); '
                                   'load its weights with --initial-checkpoint instead of --resume')
+        arch = ckpt.get('arch')
+        if arch and arch != args.model:
+            raise TrainSetupError(
+                f'{resume_path} is a checkpoint of {arch}, not of --model {args.model}; resume it without --model '
+                "(the run's arguments are restored), or start a new run from its weights with --initial-checkpoint")
+        check_state_dict_fits(_unwrap(model), ckpt['state_dict'], args.model, arch, source=resume_path)
         _unwrap(model).load_state_dict(ckpt['state_dict'])
         if model_ema is not None and 'state_dict_ema' in ckpt:
             model_ema.load_state_dict(ckpt['state_dict_ema'])
@@ -310,6 +458,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         set_rng_state(ckpt['rng'])
         if primary:
             _logger.info(f'resumed {resume_path}: epoch {start_epoch + 1}, batch {start_batch}, {num_updates} updates')
+            if getattr(args, 'resume_config', ''):
+                overrides = getattr(args, 'resume_overrides', [])
+                _logger.info(f'arguments of the run restored from {args.resume_config}; given on the command line: '
+                             + ('; '.join(overrides) if overrides else 'none'))
     elif args.start_epoch is not None:
         start_epoch = args.start_epoch
     if start_epoch > 0 or start_batch > 0:
@@ -336,6 +488,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             'state_dict': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
             'rng': get_rng_state(), 'keeper': keeper.state_dict(), 'metric': metric,
             'train_loss_sum': loss_sum, 'train_loss_count': loss_count, 'lsvision_checkpoint': 1,
+            'args': args_to_dict(args),  # what --resume <this file> restores
         }
         if scaler is not None:
             state['scaler'] = scaler.state_dict()
@@ -345,7 +498,20 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     use_bar = primary and (args.progress == 'bar' or (args.progress == 'auto' and sys.stderr.isatty()))
     steps_this_process = 0
-    eval_metrics: Dict[str, float] = {}
+    eval_metrics: Dict[str, float] = {}  # of the weights that pick "best": the EMA's when there is one (as timm)
+    model_metrics: Dict[str, float] = {}
+    ema_metrics: Optional[Dict[str, float]] = None
+
+    def evaluate() -> Tuple[Dict[str, float], Dict[str, float], Optional[Dict[str, float]]]:
+        """(metrics that pick best, the model's, the EMA's or None)."""
+        raw = validate(model, loader_eval, args, device, autocast)
+        if model_ema is None:
+            return raw, raw, None
+        if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+            distribute_bn(model_ema, args.world_size, args.dist_bn == 'reduce')
+        ema = validate(model_ema, loader_eval, args, device, autocast)
+        return ema, raw, ema
+
     out_of_time = False
     epoch = start_epoch
     train_t0 = time.time()
@@ -359,6 +525,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             mixup_fn.mixup_enabled = False
         model.train()
         loss_meter = AverageMeter()
+        step_lr = optimizer.param_groups[0]['lr']  # the lr of the latest update: progress lines and summary.csv
         bar = None
         if use_bar:
             from tqdm import tqdm
@@ -407,6 +574,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             samples_seen += input.shape[0] * args.world_size
             if not need_update:
                 continue
+            step_lr = optimizer.param_groups[0]['lr']
             if scaler is not None:
                 if args.clip_grad is not None:
                     scaler.unscale_(optimizer)
@@ -428,13 +596,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             done = batch_idx + 1
             if bar is not None:
                 bar.update(done - bar.n)
-                bar.set_postfix_str(f'loss {loss_meter.avg:.4f} lr {optimizer.param_groups[0]["lr"]:.3g}')
+                bar.set_postfix_str(f'loss {loss_meter.avg:.4f} lr {step_lr:.3g}')
             elif primary and (done % args.log_interval == 0 or last_batch):
                 rate = (done - first) / max(elapsed, 1e-9)
                 eta_epoch = (batches_per_epoch - done) / max(rate, 1e-9)
                 eta_run = eta_epoch + (num_epochs - epoch - 1) * batches_per_epoch / max(rate, 1e-9)
                 _logger.info(_progress_line(epoch, num_epochs, done, batches_per_epoch, loss_meter,
-                                            optimizer.param_groups[0]['lr'], rate * args.batch_size * args.world_size,
+                                            step_lr, rate * args.batch_size * args.world_size,
                                             eta_epoch, eta_run))
             if args.time_budget and time.time() - start_time > args.time_budget:
                 out_of_time = True
@@ -459,18 +627,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             break
         if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
             distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
-        eval_metrics = validate(model, loader_eval, args, device, autocast)
-        if model_ema is not None:
-            if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
-                distribute_bn(model_ema, args.world_size, args.dist_bn == 'reduce')
-            eval_metrics = validate(model_ema, loader_eval, args, device, autocast)  # EMA metrics pick "best"
+        eval_metrics, model_metrics, ema_metrics = evaluate()
         train_loss = loss_sum / max(loss_count, 1)
         metric = eval_metrics[args.eval_metric]
         lr_scheduler.step(epoch + 1, metric)
         if primary:
-            lr = optimizer.param_groups[0]['lr']
             summary = os.path.join(output_dir, 'summary.csv')
-            update_summary(epoch, {'loss': train_loss}, eval_metrics, summary, lr=lr,
+            columns = dict(model_metrics, **{f'ema_{k}': v for k, v in (ema_metrics or {}).items()})
+            update_summary(epoch, {'loss': train_loss}, columns, summary, lr=step_lr,
                            write_header=not os.path.isfile(summary))
             dropped = keeper.update(epoch, metric)
             keeper.save_epoch(checkpoint_state(epoch + 1, 0, metric), epoch, metric)
@@ -478,20 +642,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             recovery = keeper.path('recovery.pth.tar')
             if os.path.isfile(recovery):
                 os.remove(recovery)  # last.pth.tar is now the most advanced state
-            _logger.info(f'epoch {epoch + 1}/{num_epochs}: train loss {train_loss:.4f}, val loss '
-                         f'{eval_metrics["loss"]:.4f}, top-1 {eval_metrics["top1"]:.2f}%, top-5 '
-                         f'{eval_metrics["top5"]:.2f}% ({time.time() - epoch_t0:.1f}s)')
+            _logger.info(f'epoch {epoch + 1}/{num_epochs}: train loss {train_loss:.4f}, lr {step_lr:.3g}; '
+                         + _metrics_text(model_metrics, ema_metrics) + f' ({time.time() - epoch_t0:.1f}s)')
         if out_of_time:
             break
 
     if out_of_time and (not eval_metrics or batch_idx + 1 < batches_per_epoch):
-        eval_metrics = validate(model_ema if model_ema is not None else model, loader_eval, args, device, autocast)
+        eval_metrics, model_metrics, ema_metrics = evaluate()
         if primary:
+            _logger.info(_metrics_text(model_metrics, ema_metrics))
             keeper.save_epoch(checkpoint_state(epoch, batch_idx + 1, None), epoch, None)
     result = dict(
         model=args.model, output_dir=output_dir, epochs_done=epoch + (0 if out_of_time else 1),
         num_updates=num_updates, stopped_by_time_budget=out_of_time,
         top1=eval_metrics.get('top1'), top5=eval_metrics.get('top5'), eval_loss=eval_metrics.get('loss'),
+        metrics_of='ema' if ema_metrics is not None else 'model', model_metrics=model_metrics, ema_metrics=ema_metrics,
         best_metric=keeper.best_metric, best_epoch=keeper.best_epoch, last_checkpoint=keeper.path('last.pth.tar'),
         best_checkpoint=keeper.path('model_best.pth.tar') if keeper.best_epoch is not None else None,
         train_seconds=round(time.time() - train_t0, 1), total_seconds=round(time.time() - start_time, 1),
