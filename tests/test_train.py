@@ -1,6 +1,7 @@
 """tools/train.py and lsvision.train: configs, exact mid-epoch resume, DDP with torchrun, bad data."""
 import csv
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -414,33 +415,54 @@ def test_link_atomic_copies_where_links_fail(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['best.pth.tar', 'last.pth.tar']
 
 
-def test_torchrun_syncs_grc_caches_by_default(image_root, tmp_path):
-    # lr 0: the weights stay put, so the caches differ between the two runs only by the all-reduce (without it, DDP's
-    # buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch (test_grc.py)
-    caches = {}
+def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(image_root, tmp_path):
+    # 2 processes x 6 batches of 2, 2 micro-batches per optimizer step (3 steps), a log step every 4 batches (at
+    # batches 4 and 6). tests/count_host_syncs.py records every .item() / .tolist() / all_reduce of the run.
+    # lr 0: the weights stay put, so the caches differ between the two runs only by the cache sync (without it,
+    # DDP's buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch
+    # (test_grc.py)
+    states = {}
     for sync in ('--grc-sync-cache', '--no-grc-sync-cache'):
         args = [str(image_root), '--output', str(tmp_path), '--experiment', sync[2:], '--model', 'pvt_v2_b0_grc',
                 '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
                 'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
-                '--epochs', '1', '-b', '4', '-j', '0', '--warmup-epochs', '0', '--lr', '0', '--progress', 'log']
+                '--epochs', '1', '-b', '2', '--grad-accum-steps', '2', '-j', '0', '--warmup-epochs', '0', '--lr', '0',
+                '--progress', 'log', '--log-interval', '4', '--opt', 'sgd']
+        script = str(ROOT / 'tests' / 'count_host_syncs.py') if sync == '--grc-sync-cache' else str(TRAIN)
         if sync == '--no-grc-sync-cache':
             args.append(sync)  # the default is on
         proc = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN), *args],
+            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', script, *args],
             capture_output=True, text=True, timeout=300,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events')))
         assert proc.returncode == 0, proc.stderr[-4000:]
-        state = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
-        caches[sync] = {k: v for k, v in state.items() if k.endswith('.grc.cache')}
-        if sync == '--grc-sync-cache':
-            weights = {k: v for k, v in state.items() if not k.endswith('.grc.cache')}
-            assert 'GRC cache sync on: every training forward all-reduces the cache update of each of the 4 ' \
-                   'GRC layers (mean over 2 processes)' in proc.stderr, proc.stderr[-3000:]
-        else:
+        states[sync] = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
+        if sync == '--no-grc-sync-cache':
             assert "caches follow rank 0's batches only" in proc.stderr, proc.stderr[-3000:]
-            for k, v in state.items():
-                if k in weights:
-                    assert torch.equal(v, weights[k]), k
-    assert len(caches['--grc-sync-cache']) == 4
-    for k, v in caches['--grc-sync-cache'].items():
-        assert v.abs().sum() > 0 and not torch.allclose(v, caches['--no-grc-sync-cache'][k]), k
+            assert 'DDP buffer broadcast on' in proc.stderr
+            continue
+        assert 'GRC cache sync on: after every optimizer step one all-reduce averages the caches of the 4 GRC ' \
+               'layers over 2 processes' in proc.stderr, proc.stderr[-3000:]
+        assert 'DDP buffer broadcast off' in proc.stderr
+        assert 'weights identical on all 2 processes' in proc.stderr  # the caches included
+        cache_numel = sum(v.numel() for k, v in states[sync].items() if k.endswith('.grc.cache'))
+        for rank in (0, 1):
+            events = json.loads((tmp_path / f'events.{rank}.json').read_text())
+            train = [e for e in events if e['phase'] == 'train']
+            names = ['grc sync' if e['kind'] == 'all_reduce' and e['numel'] == cache_numel else e['kind']
+                     for e in train]
+            # one GRC all-reduce after each optimizer step, never inside no_sync; the loss is read (one all-reduce,
+            # one read) only at the log steps: no host sync on a micro-batch
+            step = ['forward', 'forward', 'step', 'grc sync']
+            read = ['all_reduce', 'tolist']
+            assert names == step + step + read + step + read, names
+            assert [e['no_sync'] for e in train if e['kind'] == 'forward'] == [True, False] * 3
+            assert not any(e['no_sync'] for e in train if e['kind'] != 'forward')
+            assert all(e['phase'] != 'train' for e in events if e['kind'] == 'item')
+    synced, rank_0 = states['--grc-sync-cache'], states['--no-grc-sync-cache']
+    assert synced.keys() == rank_0.keys() and sum(k.endswith('.grc.cache') for k in synced) == 4
+    for k, v in synced.items():
+        if k.endswith('.grc.cache'):
+            assert v.abs().sum() > 0 and not torch.allclose(v, rank_0[k]), k
+        else:
+            assert torch.equal(v, rank_0[k]), k

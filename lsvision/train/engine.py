@@ -623,13 +623,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             lr_scheduler.step_update(num_updates)
 
     if args.distributed:
-        # DDP's buffer broadcast sends rank 0's buffers before every forward. It is only needed for buffers nothing
-        # else keeps equal: batch norm statistics are averaged at each evaluation (--dist-bn) and the GRC caches
-        # after each optimizer step, so then it is off (no collective per micro-batch); with --dist-bn '' or
-        # --no-grc-sync-cache it stays on, and rank 0's buffers win, as in timm's train.py.
+        # DDP's buffer broadcast sends rank 0's buffers before every forward (they are synced at DDP's creation
+        # either way). It is only needed for buffers nothing else keeps equal: batch norm statistics are averaged at
+        # each evaluation (--dist-bn) and the GRC caches after each optimizer step, so then it is off (no collective
+        # per micro-batch); with --dist-bn '' or --no-grc-sync-cache it stays on, and rank 0's buffers win, as in
+        # timm's train.py.
         broadcast_buffers = args.dist_bn not in ('reduce', 'broadcast') or (has_grc and not grc_layers)
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
-                                                    broadcast_buffers=broadcast_buffers)
+                                                    forward_sync_buffers=broadcast_buffers)
         if primary:
             _logger.info('DDP buffer broadcast ' + ('on: rank 0 buffers are sent before every forward' if
                          broadcast_buffers else f'off: batch norm statistics are averaged at each evaluation '
