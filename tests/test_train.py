@@ -194,13 +194,17 @@ def test_corrupt_image_is_skipped_with_a_warning_naming_it(image_root, tmp_path,
         assert any(f'skipping unreadable image {path}' in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_root, tmp_path):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_root, tmp_path, caplog):
     # epoch 1 trains normally (lr 1e-3); at epoch 2 the lr jumps to 1e30 (step schedule), the weights blow up
     args = parse_args(_train_args(image_root, tmp_path, '--epochs', '3', '-b', '4', '-j', '0', '--opt', 'sgd',
                                   '--sched', 'multistep', '--decay-milestones', '1', '--decay-rate', '1e33',
-                                  '--lr', '1e-3'))
-    with pytest.raises(NonFiniteLossError, match='non-finite training loss') as e:
+                                  '--lr', '1e-3', '--log-interval', '1'))
+    with caplog.at_level(logging.INFO), pytest.raises(NonFiniteLossError, match='non-finite training loss') as e:
         run(args)
+    # batches are counted from 1, as in the progress lines: the bad batch is the one after the last line
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 2/3 [')]
+    good = int(progress[-1].split('[')[1].split('/')[0]) if progress else 0
+    assert f'at epoch 2, batch {good + 1}/6 ' in str(e.value) and f'found at batch {good + 1}/6' in str(e.value)
     last = tmp_path / 'run' / 'last.pth.tar'
     assert f'Last good checkpoint: {last}' in str(e.value)
     state = load_checkpoint(str(last))
@@ -350,8 +354,9 @@ def test_no_flags_override_a_config_and_amp_is_bfloat16_on_cpu(image_root, tmp_p
     assert parse_args(['-c', str(path)]).amp_dtype is None  # resolved by the device
     with caplog.at_level(logging.INFO):
         result = run(parse_args(_train_args(image_root, tmp_path / 'out', '--epochs', '1', '-b', '4', '-j', '0',
-                                            '--amp')))
+                                            '--amp', '--no-prefetcher')))
     assert 'AMP: bfloat16 autocast on cpu' in caplog.text and math.isfinite(result['eval_loss'])
+    assert 'data: normalised in the loader workers, pin_memory False' in caplog.text
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # e.g. AVX2 only: autocast is slower than float32
         assert 'this CPU has no native bfloat16' in caplog.text
     assert yaml.safe_load((tmp_path / 'out' / 'run' / 'args.yaml').read_text())['amp_dtype'] == 'bfloat16'
@@ -466,3 +471,96 @@ def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(
             assert v.abs().sum() > 0 and not torch.allclose(v, rank_0[k]), k
         else:
             assert torch.equal(v, rank_0[k]), k
+
+
+def test_missing_data_folder_is_named(tmp_path, caplog):
+    missing = tmp_path / 'imagenet'
+    with pytest.raises(TrainSetupError, match=f'data folder {missing} does not exist. Give the dataset root'):
+        run(parse_args([str(missing), '--model', 'cvt_ls_13', '--output', str(tmp_path)]))
+    with caplog.at_level(logging.ERROR):
+        assert _load_train_tool().main(['--data-dir', str(missing), '--model', 'cvt_13']) == 2
+    assert f'data folder {missing} does not exist' in caplog.text
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--log-wandb'], '--log-wandb needs the wandb package: pip install wandb'),
+    (['--resplit', '--no-prefetcher'], '--resplit leaves the first half of each batch unerased'),
+])
+def test_flags_that_cannot_work_are_refused_before_training(image_root, tmp_path, flags, message):
+    if '--log-wandb' in flags and importlib.util.find_spec('wandb') is not None:
+        pytest.skip('wandb is installed: --log-wandb works')
+    with pytest.raises(TrainSetupError, match=message):
+        run(parse_args(_train_args(image_root, tmp_path, *flags)))
+    assert not (tmp_path / 'run').exists()
+
+
+_TORCH_SHORT_WRITE = '[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534'
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(['unshare', '-rm', 'true'], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+_FULL_DISK_SCRIPT = """
+import json, os, sys, torch
+from lsvision.train.checkpoint import CheckpointWriteError, load_checkpoint, save_atomic
+path = os.path.join(sys.argv[1], 'last.pth.tar')
+save_atomic({'x': torch.arange(10)}, path)
+try:
+    save_atomic({'x': torch.zeros(2 ** 18)}, path)  # 1 MiB into 256 KiB
+except CheckpointWriteError as e:
+    kept = load_checkpoint(path)['x'].tolist()
+    print(json.dumps(dict(message=str(e), files=sorted(os.listdir(sys.argv[1])), kept=kept)))
+"""
+
+
+@pytest.mark.parametrize('disk', ['tmpfs', 'patched'])
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, disk):
+    from lsvision.train.checkpoint import CheckpointWriteError, save_atomic
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    if disk == 'tmpfs':  # a real full disk: a 256 KiB tmpfs in a user and mount namespace of its own
+        if not _can_mount_tmpfs():
+            pytest.skip('no user namespaces here (unshare -rm) to mount a small tmpfs')
+        script = tmp_path / 'fill.py'
+        script.write_text(_FULL_DISK_SCRIPT)
+        proc = subprocess.run(
+            ['unshare', '-rm', 'sh', '-c', 'mount -t tmpfs -o size=256k tmpfs "$1" && "$2" "$3" "$1"', 'sh',
+             str(folder), sys.executable, str(script)],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert proc.returncode == 0 and proc.stdout, proc.stderr[-3000:]
+        out = json.loads(proc.stdout)
+        message, files, kept = out['message'], out['files'], out['kept']
+    else:  # what torch raises when a write comes up short, after half a file
+        path = folder / 'last.pth.tar'
+        save_atomic({'x': torch.arange(10)}, str(path))
+        real_save = torch.save
+
+        def short_save(obj, f):
+            real_save({'partial': torch.zeros(3)}, f)
+            raise RuntimeError(_TORCH_SHORT_WRITE)
+        monkeypatch.setattr(torch, 'save', short_save)
+        with pytest.raises(CheckpointWriteError) as e:
+            save_atomic({'x': torch.zeros(2 ** 18)}, str(path))
+        monkeypatch.undo()
+        message, files, kept = str(e.value), sorted(os.listdir(folder)), load_checkpoint(str(path))['x'].tolist()
+    assert message.startswith(f'cannot write checkpoint {folder / "last.pth.tar"}: the disk holding {folder} is '
+                              'full or over quota'), message
+    assert 'unexpected pos' in message and 'the previous last.pth.tar is intact' in message
+    assert '--output' in message
+    assert files == ['last.pth.tar'] and kept == list(range(10))  # no temporary file left, the old one whole
+
+
+@pytest.mark.parametrize('tool', ['validate.py', 'robustness.py'])
+def test_tool_help_shows_its_examples_as_written(tool):
+    proc = subprocess.run([sys.executable, str(ROOT / 'tools' / tool), '--help'], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    examples = [line for line in proc.stdout.splitlines() if 'python tools/' in line]
+    assert examples and all(line.lstrip().startswith('python tools/') for line in examples), examples
+    for line in examples:  # a shell line continuation kept, not glued to the next line
+        assert '  --' not in line.strip(), line
+    assert 'd.pth --imagenet' not in proc.stdout
