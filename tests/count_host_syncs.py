@@ -3,7 +3,8 @@
 `torch.Tensor.item` / `tolist` and `torch.distributed.all_reduce` are wrapped to record each call, with the phase of
 the run ('setup', 'train' from the first training forward, 'eval' inside validation, 'end' at the final rank check),
 whether it ran inside DDP's `no_sync`, and the all-reduced element count. Training forwards and optimizer steps are
-recorded too. The records of each process go to `$SYNC_EVENTS.<rank>.json`.
+recorded too. The records of each process go to `$SYNC_EVENTS.<rank>.json`, the GRC caches before and after the
+first cache sync to `$SYNC_EVENTS.<rank>.caches`.
 
     torchrun --nproc_per_node=2 tests/count_host_syncs.py <tools/train.py arguments>
 """
@@ -65,6 +66,15 @@ DistributedDataParallel.forward, DistributedDataParallel.no_sync = forward, no_s
 import lsvision.train.engine as engine  # noqa: E402  (after the patches, as the run sees them)
 
 validate, check_ranks_agree = engine.validate, engine._check_ranks_agree
+all_reduce_grc_caches = engine.all_reduce_grc_caches
+first_cache_sync = []  # the caches before and after the first GRC cache sync
+
+
+def recorded_cache_sync(layers):
+    before = [m.cache.clone() for m in layers]
+    all_reduce_grc_caches(layers)
+    if not first_cache_sync:
+        first_cache_sync.extend([before, [m.cache.clone() for m in layers]])
 
 
 def phase_validate(*args, **kwargs):
@@ -78,12 +88,15 @@ def phase_end(*args, **kwargs):
 
 
 engine.validate, engine._check_ranks_agree = phase_validate, phase_end
+engine.all_reduce_grc_caches = recorded_cache_sync
 
 if __name__ == '__main__':
     spec = importlib.util.spec_from_file_location('train_tool', ROOT / 'tools' / 'train.py')
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     code = tool.main(sys.argv[1:])
-    with open(f'{os.environ["SYNC_EVENTS"]}.{os.environ.get("RANK", "0")}.json', 'w') as f:
+    out = f'{os.environ["SYNC_EVENTS"]}.{os.environ.get("RANK", "0")}'
+    with open(f'{out}.json', 'w') as f:
         json.dump(events, f)
+    torch.save(first_cache_sync, f'{out}.caches')
     sys.exit(code)

@@ -464,6 +464,12 @@ def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(
             assert [e['no_sync'] for e in train if e['kind'] == 'forward'] == [True, False] * 3
             assert not any(e['no_sync'] for e in train if e['kind'] != 'forward')
             assert all(e['phase'] != 'train' for e in events if e['kind'] == 'item')
+        # the first sync: every layer's cache becomes the mean of the two processes' caches
+        before, after = zip(*(torch.load(tmp_path / f'events.{rank}.caches', weights_only=True) for rank in (0, 1)))
+        assert len(before[0]) == 4 and not torch.equal(before[0][0], before[1][0])
+        for b0, b1, a0, a1 in zip(*before, *after):
+            torch.testing.assert_close(a0, (b0 + b1) / 2)
+            assert torch.equal(a0, a1)
     synced, rank_0 = states['--grc-sync-cache'], states['--no-grc-sync-cache']
     assert synced.keys() == rank_0.keys() and sum(k.endswith('.grc.cache') for k in synced) == 4
     for k, v in synced.items():
@@ -564,3 +570,4 @@ def test_tool_help_shows_its_examples_as_written(tool):
     for line in examples:  # a shell line continuation kept, not glued to the next line
         assert '  --' not in line.strip(), line
     assert 'd.pth --imagenet' not in proc.stdout
+

@@ -782,8 +782,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     raise non_finite(e, epoch, done) from None
                 elapsed = time.time() - epoch_t0
                 if bar is not None:
-                    bar.update(done - bar.n)
-                    bar.set_postfix_str(f'loss {losses.epoch_mean:.4f} lr {step_lr:.3g}')
+                    bar.set_postfix_str(f'loss {losses.epoch_mean:.4f} lr {step_lr:.3g}', refresh=False)
                 elif primary and log_step:
                     rate = (done - first) / max(elapsed, 1e-9)
                     eta_epoch = (batches_per_epoch - done) / max(rate, 1e-9)
@@ -791,6 +790,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     _logger.info(_progress_line(epoch, num_epochs, done, batches_per_epoch, window_loss,
                                                 losses.epoch_mean, step_lr, rate * args.batch_size * args.world_size,
                                                 eta_epoch, eta_run))
+            if bar is not None:
+                bar.update(done - bar.n)
             if (save_recovery or out_of_time) and not last_batch and primary:
                 save_atomic(checkpoint_state(epoch, done, None), keeper.path('recovery.pth.tar'))
             if args.stop_after_steps and steps_this_process >= args.stop_after_steps:
