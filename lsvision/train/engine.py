@@ -384,7 +384,7 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
         n = input.shape[0]
         # summed on the device: one read at the end, not one per batch
         totals += torch.stack([criterion(output, target).double(), top1.double() * n / 100,
-                               topk.double() * n / 100, torch.tensor(n, dtype=torch.float64, device=device)])
+                               topk.double() * n / 100, torch.full((), n, dtype=torch.float64, device=device)])
     if args.distributed:
         dist.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
@@ -648,8 +648,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     log_wandb = args.log_wandb and primary
     if log_wandb:
         import wandb
-        wandb.init(project='lsvision', name=os.path.basename(output_dir), dir=output_dir, config=args_to_dict(args),
-                   resume='allow' if resume_path else None)
+        wandb.init(project='lsvision', name=os.path.basename(output_dir), dir=output_dir, config=args_to_dict(args))
 
     losses = _LossWindow(device, args.distributed)
     losses.epoch_sum, losses.epoch_count = loss_sum, loss_count
