@@ -1,6 +1,7 @@
 """tools/train.py and lsvision.train: configs, exact mid-epoch resume, DDP with torchrun, bad data."""
 import csv
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -193,13 +194,17 @@ def test_corrupt_image_is_skipped_with_a_warning_naming_it(image_root, tmp_path,
         assert any(f'skipping unreadable image {path}' in r.getMessage() for r in caplog.records), caplog.text
 
 
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_root, tmp_path):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_root, tmp_path, caplog):
     # epoch 1 trains normally (lr 1e-3); at epoch 2 the lr jumps to 1e30 (step schedule), the weights blow up
     args = parse_args(_train_args(image_root, tmp_path, '--epochs', '3', '-b', '4', '-j', '0', '--opt', 'sgd',
                                   '--sched', 'multistep', '--decay-milestones', '1', '--decay-rate', '1e33',
-                                  '--lr', '1e-3'))
-    with pytest.raises(NonFiniteLossError, match='non-finite training loss') as e:
+                                  '--lr', '1e-3', '--log-interval', '1'))
+    with caplog.at_level(logging.INFO), pytest.raises(NonFiniteLossError, match='non-finite training loss') as e:
         run(args)
+    # batches are counted from 1, as in the progress lines: the bad batch is the one after the last line
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 2/3 [')]
+    good = int(progress[-1].split('[')[1].split('/')[0]) if progress else 0
+    assert f'at epoch 2, batch {good + 1}/6 ' in str(e.value) and f'found at batch {good + 1}/6' in str(e.value)
     last = tmp_path / 'run' / 'last.pth.tar'
     assert f'Last good checkpoint: {last}' in str(e.value)
     state = load_checkpoint(str(last))
@@ -349,8 +354,9 @@ def test_no_flags_override_a_config_and_amp_is_bfloat16_on_cpu(image_root, tmp_p
     assert parse_args(['-c', str(path)]).amp_dtype is None  # resolved by the device
     with caplog.at_level(logging.INFO):
         result = run(parse_args(_train_args(image_root, tmp_path / 'out', '--epochs', '1', '-b', '4', '-j', '0',
-                                            '--amp')))
+                                            '--amp', '--no-prefetcher')))
     assert 'AMP: bfloat16 autocast on cpu' in caplog.text and math.isfinite(result['eval_loss'])
+    assert 'data: normalised in the loader workers, pin_memory False' in caplog.text
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # e.g. AVX2 only: autocast is slower than float32
         assert 'this CPU has no native bfloat16' in caplog.text
     assert yaml.safe_load((tmp_path / 'out' / 'run' / 'args.yaml').read_text())['amp_dtype'] == 'bfloat16'
@@ -414,33 +420,158 @@ def test_link_atomic_copies_where_links_fail(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['best.pth.tar', 'last.pth.tar']
 
 
-def test_torchrun_syncs_grc_caches_by_default(image_root, tmp_path):
-    # lr 0: the weights stay put, so the caches differ between the two runs only by the all-reduce (without it, DDP's
-    # buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch (test_grc.py)
-    caches = {}
+def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(image_root, tmp_path):
+    # 2 processes x 6 batches of 2, 2 micro-batches per optimizer step (3 steps), a log step every 4 batches (at
+    # batches 4 and 6). tests/count_host_syncs.py records every .item() / .tolist() / all_reduce of the run.
+    # lr 0: the weights stay put, so the caches differ between the two runs only by the cache sync (without it,
+    # DDP's buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch
+    # (test_grc.py)
+    states = {}
     for sync in ('--grc-sync-cache', '--no-grc-sync-cache'):
         args = [str(image_root), '--output', str(tmp_path), '--experiment', sync[2:], '--model', 'pvt_v2_b0_grc',
                 '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
                 'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
-                '--epochs', '1', '-b', '4', '-j', '0', '--warmup-epochs', '0', '--lr', '0', '--progress', 'log']
+                '--epochs', '1', '-b', '2', '--grad-accum-steps', '2', '-j', '0', '--warmup-epochs', '0', '--lr', '0',
+                '--progress', 'log', '--log-interval', '4', '--opt', 'sgd']
+        script = str(ROOT / 'tests' / 'count_host_syncs.py') if sync == '--grc-sync-cache' else str(TRAIN)
         if sync == '--no-grc-sync-cache':
             args.append(sync)  # the default is on
         proc = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN), *args],
+            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', script, *args],
             capture_output=True, text=True, timeout=300,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events')))
         assert proc.returncode == 0, proc.stderr[-4000:]
-        state = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
-        caches[sync] = {k: v for k, v in state.items() if k.endswith('.grc.cache')}
-        if sync == '--grc-sync-cache':
-            weights = {k: v for k, v in state.items() if not k.endswith('.grc.cache')}
-            assert 'GRC cache sync on: every training forward all-reduces the cache update of each of the 4 ' \
-                   'GRC layers (mean over 2 processes)' in proc.stderr, proc.stderr[-3000:]
-        else:
+        states[sync] = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
+        if sync == '--no-grc-sync-cache':
             assert "caches follow rank 0's batches only" in proc.stderr, proc.stderr[-3000:]
-            for k, v in state.items():
-                if k in weights:
-                    assert torch.equal(v, weights[k]), k
-    assert len(caches['--grc-sync-cache']) == 4
-    for k, v in caches['--grc-sync-cache'].items():
-        assert v.abs().sum() > 0 and not torch.allclose(v, caches['--no-grc-sync-cache'][k]), k
+            assert 'DDP buffer broadcast on' in proc.stderr
+            continue
+        assert 'GRC cache sync on: after every optimizer step one all-reduce averages the caches of the 4 GRC ' \
+               'layers over 2 processes' in proc.stderr, proc.stderr[-3000:]
+        assert 'DDP buffer broadcast off' in proc.stderr
+        assert 'weights identical on all 2 processes' in proc.stderr  # the caches included
+        cache_numel = sum(v.numel() for k, v in states[sync].items() if k.endswith('.grc.cache'))
+        for rank in (0, 1):
+            events = json.loads((tmp_path / f'events.{rank}.json').read_text())
+            train = [e for e in events if e['phase'] == 'train']
+            names = ['grc sync' if e['kind'] == 'all_reduce' and e['numel'] == cache_numel else e['kind']
+                     for e in train]
+            # one GRC all-reduce after each optimizer step, never inside no_sync; the loss is read (one all-reduce,
+            # one read) only at the log steps: no host sync on a micro-batch
+            step = ['forward', 'forward', 'step', 'grc sync']
+            read = ['all_reduce', 'tolist']
+            assert names == step + step + read + step + read, names
+            assert [e['no_sync'] for e in train if e['kind'] == 'forward'] == [True, False] * 3
+            assert not any(e['no_sync'] for e in train if e['kind'] != 'forward')
+            assert all(e['phase'] != 'train' for e in events if e['kind'] == 'item')
+        # the first sync: every layer's cache becomes the mean of the two processes' caches
+        before, after = zip(*(torch.load(tmp_path / f'events.{rank}.caches', weights_only=True) for rank in (0, 1)))
+        assert len(before[0]) == 4 and not torch.equal(before[0][0], before[1][0])
+        for b0, b1, a0, a1 in zip(*before, *after):
+            torch.testing.assert_close(a0, (b0 + b1) / 2)
+            assert torch.equal(a0, a1)
+    synced, rank_0 = states['--grc-sync-cache'], states['--no-grc-sync-cache']
+    assert synced.keys() == rank_0.keys() and sum(k.endswith('.grc.cache') for k in synced) == 4
+    for k, v in synced.items():
+        if k.endswith('.grc.cache'):
+            assert v.abs().sum() > 0 and not torch.allclose(v, rank_0[k]), k
+        else:
+            assert torch.equal(v, rank_0[k]), k
+
+
+def test_missing_data_folder_is_named(tmp_path, caplog):
+    missing = tmp_path / 'imagenet'
+    with pytest.raises(TrainSetupError, match=f'data folder {missing} does not exist. Give the dataset root'):
+        run(parse_args([str(missing), '--model', 'cvt_ls_13', '--output', str(tmp_path)]))
+    with caplog.at_level(logging.ERROR):
+        assert _load_train_tool().main(['--data-dir', str(missing), '--model', 'cvt_13']) == 2
+    assert f'data folder {missing} does not exist' in caplog.text
+
+
+@pytest.mark.parametrize('flags, message', [
+    (['--log-wandb'], '--log-wandb needs the wandb package: pip install wandb'),
+    (['--resplit', '--no-prefetcher'], '--resplit leaves the first half of each batch unerased'),
+])
+def test_flags_that_cannot_work_are_refused_before_training(image_root, tmp_path, flags, message):
+    if '--log-wandb' in flags and importlib.util.find_spec('wandb') is not None:
+        pytest.skip('wandb is installed: --log-wandb works')
+    with pytest.raises(TrainSetupError, match=message):
+        run(parse_args(_train_args(image_root, tmp_path, *flags)))
+    assert not (tmp_path / 'run').exists()
+
+
+_TORCH_SHORT_WRITE = '[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534'
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(['unshare', '-rm', 'true'], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+_FULL_DISK_SCRIPT = """
+import json, os, sys, torch
+from lsvision.train.checkpoint import CheckpointWriteError, load_checkpoint, save_atomic
+path = os.path.join(sys.argv[1], 'last.pth.tar')
+save_atomic({'x': torch.arange(10)}, path)
+try:
+    save_atomic({'x': torch.zeros(2 ** 18)}, path)  # 1 MiB into 256 KiB
+except CheckpointWriteError as e:
+    kept = load_checkpoint(path)['x'].tolist()
+    print(json.dumps(dict(message=str(e), files=sorted(os.listdir(sys.argv[1])), kept=kept)))
+"""
+
+
+@pytest.mark.parametrize('disk', ['tmpfs', 'patched'])
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, disk):
+    from lsvision.train.checkpoint import CheckpointWriteError, save_atomic
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    if disk == 'tmpfs':  # a real full disk: a 256 KiB tmpfs in a user and mount namespace of its own
+        if not _can_mount_tmpfs():
+            pytest.skip('no user namespaces here (unshare -rm) to mount a small tmpfs')
+        script = tmp_path / 'fill.py'
+        script.write_text(_FULL_DISK_SCRIPT)
+        proc = subprocess.run(
+            ['unshare', '-rm', 'sh', '-c', 'mount -t tmpfs -o size=256k tmpfs "$1" && "$2" "$3" "$1"', 'sh',
+             str(folder), sys.executable, str(script)],
+            capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert proc.returncode == 0 and proc.stdout, proc.stderr[-3000:]
+        out = json.loads(proc.stdout)
+        message, files, kept = out['message'], out['files'], out['kept']
+    else:  # what torch raises when a write comes up short, after half a file
+        path = folder / 'last.pth.tar'
+        save_atomic({'x': torch.arange(10)}, str(path))
+        real_save = torch.save
+
+        def short_save(obj, f):
+            real_save({'partial': torch.zeros(3)}, f)
+            raise RuntimeError(_TORCH_SHORT_WRITE)
+        monkeypatch.setattr(torch, 'save', short_save)
+        with pytest.raises(CheckpointWriteError) as e:
+            save_atomic({'x': torch.zeros(2 ** 18)}, str(path))
+        monkeypatch.undo()
+        message, files, kept = str(e.value), sorted(os.listdir(folder)), load_checkpoint(str(path))['x'].tolist()
+    assert message.startswith(f'cannot write checkpoint {folder / "last.pth.tar"}: the disk holding {folder} is '
+                              'full or over quota'), message
+    assert 'unexpected pos' in message and 'the previous last.pth.tar is intact' in message
+    assert '--output' in message
+    assert files == ['last.pth.tar'] and kept == list(range(10))  # no temporary file left, the old one whole
+
+
+@pytest.mark.parametrize('tool', ['validate.py', 'robustness.py'])
+def test_tool_help_shows_its_examples_as_written(tool, capsys):
+    spec = importlib.util.spec_from_file_location(tool[:-3], ROOT / 'tools' / tool)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(['--help'])
+    assert e.value.code == 0
+    help_text = capsys.readouterr().out
+    examples = [line for line in help_text.splitlines() if 'python tools/' in line]
+    assert examples and all(line.lstrip().startswith('python tools/') for line in examples), examples
+    for line in examples:  # a shell line continuation kept, not glued to the next line
+        assert '  --' not in line.strip(), line
+    assert 'd.pth --imagenet' not in help_text
+

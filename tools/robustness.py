@@ -1,4 +1,4 @@
-"""Robustness of one or several models: ImageNet-C (mCE), ImageNet-A, ImageNet-R and ImageNet-9 (BG-gap).
+r"""Robustness of one or several models: ImageNet-C (mCE), ImageNet-A, ImageNet-R and ImageNet-9 (BG-gap).
 
     python tools/robustness.py --models cvt_ls_13 --checkpoint cvt_ls_13.pth --imagenet /data/imagenet \
         --imagenet-c /data/imagenet-c --imagenet-a /data/imagenet-a --imagenet-r /data/imagenet-r \

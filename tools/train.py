@@ -14,7 +14,7 @@ import sys
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
 from lsvision.models import CheckpointMismatchError
-from lsvision.train import ConfigError, NonFiniteLossError, TrainSetupError, parse_args, run
+from lsvision.train import CheckpointWriteError, ConfigError, NonFiniteLossError, TrainSetupError, parse_args, run
 
 
 def main(argv=None) -> int:
@@ -25,7 +25,7 @@ def main(argv=None) -> int:
         return 2
     try:
         result = run(args)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, CheckpointWriteError) as e:  # the run stopped; the message says where it stands
         logging.getLogger('train').error(str(e))
         return 1
     except (TrainSetupError, CheckpointMismatchError, FileNotFoundError) as e:  # explained in the message

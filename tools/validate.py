@@ -1,4 +1,4 @@
-"""ImageNet-1K top-1/top-5, ReaL and the three ImageNetV2 variants of one or several models.
+r"""ImageNet-1K top-1/top-5, ReaL and the three ImageNetV2 variants of one or several models.
 
     python tools/validate.py --models cvt_ls_13 --checkpoint cvt_ls_13.pth --imagenet /data/imagenet
     python tools/validate.py --models 'cvt_ls_*' --checkpoint a.pth b.pth c.pth d.pth \

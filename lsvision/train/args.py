@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='float16 uses a loss scaler, bfloat16 does not (unset = bfloat16 on CPU, float16 '
                             'elsewhere; CPU autocast is fast only in bfloat16 on CPUs with AVX512-BF16 or AMX)')
     group.add_argument('--grc-sync-cache', action=Flag, default=True,
-                       help='under torchrun, all-reduce the GRC cache updates of GRC models across processes '
-                            '(otherwise DDP keeps only rank 0 cache); no effect on other models')
+                       help='under torchrun, average the GRC caches of GRC models over the processes after every '
+                            'optimizer step (one all-reduce; otherwise DDP keeps rank 0 caches); no effect on '
+                            'other models')
     group.add_argument('--torchcompile', nargs='?', type=str, default=None, const='inductor',
                        help='torch.compile the model (optional backend)')
     group.add_argument('--torchcompile-mode', type=str, default=None)
@@ -185,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--reprob', type=float, default=0., metavar='PCT', help='random erase prob')
     group.add_argument('--remode', type=str, default='pixel')
     group.add_argument('--recount', type=int, default=1)
-    group.add_argument('--resplit', action=Flag, default=False)
+    group.add_argument('--resplit', action=Flag, default=False,
+                       help='random erasing spares the first half of each batch (timm; needs the prefetcher)')
     group.add_argument('--mixup', type=float, default=0.0)
     group.add_argument('--cutmix', type=float, default=0.0)
     group.add_argument('--cutmix-minmax', type=float, nargs='+', default=None)
@@ -213,21 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     group = parser.add_argument_group('Miscellaneous parameters')
     group.add_argument('--seed', type=int, default=42, metavar='S')
-    group.add_argument('--log-interval', type=int, default=50, metavar='N')
+    group.add_argument('--log-interval', type=int, default=50, metavar='N',
+                       help='every N batches: read the loss (the only wait for the device), log a progress line')
     group.add_argument('--recovery-interval', '--checkpoint-interval-steps', type=int, default=0, metavar='N',
                        help='also save a resumable mid-epoch checkpoint every N optimizer updates (0 = off)')
     group.add_argument('--checkpoint-hist', type=int, default=10, metavar='N', help='top-k checkpoints kept')
     group.add_argument('-j', '--workers', type=int, default=4, metavar='N')
     group.add_argument('--threads', type=int, default=0, metavar='N',
                        help='torch intra-op threads per process (0 = torch default); 1 is fastest on a busy CPU')
-    group.add_argument('--pin-mem', action=Flag, default=False)
+    group.add_argument('--pin-mem', action=Flag, default=None,
+                       help='pinned host memory for the loaders, for asynchronous copies (unset = on with CUDA)')
     group.add_argument('--no-prefetcher', action=Flag, default=False,
-                       help='accepted for timm configs; lsvision never uses the prefetcher (augmentation runs in '
-                            'the loader so resumed runs are exact)')
+                       help="normalise and randomly erase in the loader workers instead of on the device (timm's "
+                            'PrefetchLoader)')
     group.add_argument('--output', default='', type=str, metavar='PATH', help="output root ('' = output/train)")
     group.add_argument('--experiment', default='', type=str, metavar='NAME', help='run directory name')
     group.add_argument('--eval-metric', default='top1', type=str, choices=('top1', 'top5', 'loss'))
-    group.add_argument('--log-wandb', action=Flag, default=False, help='accepted, not supported')
+    group.add_argument('--log-wandb', action=Flag, default=False,
+                       help="log summary.csv's columns to Weights & Biases too (needs `pip install wandb`)")
     group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
                        help='stop training after this many seconds, then evaluate and save (0 = no limit)')
     group.add_argument('--progress', type=str, default='auto', choices=('auto', 'bar', 'log'),

@@ -3,6 +3,7 @@
 Everything a resumed run needs is a tensor, a number, a string, or a list/dict of those, so
 `torch.load(..., weights_only=True)` reads it back.
 """
+import errno
 import logging
 import os
 import random
@@ -12,18 +13,52 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-__all__ = ['save_atomic', 'link_atomic', 'load_checkpoint', 'get_rng_state', 'set_rng_state', 'CheckpointKeeper']
+__all__ = ['CheckpointWriteError', 'save_atomic', 'link_atomic', 'load_checkpoint', 'get_rng_state', 'set_rng_state',
+           'CheckpointKeeper']
 
 _logger = logging.getLogger(__name__)
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, over quota); the message names the folder, the file before
+    stays as it was."""
+
+
+# what torch.save raises when a write comes up short: the zip writer checks its position after each record
+_SHORT_WRITE_MESSAGES = ('unexpected pos', 'file write failed')
+
+
+def _is_out_of_space(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _SHORT_WRITE_MESSAGES)
+
+
 def save_atomic(obj: Any, path: str) -> None:
-    """torch.save to a temporary file beside `path`, then os.replace: a reader never sees half a file."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """torch.save to a temporary file beside `path`, then os.replace: a reader never sees half a file.
+
+    Raises:
+        CheckpointWriteError: the disk (or quota) ran out during the write; `path` keeps its previous content and
+            the temporary file is removed.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
     tmp = f'{path}.tmp-{os.getpid()}'
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:
+        if not _is_out_of_space(e):
+            raise
+        try:
+            free = f'{shutil.disk_usage(folder).free / 2 ** 20:.1f} MiB free'
+        except OSError:
+            free = 'free space unknown'
+        kept = f'the previous {os.path.basename(path)} is intact' if os.path.exists(path) else 'nothing was kept'
+        raise CheckpointWriteError(
+            f'cannot write checkpoint {path}: the disk holding {folder} is full or over quota '
+            f'({free}; torch: {str(e).strip()[:120]}); {kept}. Free space there, lower --checkpoint-hist, or '
+            'write the run elsewhere with --output') from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

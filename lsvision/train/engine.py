@@ -3,17 +3,24 @@
 What the loop adds to timm's pieces: exact mid-epoch resume (see lsvision.train.data), atomic checkpoints with
 every piece of state, a stop on non-finite loss that leaves the last good checkpoint alone, a wall-clock budget,
 and progress with speed and ETA.
+
+Ready for a GPU: batches come through timm's PrefetchLoader (uint8 from the workers, normalised and randomly erased
+on the device, pinned memory and non-blocking copies on CUDA), and the loop never waits for the device on a
+micro-batch: the loss is summed on the device and read (one all-reduce, one `.item()`-like read) only at a log
+step, a checkpoint or the epoch end, where the non-finite check happens too. Under torchrun the GRC caches are
+averaged once per optimizer step, outside DDP's `no_sync` (`all_reduce_grc_caches`).
 """
 import argparse
 import contextlib
 import difflib
+import importlib.util
 import json
 import logging
 import os
 import sys
 import time
 from datetime import datetime, timedelta
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,13 +30,13 @@ import torch.utils.data
 import timm
 from timm.data import Mixup, create_dataset, create_loader, create_transform, resolve_data_config
 from timm.data.dataset_factory import _search_split
+from timm.data.loader import PrefetchLoader, fast_collate
 from timm.layers import convert_sync_batchnorm
 from timm.loss import BinaryCrossEntropy, LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from timm.models import create_model, get_pretrained_cfg, safe_model_name
 from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import (
-    AverageMeter,
     ModelEmaV3,
     accuracy,
     dispatch_clip_grad,
@@ -47,7 +54,7 @@ from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import ResumableSampler, SeededTrainDataset, derive_seed, num_classes_of, seed_everything
 
-__all__ = ['NonFiniteLossError', 'TrainSetupError', 'run']
+__all__ = ['NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'run']
 
 _logger = logging.getLogger('train')
 
@@ -58,6 +65,15 @@ class NonFiniteLossError(RuntimeError):
 
 class TrainSetupError(ValueError):
     """Arguments, data or checkpoint that cannot be used as given (the message says why and what to do)."""
+
+
+class _NonFiniteWindow(Exception):
+    """A loss read by `_LossWindow.read` was not finite: at `batch_idx` (from 0), with `loss` (None: another
+    process saw it)."""
+
+    def __init__(self, batch_idx: int, loss: Optional[float]):
+        super().__init__(batch_idx, loss)
+        self.batch_idx, self.loss = batch_idx, loss
 
 
 def _resolve_lr(args: argparse.Namespace) -> None:
@@ -100,9 +116,10 @@ def _metrics_text(model_metrics: Dict[str, float], ema_metrics: Optional[Dict[st
     return f'model: {text(model_metrics)}; EMA (picks best): {text(ema_metrics)}'
 
 
-def _progress_line(epoch: int, num_epochs: int, done: int, total: int, loss: AverageMeter, lr: float,
+def _progress_line(epoch: int, num_epochs: int, done: int, total: int, loss: float, epoch_loss: float, lr: float,
                    samples_per_s: float, eta_epoch: float, eta_run: float) -> str:
-    return (f'epoch {epoch + 1}/{num_epochs} [{done}/{total}] loss {loss.val:.4f} (avg {loss.avg:.4f}) '
+    """`loss` is the mean since the last progress line, `epoch_loss` the epoch's so far (all processes)."""
+    return (f'epoch {epoch + 1}/{num_epochs} [{done}/{total}] loss {loss:.4f} (avg {epoch_loss:.4f}) '
             f'lr {lr:.3g} {samples_per_s:.1f} img/s ETA epoch {timedelta(seconds=int(eta_epoch))} '
             f'run {timedelta(seconds=int(eta_run))}')
 
@@ -147,10 +164,15 @@ def _check_splits(args: argparse.Namespace) -> None:
     would validate on the root, training images included; with no `train/` folder it would train on the root,
     validation images included.
     """
-    if args.dataset.lower() not in ('', 'folder', 'image_folder', 'torch/folder', 'torch/image_folder') or \
-            not os.path.isdir(args.data_dir):
+    if args.dataset.lower() not in ('', 'folder', 'image_folder', 'torch/folder', 'torch/image_folder'):
         return
     root = os.path.abspath(args.data_dir)
+    if not os.path.isdir(root):
+        what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
+        raise TrainSetupError(
+            f'data folder {root} {what}. Give the dataset root (the first argument or --data-dir) holding '
+            f'{args.train_split}/<class>/ and val/<class>/ image folders, or --dataset torch/<name> for a '
+            'torchvision dataset; with no data argument at all the digits demo runs')
     train_root = os.path.abspath(_search_split(root, args.train_split))
     val_root = os.path.abspath(_search_split(root, args.val_split))
     if val_root == root:
@@ -211,27 +233,136 @@ def _warn_slow_cpu_amp(amp_dtype: str) -> None:
                         'slower than float32 here; --no-amp trains faster')
 
 
-def _grc_cache_sync(model: nn.Module, args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> None:
-    """Under torchrun, turn on the all-reduce of GRC cache updates (unless --no-grc-sync-cache or --model-kwargs
-    grc_sync_cache=... decides): DDP's buffer broadcast alone keeps only rank 0's cache updates."""
+@torch.no_grad()
+def all_reduce_grc_caches(layers: Sequence[GatedRecurrentCache]) -> None:
+    """Average the caches of GRC layers over the default process group in one flattened all-reduce.
+
+    A training loop under DDP calls it once per optimizer step, outside `no_sync`, with the layers' own
+    per-forward sync (`sync_cache`) off: one collective per step instead of one per layer per micro-batch.
+
+    Args:
+        layers: The GatedRecurrentCache modules of the model (the same on every process, in the same order).
+    """
+    if not layers or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    caches = [m.cache for m in layers]  # read now: .to() and load_state_dict may have replaced the buffers
+    flat = torch.cat([c.reshape(-1) for c in caches])
+    dist.all_reduce(flat)
+    flat.div_(dist.get_world_size())
+    for cache, new in zip(caches, flat.split([c.numel() for c in caches])):
+        cache.copy_(new.view_as(cache))
+
+
+def _grc_layers_to_sync(model: nn.Module, args: argparse.Namespace,
+                        model_kwargs: Dict[str, Any]) -> Tuple[List[GatedRecurrentCache], bool]:
+    """The GRC layers whose caches the loop averages after every optimizer step under torchrun ([] when off, or
+    not distributed), and whether the model has GRC layers at all.
+
+    --grc-sync-cache (or --model-kwargs grc_sync_cache=...) decides. The layers' own per-forward all-reduce is
+    turned off either way: it would run for every layer on every micro-batch, also inside DDP's `no_sync`.
+    """
     grcs = [m for m in model.modules() if isinstance(m, GatedRecurrentCache)]
+    for m in grcs:
+        m.sync_cache = False
     if not args.distributed or not grcs:
-        return
-    if 'grc_sync_cache' in model_kwargs:
-        enabled = bool(model_kwargs['grc_sync_cache'])
-    else:
-        enabled = args.grc_sync_cache
-        for m in grcs:
-            m.sync_cache = enabled
-    if args.rank != 0:
-        return
-    if enabled:
-        _logger.info(f'GRC cache sync on: every training forward all-reduces the cache update of each of the '
-                     f'{len(grcs)} GRC layers (mean over {args.world_size} processes), so all processes keep the '
-                     'cache of the global batch')
-    else:
-        _logger.warning(f'GRC cache sync off: DDP broadcasts rank 0 buffers at each forward, so the {len(grcs)} GRC '
-                        "caches follow rank 0's batches only (--grc-sync-cache to average them)")
+        return [], bool(grcs)
+    enabled = bool(model_kwargs.get('grc_sync_cache', args.grc_sync_cache))
+    if args.rank == 0:
+        if enabled:
+            _logger.info(f'GRC cache sync on: after every optimizer step one all-reduce averages the caches of the '
+                         f'{len(grcs)} GRC layers over {args.world_size} processes, so all processes keep the '
+                         'cache of the global batch')
+        else:
+            _logger.warning(f'GRC cache sync off: DDP broadcasts rank 0 buffers at each forward, so the {len(grcs)} '
+                            "GRC caches follow rank 0's batches only (--grc-sync-cache to average them)")
+    return (grcs if enabled else []), True
+
+
+class _SeededBatchErasing:
+    """timm's batch RandomErasing (run by the PrefetchLoader on the device), seeded per batch from (seed, epoch,
+    batch, rank): a resumed run erases the same pixels as an uninterrupted one, whatever the prefetch order.
+
+    Args:
+        erasing: The PrefetchLoader's RandomErasing.
+        seed: Base seed of the run.
+        rank: This process's rank.
+    """
+
+    def __init__(self, erasing: nn.Module, seed: int, rank: int):
+        self.erasing = erasing
+        self.seed = seed
+        self.rank = rank
+        self.epoch = 0
+        self.batch = 0
+
+    def start(self, epoch: int, batch: int) -> None:
+        """The next batch erased is `batch` of `epoch`."""
+        self.epoch, self.batch = epoch, batch
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:
+        seed_everything(derive_seed(self.seed, 2, self.epoch, self.batch, self.rank))
+        self.batch += 1
+        return self.erasing(input)
+
+
+class _LossWindow:
+    """The training loss summed on the device, read by the host only when asked (a log step, a checkpoint, the
+    epoch end): then one all-reduce across processes and one read, which also tells whether any loss was
+    non-finite and whether any process ran out of its time budget (so all processes stop at the same batch).
+
+    Args:
+        device: Where the sums live.
+        distributed: All-reduce the sums at a read.
+    """
+
+    def __init__(self, device: torch.device, distributed: bool):
+        self.device = device
+        self.distributed = distributed
+        self.epoch_sum, self.epoch_count = 0.0, 0  # read totals of the epoch (all processes)
+        self._reset()
+
+    def _reset(self) -> None:
+        # loss * samples, samples, non-finite losses, out of time; the first non-finite batch (or -1) and its loss
+        self.sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        self.first_bad = torch.full((), -1, dtype=torch.int64, device=self.device)
+        self.bad_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def add(self, loss: torch.Tensor, n: int, batch_idx: int) -> None:
+        """Add a micro-batch's mean loss over `n` samples (no host sync)."""
+        loss = loss.detach().float()
+        finite = torch.isfinite(loss)
+        newly_bad = finite.logical_not() & (self.first_bad < 0)
+        self.first_bad = torch.where(newly_bad, batch_idx, self.first_bad)
+        self.bad_loss = torch.where(newly_bad, loss, self.bad_loss)
+        self.sums[:3] += torch.stack([loss.double() * n, torch.full_like(self.sums[0], n),
+                                      finite.logical_not().double()])
+
+    def read(self, out_of_time: bool = False) -> Tuple[float, bool]:
+        """Fold the window into the epoch totals; return (the window's mean loss, whether any process is out of
+        time).
+
+        Raises:
+            _NonFiniteWindow: A loss of the window was NaN or infinite.
+        """
+        if out_of_time:
+            self.sums[3] = 1.
+        if self.distributed:
+            dist.all_reduce(self.sums)
+        loss_sum, count, bad, late = self.sums.tolist()
+        if bad:  # the error path may sync more
+            local = int(self.first_bad.item())
+            first_bad = torch.tensor(local if local >= 0 else torch.iinfo(torch.int64).max, device=self.device)
+            if self.distributed:  # the earliest bad batch of any process
+                dist.all_reduce(first_bad, op=dist.ReduceOp.MIN)
+            raise _NonFiniteWindow(int(first_bad.item()), self.bad_loss.item() if local >= 0 else None)
+        self.epoch_sum += loss_sum
+        self.epoch_count += int(count)
+        self._reset()
+        return loss_sum / max(count, 1), bool(late)
+
+    @property
+    def epoch_mean(self) -> float:
+        return self.epoch_sum / max(self.epoch_count, 1)
 
 
 @torch.no_grad()
@@ -241,8 +372,8 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction='sum')
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top1 hits, top5 hits, count
-    for input, target in loader:
-        input, target = input.to(device), target.to(device)
+    for input, target in loader:  # on the device already with the prefetcher
+        input, target = input.to(device, non_blocking=True), target.to(device, non_blocking=True)
         if args.channels_last:
             input = input.contiguous(memory_format=torch.channels_last)
         with autocast():
@@ -251,8 +382,9 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
         k = min(5, output.shape[-1])
         top1, topk = accuracy(output, target, topk=(1, k))
         n = input.shape[0]
-        totals += torch.tensor([criterion(output, target).item(), top1.item() * n / 100, topk.item() * n / 100, n],
-                               dtype=torch.float64, device=device)
+        # summed on the device: one read at the end, not one per batch
+        totals += torch.stack([criterion(output, target).double(), top1.double() * n / 100,
+                               topk.double() * n / 100, torch.full((), n, dtype=torch.float64, device=device)])
     if args.distributed:
         dist.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
@@ -266,13 +398,21 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     args.data_dir = args.data_dir or args.data or ''
     if not args.device:
         args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if args.log_wandb:
-        _logger.warning('--log-wandb is not supported by lsvision; metrics go to summary.csv')
+    if args.log_wandb and importlib.util.find_spec('wandb') is None:
+        raise TrainSetupError('--log-wandb needs the wandb package: pip install wandb (then `wandb login`, or '
+                              'WANDB_MODE=offline to log locally), or drop --log-wandb (summary.csv has the same '
+                              'columns)')
+    if args.resplit and args.no_prefetcher:
+        raise TrainSetupError('--resplit leaves the first half of each batch unerased, which the prefetcher does; '
+                              'drop --no-prefetcher or --resplit')
     if args.threads:
         torch.set_num_threads(args.threads)
     _check_model_name(args.model)
     device = init_distributed_device(args)
     primary = args.rank == 0
+    if args.pin_mem is None:  # pinned host memory makes the copies to a GPU asynchronous
+        args.pin_mem = device.type == 'cuda'
+    prefetch = not args.no_prefetcher
     if args.distributed:
         _logger.info(f'process {args.rank}/{args.world_size} on {args.device}, backend {dist.get_backend()}')
     seed_everything(derive_seed(args.seed, args.rank))
@@ -327,7 +467,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         raise
     if args.initial_checkpoint:
         model.load_state_dict(read_checked_state_dict(model, args.initial_checkpoint, args.model))
-    _grc_cache_sync(model, args, model_kwargs)
+    grc_layers, has_grc = _grc_layers_to_sync(model, args, model_kwargs)
     if args.grad_checkpointing:
         model.set_grad_checkpointing(enable=True)
     if primary:
@@ -351,14 +491,27 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         color_jitter_prob=args.color_jitter_prob, grayscale_prob=args.grayscale_prob or 0.,
         gaussian_blur_prob=args.gaussian_blur_prob or 0., auto_augment=args.aa,
         interpolation=args.train_interpolation, mean=data_config['mean'], std=data_config['std'],
-        re_prob=args.reprob, re_mode=args.remode, re_count=args.recount, re_num_splits=0, use_prefetcher=False)
+        re_prob=args.reprob, re_mode=args.remode, re_count=args.recount, re_num_splits=0, use_prefetcher=prefetch)
     sampler = ResumableSampler(dataset_train, num_replicas=args.world_size, rank=args.rank, seed=args.seed,
                                num_repeats=args.aug_repeats)
     loader_train = torch.utils.data.DataLoader(
         SeededTrainDataset(dataset_train, seed=args.seed, rank=args.rank), batch_size=args.batch_size,
         sampler=sampler, num_workers=args.workers, pin_memory=args.pin_mem, drop_last=True,
-        persistent_workers=args.workers > 0)
+        persistent_workers=args.workers > 0, collate_fn=fast_collate if prefetch else None)
+    batch_erasing = None
+    if prefetch:  # uint8 batches, normalised (and randomly erased) on the device, as timm's train.py
+        loader_train = PrefetchLoader(
+            loader_train, mean=data_config['mean'], std=data_config['std'], channels=data_config['input_size'][0],
+            device=device, re_prob=args.reprob, re_mode=args.remode, re_count=args.recount,
+            re_num_splits=2 if args.resplit else 0)
+        if loader_train.random_erasing is not None:
+            batch_erasing = loader_train.random_erasing = _SeededBatchErasing(
+                loader_train.random_erasing, args.seed, args.rank)
     batches_per_epoch = sampler.full_len() // args.batch_size
+    if primary:
+        _logger.info('data: ' + ('timm PrefetchLoader (normalisation' + (', random erasing' if args.reprob else '')
+                                 + f' on {device.type})' if prefetch else 'normalised in the loader workers')
+                     + f', pin_memory {args.pin_mem}')
     if batches_per_epoch == 0:
         raise TrainSetupError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
                          f'of {args.batch_size}; lower --batch-size')
@@ -366,7 +519,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
         std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
-        crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=False)
+        crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=prefetch)
 
     # loss, mixup
     mixup_fn = None
@@ -470,7 +623,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             lr_scheduler.step_update(num_updates)
 
     if args.distributed:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None)
+        # DDP's buffer broadcast sends rank 0's buffers before every forward (they are synced at DDP's creation
+        # either way). It is only needed for buffers nothing else keeps equal: batch norm statistics are averaged at
+        # each evaluation (--dist-bn) and the GRC caches after each optimizer step, so then it is off (no collective
+        # per micro-batch); with --dist-bn '' or --no-grc-sync-cache it stays on, and rank 0's buffers win, as in
+        # timm's train.py.
+        broadcast_buffers = args.dist_bn not in ('reduce', 'broadcast') or (has_grc and not grc_layers)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda' else None,
+                                                    forward_sync_buffers=broadcast_buffers)
+        if primary:
+            _logger.info('DDP buffer broadcast ' + ('on: rank 0 buffers are sent before every forward' if
+                         broadcast_buffers else f'off: batch norm statistics are averaged at each evaluation '
+                         f'(--dist-bn {args.dist_bn})' + (', GRC caches after each optimizer step' if grc_layers
+                                                          else '')))
     if args.torchcompile:
         model = torch.compile(model, backend=args.torchcompile, mode=args.torchcompile_mode)
 
@@ -480,14 +645,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             f.write(args_to_yaml(args))
         _logger.info(f'run directory {output_dir}; {num_epochs} epochs x {batches_per_epoch} batches of '
                      f'{args.batch_size} x {args.world_size} process(es)')
+    log_wandb = args.log_wandb and primary
+    if log_wandb:
+        import wandb
+        wandb.init(project='lsvision', name=os.path.basename(output_dir), dir=output_dir, config=args_to_dict(args))
+
+    losses = _LossWindow(device, args.distributed)
+    losses.epoch_sum, losses.epoch_count = loss_sum, loss_count
 
     def checkpoint_state(next_epoch: int, next_batch: int, metric: Optional[float]) -> Dict[str, Any]:
+        """Everything a resumed run needs (the loss window must have been read: its totals are saved)."""
         state = {
             'arch': args.model, 'epoch': next_epoch - 1 if next_batch == 0 else next_epoch,
             'next_epoch': next_epoch, 'next_batch': next_batch, 'num_updates': num_updates,
             'state_dict': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
             'rng': get_rng_state(), 'keeper': keeper.state_dict(), 'metric': metric,
-            'train_loss_sum': loss_sum, 'train_loss_count': loss_count, 'lsvision_checkpoint': 1,
+            'train_loss_sum': losses.epoch_sum, 'train_loss_count': losses.epoch_count, 'lsvision_checkpoint': 1,
             'args': args_to_dict(args),  # what --resume <this file> restores
         }
         if scaler is not None:
@@ -495,6 +668,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if model_ema is not None:
             state['state_dict_ema'] = model_ema.state_dict()
         return state
+
+    def non_finite(e: _NonFiniteWindow, epoch: int, done: int) -> NonFiniteLossError:
+        last_good = [p for p in (keeper.path('recovery.pth.tar'), keeper.path('last.pth.tar')) if os.path.isfile(p)]
+        return NonFiniteLossError(
+            f'non-finite training loss ({"nan or inf" if e.loss is None else e.loss}) at epoch {epoch + 1}, batch '
+            f'{e.batch_idx + 1}/{batches_per_epoch} (lr {optimizer.param_groups[0]["lr"]:.3g}); found at batch '
+            f'{done}/{batches_per_epoch} (the loss is read every --log-interval {args.log_interval} batches), no '
+            'checkpoint written since. ' + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. '
+                                             if last_good else 'No checkpoint was written yet. ')
+            + 'Try a lower --lr / --lr-base, --clip-grad 1.0, or --amp-dtype bfloat16.')
 
     use_bar = primary and (args.progress == 'bar' or (args.progress == 'auto' and sys.stderr.isatty()))
     steps_this_process = 0
@@ -504,6 +687,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     def evaluate() -> Tuple[Dict[str, float], Dict[str, float], Optional[Dict[str, float]]]:
         """(metrics that pick best, the model's, the EMA's or None)."""
+        if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
+            distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
         raw = validate(model, loader_eval, args, device, autocast)
         if model_ema is None:
             return raw, raw, None
@@ -519,12 +704,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     for epoch in range(start_epoch, num_epochs):
         first = start_batch if epoch == start_epoch else 0
         if first == 0:
-            loss_sum, loss_count = 0.0, 0
+            losses.epoch_sum, losses.epoch_count = 0.0, 0
         sampler.set_epoch(epoch, start=first * args.batch_size)
+        if batch_erasing is not None:
+            batch_erasing.start(epoch, first)
         if mixup_fn is not None and args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
             mixup_fn.mixup_enabled = False
         model.train()
-        loss_meter = AverageMeter()
         step_lr = optimizer.param_groups[0]['lr']  # the lr of the latest update: progress lines and summary.csv
         bar = None
         if use_bar:
@@ -536,7 +722,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for batch_idx, (input, target) in enumerate(loader_train, start=first):
             # model-side randomness (drop path, mixup) is a function of (seed, epoch, batch, rank) too
             seed_everything(derive_seed(args.seed, 1, epoch, batch_idx, args.rank))
-            input, target = input.to(device), target.to(device)
+            # no-ops after the prefetcher; asynchronous from pinned memory without it
+            input = input.to(device, non_blocking=args.pin_mem)
+            target = target.to(device, non_blocking=args.pin_mem)
             if mixup_fn is not None:
                 input, target = mixup_fn(input, target)
             if args.channels_last:
@@ -550,27 +738,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 with autocast():
                     output = model(input)
                     loss = criterion(output, target)
-                bad = torch.tensor(0. if torch.isfinite(loss).item() else 1., device=device)
-                if args.distributed:
-                    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-                if bad.item():
-                    last_good = [p for p in (keeper.path('recovery.pth.tar'), keeper.path('last.pth.tar'))
-                                 if os.path.isfile(p)]
-                    raise NonFiniteLossError(
-                        f'non-finite training loss ({loss.item()}) at epoch {epoch + 1}, batch {batch_idx} '
-                        f'(lr {optimizer.param_groups[0]["lr"]:.3g}); no update was applied and no checkpoint '
-                        'written. ' + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. '
-                                       if last_good else 'No checkpoint was written yet. ')
-                        + 'Try a lower --lr / --lr-base, --clip-grad 1.0, or --amp-dtype bfloat16.')
                 # the epoch's last update may accumulate fewer batches (as timm's train.py)
                 scaled = loss / (args.grad_accum_steps if batch_idx < tail_start else batches_per_epoch - tail_start)
                 if scaler is not None:
                     scaler.scale(scaled).backward()
                 else:
                     scaled.backward()
-            loss_meter.update(loss.item(), input.shape[0])
-            loss_sum += loss.item() * input.shape[0]
-            loss_count += input.shape[0]
+            losses.add(loss, input.shape[0], batch_idx)  # on the device: no wait for it here
             samples_seen += input.shape[0] * args.world_size
             if not need_update:
                 continue
@@ -586,30 +760,39 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                     dispatch_clip_grad(model.parameters(), args.clip_grad, mode=args.clip_mode)
                 optimizer.step()
             optimizer.zero_grad()
+            all_reduce_grc_caches(grc_layers)  # once per update, outside no_sync; before the EMA copies them
             num_updates += 1
             steps_this_process += 1
             if model_ema is not None:
                 model_ema.update(_unwrap(model), step=num_updates)
             lr_scheduler.step_update(num_updates=num_updates)
 
-            elapsed = time.time() - epoch_t0
             done = batch_idx + 1
+            log_step = done % args.log_interval == 0 or last_batch
+            save_recovery = bool(args.recovery_interval) and num_updates % args.recovery_interval == 0 \
+                and not last_batch
+            # one process alone may not stop (the others would wait for it): under torchrun the time budget is
+            # checked at the log steps, where all processes compare it
+            late = bool(args.time_budget) and time.time() - start_time > args.time_budget
+            if log_step or save_recovery or (late and not args.distributed):
+                try:
+                    window_loss, out_of_time = losses.read(late)  # the host waits for the device here only
+                except _NonFiniteWindow as e:
+                    raise non_finite(e, epoch, done) from None
+                elapsed = time.time() - epoch_t0
+                if bar is not None:
+                    bar.set_postfix_str(f'loss {losses.epoch_mean:.4f} lr {step_lr:.3g}', refresh=False)
+                elif primary and log_step:
+                    rate = (done - first) / max(elapsed, 1e-9)
+                    eta_epoch = (batches_per_epoch - done) / max(rate, 1e-9)
+                    eta_run = eta_epoch + (num_epochs - epoch - 1) * batches_per_epoch / max(rate, 1e-9)
+                    _logger.info(_progress_line(epoch, num_epochs, done, batches_per_epoch, window_loss,
+                                                losses.epoch_mean, step_lr, rate * args.batch_size * args.world_size,
+                                                eta_epoch, eta_run))
             if bar is not None:
                 bar.update(done - bar.n)
-                bar.set_postfix_str(f'loss {loss_meter.avg:.4f} lr {step_lr:.3g}')
-            elif primary and (done % args.log_interval == 0 or last_batch):
-                rate = (done - first) / max(elapsed, 1e-9)
-                eta_epoch = (batches_per_epoch - done) / max(rate, 1e-9)
-                eta_run = eta_epoch + (num_epochs - epoch - 1) * batches_per_epoch / max(rate, 1e-9)
-                _logger.info(_progress_line(epoch, num_epochs, done, batches_per_epoch, loss_meter,
-                                            step_lr, rate * args.batch_size * args.world_size,
-                                            eta_epoch, eta_run))
-            if args.time_budget and time.time() - start_time > args.time_budget:
-                out_of_time = True
-            if (args.recovery_interval and num_updates % args.recovery_interval == 0 and not last_batch) or \
-                    (out_of_time and not last_batch):
-                if primary:
-                    save_atomic(checkpoint_state(epoch, done, None), keeper.path('recovery.pth.tar'))
+            if (save_recovery or out_of_time) and not last_batch and primary:
+                save_atomic(checkpoint_state(epoch, done, None), keeper.path('recovery.pth.tar'))
             if args.stop_after_steps and steps_this_process >= args.stop_after_steps:
                 # testing hook: die like a killed process (no cleanup, no final checkpoint)
                 sys.stdout.flush()
@@ -625,17 +808,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 _logger.info(f'time budget of {args.time_budget:.0f}s reached in epoch {epoch + 1} '
                              f'(batch {batch_idx + 1}/{batches_per_epoch}); evaluating now')
             break
-        if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
-            distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
         eval_metrics, model_metrics, ema_metrics = evaluate()
-        train_loss = loss_sum / max(loss_count, 1)
+        train_loss = losses.epoch_mean
         metric = eval_metrics[args.eval_metric]
         lr_scheduler.step(epoch + 1, metric)
         if primary:
             summary = os.path.join(output_dir, 'summary.csv')
             columns = dict(model_metrics, **{f'ema_{k}': v for k, v in (ema_metrics or {}).items()})
             update_summary(epoch, {'loss': train_loss}, columns, summary, lr=step_lr,
-                           write_header=not os.path.isfile(summary))
+                           write_header=not os.path.isfile(summary), log_wandb=log_wandb)
             dropped = keeper.update(epoch, metric)
             keeper.save_epoch(checkpoint_state(epoch + 1, 0, metric), epoch, metric)
             keeper.remove(dropped)
@@ -665,6 +846,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if primary:
         with open(os.path.join(output_dir, 'result.json'), 'w') as f:
             json.dump(result, f, indent=2)
+    if log_wandb:
+        wandb.finish()
     if args.distributed:
         _check_ranks_agree(model, args)
         dist.barrier()
