@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import timm
 
 TESTS = Path(__file__).resolve().parent
@@ -21,6 +23,30 @@ def _run_contract(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         [str(TESTS), *filter(None, [os.environ.get('PYTHONPATH')])]))
     return subprocess.run([sys.executable, str(RUNNER), '--packages', 'contract_fixture_models', *args],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture
+def contract_run(monkeypatch):
+    """contract/run.py as a module (its folder on sys.path for this test only)."""
+    monkeypatch.syspath_prepend(str(RUNNER.parent))
+    import run
+    return run
+
+
+def test_fetch_uses_the_cached_test_file_without_pip(contract_run, tmp_path, monkeypatch):
+    monkeypatch.setenv('PIP_NO_INDEX', '1')  # pip would fail: the file must come from the cache
+    cached = tmp_path / 'timm-0.0.0' / 'test_models.py'
+    cached.parent.mkdir()
+    cached.write_text('def test_nothing(): pass\n')
+    assert contract_run.fetch_timm_tests('0.0.0', tmp_path) == cached
+
+
+def test_fetch_without_the_sdist_says_what_to_do(contract_run, tmp_path, monkeypatch):
+    monkeypatch.setenv('PIP_NO_INDEX', '1')  # offline: pip finds no timm 0.0.0 sdist
+    with pytest.raises(RuntimeError, match=r"could not download the timm 0\.0\.0 sdist(.|\n)*put timm 0\.0\.0's "
+                                           r'tests/test_models\.py at'):
+        contract_run.fetch_timm_tests('0.0.0', tmp_path)
+    assert not any(tmp_path.rglob('*')), 'a failed fetch leaves nothing in the cache'
 
 
 def test_contract_catches_a_model_that_ignores_num_classes(tmp_path):
