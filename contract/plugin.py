@@ -28,13 +28,14 @@ import pytest
 import timm
 import timm.models
 
-# tests that fetch files from the Hugging Face hub (test tensors or pretrained weights): never run offline-safe CI
+# tests that fetch files from the Hugging Face hub (test tensors or pretrained weights): not run, CI must not depend
+# on the hub (and lsvision publishes no weights there)
 HUB_TESTS = {
     'test_model_inference': 'needs timm test tensors from the hub',
     'test_model_load_pretrained': 'downloads pretrained weights',
     'test_model_features_pretrained': 'downloads pretrained weights',
 }
-_NON_STD_MARKER = 'vit_*'  # first entry of timm's NON_STD_FILTERS, in no other list of test_models.py
+_NON_STD_MARKER = 'vit_*'  # first entry of timm's NON_STD_FILTERS; test_models.py's other lists lack it
 _LETTERS = {'passed': 'P', 'failed': 'F', 'error': 'E', 'skipped': 'S', 'deselected': '-'}
 
 
@@ -179,11 +180,11 @@ class TimmContract:
                 self.outcomes[key] = outcome
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
-        if not self.models:
+        if not self.outcomes:  # usage error or --collect-only: nothing ran
             return
         tests = sorted({fn for fn, _ in self.outcomes})
         tr = terminalreporter
-        tr.section('timm contract: model x test (P pass, F fail, E error, S skip, - hub test not run)')
+        tr.section('timm contract: model x test (P pass, F fail, E error, S skip, - hub test, . not run)')
         for i, fn in enumerate(tests):
             tr.write_line(f'  [{i:2d}] {fn}  ({self.durations.get(fn, 0.0):.1f}s)')
         width = max(len(m) for m in self.models)
