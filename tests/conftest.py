@@ -1,4 +1,4 @@
-"""Shared pytest fixtures. `../shared/golden` (outputs of the authors' code) sits beside the checkout in CI."""
+"""Shared pytest fixtures. Golden outputs of the authors' code live in the repository, under `tests/golden/`."""
 import os
 import sys
 from pathlib import Path
@@ -9,14 +9,20 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests import reference_attention directly
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-GOLDEN_ROOT = Path(__file__).resolve().parents[2] / 'shared' / 'golden'
+# the one root of the golden data (tests/golden/README.md says where each folder came from)
+GOLDEN_ROOT = Path(__file__).resolve().parent / 'golden'
+
+
+def golden_path(name: str) -> Path:
+    """A file or folder under :data:`GOLDEN_ROOT`; fails the test (never skips) when it is missing."""
+    path = GOLDEN_ROOT / name
+    if not path.exists():
+        pytest.fail(f'golden data missing at {path}: it is part of the repository, restore it with '
+                    f'`git checkout -- {path.relative_to(GOLDEN_ROOT.parents[1])}`')
+    return path
 
 
 @pytest.fixture(scope='session')
 def golden_dir() -> Path:
-    path = GOLDEN_ROOT / 'vil_ls_official'
-    if not path.is_dir():
-        if os.environ.get('CI'):
-            pytest.fail(f'golden data missing at {path}: CI must have ../shared beside the checkout')
-        pytest.skip(f'golden data not found at {path} (it sits beside the checkout in CI)')
-    return path
+    """The official ViL-LS reference outputs (tests/golden/vil_ls_official)."""
+    return golden_path('vil_ls_official')

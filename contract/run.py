@@ -1,0 +1,120 @@
+"""Run timm's own model tests (`tests/test_models.py` of the installed timm version) against lsvision's models.
+
+    python contract/run.py                                     # the default subset (what `make contract` runs)
+    python contract/run.py --models '*'                        # every lsvision model
+    python contract/run.py --models 'cvt_*' -x -k 'forward'    # other arguments go to pytest
+
+The test file comes from the sdist of exactly the installed timm version on the package index
+(``pip download timm==<version> --no-deps --no-binary :all:``) and is cached in ``contract/.cache/`` (git-ignored),
+so nothing of timm is committed and the tests always match the timm in use. pytest then runs it in this process with
+:class:`plugin.TimmContract`, which restricts it to the selected models and prints a model x test matrix.
+Exit status: pytest's (0 all passed, 1 failures, 4 usage error such as a pattern that matches no model), or 2 when
+the test file cannot be fetched.
+"""
+import argparse
+import hashlib
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+from plugin import TimmContract, write_atomic
+
+import timm
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent
+CACHE_DIR = HERE / '.cache'
+# fast enough for CI (about 2 min on 2 cores): one model per family that shares the most code with the others
+DEFAULT_MODELS = 'cvt_ls_13,cvt_13,vil_ls_medium,pvt_v2_b0_grc'
+
+
+def fetch_timm_tests(version: str, cache_dir: Path = CACHE_DIR) -> Path:
+    """Path of timm's ``tests/test_models.py`` for ``version``, taken from that version's sdist on first use.
+
+    Raises:
+        RuntimeError: pip cannot download the sdist, or the sdist has no ``tests/test_models.py``.
+    """
+    dest = cache_dir / f'timm-{version}' / 'test_models.py'
+    if dest.is_file():
+        return dest
+    print(f'contract: fetching tests/test_models.py from the timm {version} sdist into {dest.parent}', file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, '-m', 'pip', 'download', f'timm=={version}', '--no-deps', '--no-binary', ':all:',
+               '--quiet', '--dest', tmp]
+        pip = subprocess.run(cmd, capture_output=True, text=True)
+        sdists = sorted(Path(tmp).glob('timm-*.tar.gz'))
+        if pip.returncode != 0 or not sdists:
+            raise RuntimeError(
+                f'could not download the timm {version} sdist ({" ".join(cmd[1:])} exited {pip.returncode}):\n'
+                f'{pip.stderr.strip() or pip.stdout.strip()}\n'
+                f"The runner needs the package index once per timm version; or put timm {version}'s "
+                f'tests/test_models.py at {dest} yourself.')
+        sdist = sdists[0]
+        member = f'{sdist.name[:-len(".tar.gz")]}/tests/test_models.py'
+        with tarfile.open(sdist) as tar:
+            try:
+                source = tar.extractfile(member).read()
+            except KeyError:
+                raise RuntimeError(f'{sdist.name} has no {member}: this timm version does not ship its tests') from None
+        digest = hashlib.sha256(sdist.read_bytes()).hexdigest()
+    write_atomic(dest.parent / 'SOURCE', f'{sdist.name} sha256:{digest} member:{member}\n'.encode())
+    write_atomic(dest, source)
+    return dest
+
+
+def _source_of(test_file: Path) -> str:
+    source = test_file.parent / 'SOURCE'
+    return source.read_text().strip() if source.is_file() else f'{test_file} (no SOURCE: placed by hand)'
+
+
+def split_patterns(text: str) -> List[str]:
+    """fnmatch patterns from a comma or whitespace separated string."""
+    return [p for p in re.split(r'[,\s]+', text) if p]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0], allow_abbrev=False,
+        epilog='Other arguments (-x, -k EXPR, -m MARKEXPR, --durations=N, ...) are passed to pytest.')
+    parser.add_argument('--models', default=DEFAULT_MODELS,
+                        help=f"fnmatch patterns (comma/space separated) of the models to test; '*' = all "
+                             f'(default: {DEFAULT_MODELS})')
+    parser.add_argument('--exclude', default='', help='patterns of models never to test')
+    parser.add_argument('--packages', default='lsvision',
+                        help='modules to import; their registered timm models are the ones under test (default: '
+                             'lsvision)')
+    parser.add_argument('--non-std', default='',
+                        help="patterns of token-output models that timm's NON_STD_FILTERS does not name already "
+                             '(none of lsvision needs one: vit_*_grc and deit_*_grc match its vit_* and deit*)')
+    parser.add_argument('--report', type=Path, help='also write the model x test outcomes to this JSON file')
+    args, pytest_args = parser.parse_known_args(argv)
+
+    try:
+        test_file = fetch_timm_tests(timm.__version__)
+    except RuntimeError as e:
+        print(f'contract: {e}', file=sys.stderr)
+        return 2
+
+    sys.path.insert(0, str(REPO_ROOT))  # this checkout's lsvision, whatever else is installed
+    contract = TimmContract(
+        packages=split_patterns(args.packages),
+        models=split_patterns(args.models),
+        exclude=split_patterns(args.exclude),
+        non_std=split_patterns(args.non_std),
+        report=args.report,
+        tests_source=_source_of(test_file),
+    )
+    # importlib mode: the cached file imports as a plain module, with no clash with the project's own tests
+    return int(pytest.main(
+        ['-c', str(HERE / 'pytest.ini'), '--rootdir', str(HERE), '--import-mode=importlib', str(test_file),
+         *pytest_args],
+        plugins=[contract]))
+
+
+if __name__ == '__main__':
+    sys.exit(main())
