@@ -75,6 +75,7 @@ class HierarchicalTransformer(nn.Module):
         """
         dd = {'device': device, 'dtype': dtype}
         self.num_prefix_tokens = self.stages[-1].num_prefix_tokens  # of the last stage, in the token features
+        self.token_features = type(self).token_features  # an instance attribute: TorchScript sees only those
         self.norm = nn.LayerNorm(self.num_features, eps=norm_eps, **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
