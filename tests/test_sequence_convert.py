@@ -4,19 +4,13 @@ import json
 
 import pytest
 import torch
+from official_layouts import fairseq, official_char_lm, official_inv_freq
 
 import lsvision.sequence as seq
-import lsvision.sequence.convert as convert_module
 from lsvision.sequence.convert import convert_char_lm_state_dict, load_official_checkpoint
 
 PRESETS = {'enwik8_small': 'ls_lm_enwik8_small', 'enwik8_large': 'ls_lm_enwik8_large',
            'text8_small': 'ls_lm_text8_small'}
-FAIRSEQ_PREFIX = 'decoder.model.'
-
-
-def _official_inv_freq(dim: int) -> torch.Tensor:
-    """The official `pos_emb.inv_freq` buffer (Transformer-XL's PositionalEmbedding)."""
-    return 1 / (10000 ** (torch.arange(0.0, dim, 2.0) / dim))
 
 
 def _official_lra(model, dual=False):
@@ -79,27 +73,6 @@ def test_lra_with_rank_0_loads_strictly():
         torch.testing.assert_close(dst(ids), src(ids), rtol=0, atol=0)
 
 
-def _official_char_lm(model: seq.CharLM) -> dict:
-    """The state_dict the official TransformerLSModel would have with `model`'s weights (inverse key map)."""
-    sd = model.state_dict()
-    heads = model.blocks[0].attn.content_bias.shape[0]
-    off = {'in_emb.weight': sd['embed.weight'], 'pos_emb.inv_freq': _official_inv_freq(model.dim),
-           'out_emb.weight': sd['embed.weight'], 'out_emb.bias': sd['out_bias']}
-    for i in range(len(model.blocks)):
-        for off_name, name, params in convert_module._LM_LAYER:
-            for param in params:
-                off[f'layers.{i}.{off_name}.{param}'] = sd[f'blocks.{i}.{name}.{param}']
-        off[f'layers.{i}.attn.r_w_bias'] = sd[f'blocks.{i}.attn.content_bias'].reshape(1, heads, 1, 1, -1)
-        off[f'layers.{i}.attn.r_r_bias'] = sd[f'blocks.{i}.attn.pos_bias'].reshape(1, heads, 1, -1)
-    return {k: v.clone() for k, v in off.items()}
-
-
-def _fairseq(state_dict: dict) -> dict:
-    """A fairseq checkpoint (`checkpoint_best.pt`) around a TransformerLSModel state_dict."""
-    return {'model': {FAIRSEQ_PREFIX + k: v for k, v in state_dict.items()}, 'args': None,
-            'optimizer_history': [], 'extra_state': {}}
-
-
 @pytest.mark.parametrize('wrapped', [False, True])
 def test_char_lm_round_trip_through_official_layout(wrapped, tmp_path):
     torch.manual_seed(0)
@@ -109,9 +82,9 @@ def test_char_lm_round_trip_through_official_layout(wrapped, tmp_path):
     with torch.no_grad():
         for p in src.parameters():
             p.add_(torch.randn_like(p) * 0.1)
-    official = _official_char_lm(src)
+    official = official_char_lm(src)
     path = tmp_path / 'checkpoint_best.pt'
-    torch.save(_fairseq(official) if wrapped else official, path)
+    torch.save(fairseq(official) if wrapped else official, path)
     dst = seq.CharLM(**cfg).eval()
     load_official_checkpoint(dst, str(path))
     ids = torch.randint(0, 32, (1, 16))
@@ -133,7 +106,7 @@ def _random_official(layout: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     sd = {k: torch.randn(shape, generator=g) for k, shape in layout['state_dict'].items()}
     sd['out_emb.weight'] = sd['in_emb.weight']
-    sd['pos_emb.inv_freq'] = _official_inv_freq(sd['in_emb.weight'].shape[1])
+    sd['pos_emb.inv_freq'] = official_inv_freq(sd['in_emb.weight'].shape[1])
     return sd
 
 
@@ -141,7 +114,7 @@ def _random_official(layout: dict) -> dict:
 def test_official_char_lm_layout_loads_strictly(preset, official_char_lm_keys):
     layout = official_char_lm_keys[preset]
     official = _random_official(layout)
-    for state in (official, _fairseq(official)):
+    for state in (official, fairseq(official)):
         converted = convert_char_lm_state_dict(state)
         assert sum(v.numel() for v in converted.values()) == layout['params']
         with torch.device('meta'):
@@ -161,7 +134,7 @@ def test_official_char_lm_layout_errors_name_the_key(official_char_lm_keys):
         with pytest.raises(KeyError, match=key.replace('.', r'\.')):
             convert_char_lm_state_dict({k: v for k, v in official.items() if k != key})
     with pytest.raises(KeyError, match=r'lack the prefix .*decoder\.model\..*decoder\.version'):
-        convert_char_lm_state_dict({'model': {**_fairseq(official)['model'], 'decoder.version': torch.ones(1)}})
+        convert_char_lm_state_dict({'model': {**fairseq(official)['model'], 'decoder.version': torch.ones(1)}})
     with pytest.raises(ValueError, match='inv_freq differs'):
         convert_char_lm_state_dict(dict(official, **{'pos_emb.inv_freq': official['pos_emb.inv_freq'] * 1.01}))
     with pytest.raises(ValueError, match="'out_emb.weight' differs"):
