@@ -178,3 +178,27 @@ def test_microsoft_checkpoint_of_another_size_is_refused_by_key(tmp_path):
     torch.save(microsoft_cvt(timm.create_model('cvt_13', depths=(1, 2, 2))), path)
     with pytest.raises(KeyError, match=r'missing.*stages\.2\.blocks\.2\.'):
         timm.create_model('cvt_13', pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+
+
+def test_official_pvt_missing_a_key_is_named_in_the_grc_model(tmp_path):
+    """pvt_*_grc loads PVT v1 weights non-strictly (fresh caches): any other missing key is an error by name."""
+    tiny = dict(embed_dims=(16, 32, 32, 64), num_heads=(1, 1, 2, 2), depths=(1, 1, 1, 1))
+    official = official_pvt(timm.create_model('pvt_tiny', **tiny))
+    del official['block3.0.attn.proj.weight']
+    torch.save(official, tmp_path / 'pvt_tiny.pth')
+    with pytest.raises(KeyError, match=r'missing.*stages\.2\.blocks\.0\.attn\.proj\.weight'):
+        timm.create_model('pvt_tiny_grc', pretrained=True,
+                          pretrained_cfg_overlay=dict(file=str(tmp_path / 'pvt_tiny.pth')), **tiny)
+
+
+def test_head_left_out_for_another_class_count_is_a_warning(tmp_path, caplog):
+    """timm drops a checkpoint head of another class count (fine-tuning): said at warning level, rest loaded."""
+    tiny = dict(depths=(1, 1, 1))
+    source = _perturbed(timm.create_model('cvt_13', **tiny))
+    path = tmp_path / 'CvT-13-224x224-IN-1k.pth'
+    torch.save(microsoft_cvt(source), path)
+    with caplog.at_level('WARNING'):
+        model = timm.create_model(
+            'cvt_13', pretrained=True, num_classes=10, pretrained_cfg_overlay=dict(file=str(path)), **tiny)
+    assert '1000-class head is not loaded into a model of 10 classes' in caplog.text
+    assert torch.equal(model.stages[2].cls_token, source.stages[2].cls_token)

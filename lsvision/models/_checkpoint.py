@@ -1,6 +1,6 @@
 """Key checks shared by the checkpoint filters of the lsvision models."""
 import logging
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,7 @@ def check_filtered_keys(
         model: nn.Module,
         source: str,
         classifier: str = 'head',
+        optional: Sequence[str] = (),
 ) -> Dict[str, torch.Tensor]:
     """Return `state_dict` (already in lsvision names) if it loads into `model` strictly but for the classifier.
 
@@ -34,13 +35,15 @@ def check_filtered_keys(
         model: The model it is for.
         source: What the checkpoint is, for the messages (e.g. "Microsoft CvT checkpoint").
         classifier: Prefix of the classifier's keys.
+        optional: Parts of model keys the checkpoint may lack (e.g. '.grc.': a GRC model loads its base's weights).
 
     Raises:
         KeyError: Naming every key that could not be placed (missing, unexpected or mis-shaped), classifier aside.
     """
     expected = model.state_dict()
     head = classifier + '.'
-    missing = [k for k in expected if k not in state_dict and not k.startswith(head)]
+    missing = [k for k in expected
+               if k not in state_dict and not k.startswith(head) and not any(part in k for part in optional)]
     unexpected = [k for k in state_dict if k not in expected and not k.startswith(head)]
     misshaped = [f'{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})' for k, v in state_dict.items()
                  if k in expected and not k.startswith(head) and v.shape != expected[k].shape]
