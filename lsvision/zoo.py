@@ -227,7 +227,8 @@ FAMILIES: List[Tuple[str, Family]] = [
                       'and research on efficient attention: time and memory grow about linearly with the pixel count '
                       '(see docs/benchmarks/).'),
         weights=_NO_WEIGHTS + ('The paper released none for CvT-LS: create the model and train it, then load your '
-                               "checkpoint with `pretrained_cfg_overlay=dict(file='my_checkpoint.safetensors')`."),
+                               "checkpoint (lsvision's layout):\n\n```python\nmodel = timm.create_model('{name}', "
+                               "pretrained=True, pretrained_cfg_overlay=dict(file='my_checkpoint.safetensors'))\n```"),
         license=_LSVISION_LICENSE + 'No third-party weights are involved.',
         citations=('long_short', 'cvt'),
     )),

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from official_layouts import fairseq, microsoft_cvt, official_char_lm, official_pvt, official_vil
+from safetensors.torch import save_file
 
 import timm
 
@@ -85,6 +86,8 @@ def _writer(name: str, file: str) -> Tuple[Callable[[], nn.Module], Callable[[nn
     if file == 'model_best.pth':
         return (lambda: timm.create_model(name)), official_vil
     stem = Path(file).stem
+    if file.endswith('.safetensors'):  # the user's own checkpoint, lsvision layout
+        return (lambda: timm.create_model(name)), lambda model: model.state_dict()
     if stem in list_models():  # an official PVT v1 file
         return (lambda: timm.create_model(stem)), official_pvt
     assert stem in timm.list_models(), f'{file}: no writer for this file (line of {name})'
@@ -107,7 +110,8 @@ def test_every_form_is_run():
     docs = {doc for doc, *_ in lines}
     assert 'README.md' in docs and 'cvt_21.md' in docs and 'vil_ls_medium.md' in docs
     runs = _one_per_form()
-    assert {name for _, name, _, _ in runs} >= {'cvt_13', 'cvt_21', 'cvt_13_384', 'cvt_21_384', 'vil_ls_medium'}
+    assert {name for _, name, _, _ in runs} >= {
+        'cvt_13', 'cvt_21', 'cvt_13_384', 'cvt_21_384', 'vil_ls_medium', 'cvt_ls_13', 'pvt_tiny'}
     assert len(runs) < len(lines) / 2  # one run per form
 
 
@@ -116,7 +120,10 @@ def test_documented_loading_line_loads_the_authors_checkpoint(doc, name, file, c
     torch.manual_seed(0)
     make_source, layout = _writer(name, file)
     source = _perturbed(make_source())
-    torch.save(layout(source), tmp_path / file)
+    if file.endswith('.safetensors'):
+        save_file({k: v.contiguous() for k, v in layout(source).items()}, str(tmp_path / file))
+    else:
+        torch.save(layout(source), tmp_path / file)
     monkeypatch.chdir(tmp_path)  # the lines name their files relative to the working folder
     model = eval(call, {'timm': timm})  # the line as documented
     _assert_loaded(model, source)

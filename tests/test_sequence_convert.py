@@ -143,3 +143,11 @@ def test_official_char_lm_layout_errors_name_the_key(official_char_lm_keys):
         shallow = seq.create_model('ls_lm_text8_small', depth=11)
     with pytest.raises(RuntimeError, match=r'Unexpected key.*blocks\.11\.'):
         shallow.load_state_dict(convert_char_lm_state_dict(official), strict=True, assign=True)
+
+
+def test_lra_errors_name_the_key():
+    official = _official_lra(seq.create_model('ls_lra_listops', max_len=64))['model_state_dict']
+    for key in ('module.model.transformer_1.mha.W_v.bias', 'module.seq_classifer.mlpblock.0.weight'):
+        with pytest.raises(KeyError, match=key[len('module.'):].replace('.', r'\.').split('mlpblock')[0]):
+            load_official_checkpoint(seq.create_model('ls_lra_listops', max_len=64),
+                                     {k: v for k, v in official.items() if k != key})

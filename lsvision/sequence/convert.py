@@ -63,6 +63,8 @@ def _unwrap(state: Dict) -> StateDict:
 
 
 def _take(state: StateDict, used: set, key: str) -> torch.Tensor:
+    if key not in state:
+        raise KeyError(f'the official key {key!r} is missing from the state_dict')
     used.add(key)
     return state[key]
 
@@ -99,7 +101,9 @@ def convert_lra_state_dict(state: Dict) -> StateDict:
     layers = sorted({int(m.group(1)) for k in state if (m := re.match(re.escape(root) + r'transformer_(\d+)\.', k))})
     for i in layers:
         pre = f'{root}transformer_{i}.'
-        wq = next(k for k in state if k.startswith(pre) and k.endswith('.W_q.weight'))
+        wq = next((k for k in state if k.startswith(pre) and k.endswith('.W_q.weight')), None)
+        if wq is None:
+            raise KeyError(f'layer {pre!r} of the official LRA state_dict has no attention ("...W_q.weight" key)')
         attn = wq[:-len('.W_q.weight')]
         dst = f'encoder.blocks.{i}.'
         for p in ('weight', 'bias'):
@@ -120,8 +124,10 @@ def convert_lra_state_dict(state: Dict) -> StateDict:
     cls = next((k for k in state if k.endswith('cls_embed') or k.endswith('cls_token')), None)
     if cls is not None:
         out['encoder.cls_token'] = _take(state, used, cls).reshape(1, 1, -1)
-    head = next(k[:-len('.mlpblock.0.weight')] for k in state if k.endswith('mlpblock.0.weight')
-                and 'transformer_' not in k)
+    head = next((k[:-len('.mlpblock.0.weight')] for k in state if k.endswith('mlpblock.0.weight')
+                 and 'transformer_' not in k), None)
+    if head is None:
+        raise KeyError('the official LRA state_dict has no classifier ("seq_classifer.mlpblock.0.weight" key)')
     _copy_module(state, used, head + '.mlpblock.0', 'head.0', out)
     _copy_module(state, used, head + '.mlpblock.2', 'head.2', out)
     _check_unused(state, used, 'LRA conversion')
