@@ -4,8 +4,8 @@
   is trained to disagree with the average-pooled one gives the cls-token logits with the documented call.
 * Every `timm.create_model(..., pretrained=True, ...)` line of README.md and model_cards/*.md, and README's char-LM
   block, is parsed from the file and run in a folder that holds the file it names. Lines of one form (same family and
-  call, the file named after the model) run once, for the smallest model; a line that names a released file (the
-  Microsoft CvT files) runs for every file, since the file picks the weights.
+  call, the file named after the model) run once, for the smallest model; every line that names a released file (the
+  Microsoft CvT files) runs, since the file, not the model, picks the weights.
 """
 import json
 import re
@@ -44,14 +44,17 @@ def _loading_lines() -> List[Tuple[str, str, str, str]]:
     return lines
 
 
-def _grouped() -> Dict[Tuple[str, str, str], List[Tuple[str, str, str, str]]]:
-    """Lines by form: family, the call with the model (and a file named after it) abstracted, a release file."""
-    groups: Dict[Tuple[str, str, str], List[Tuple[str, str, str, str]]] = {}
+def _grouped() -> Dict[Tuple[str, ...], List[Tuple[str, str, str, str]]]:
+    """Lines by form: family, the call with the model (and a file named after it) abstracted, the file otherwise,
+    and the model for a released file."""
+    groups: Dict[Tuple[str, ...], List[Tuple[str, str, str, str]]] = {}
     for doc, name, file, call in _loading_lines():
         base = name[:-len('_grc')] if name.endswith('_grc') else name
         named_after_model = Path(file).stem in (name, base)
         form = call.replace(f"'{name}'", "'{name}'").replace(f"file='{file}'", "file='{file}'")
-        key = (family_of(name).title, form, '{file}' if named_after_model else file)
+        # a released file of fixed architecture (Microsoft's CvT files) picks the weights: every such line runs
+        released = name if MICROSOFT.match(file) else ''
+        key = (family_of(name).title, form, '{file}' if named_after_model else file, released)
         groups.setdefault(key, []).append((doc, name, file, call))
     return groups
 
