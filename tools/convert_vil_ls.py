@@ -12,7 +12,11 @@ Example::
     python tools/convert_vil_ls.py model_best.pth vil_ls_medium.safetensors
     python tools/convert_vil_ls.py model_best.pth vil_ls_medium_at384.safetensors --model vil_ls_medium --img-size 384
 
-and then ``timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=dict(file=...))``.
+and then ``timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=dict(file=...))``: the tool
+prints the exact line. A class count other than 1000 goes both into ``pretrained_cfg_overlay`` and into the model
+kwargs, so that timm loads the head strictly instead of dropping it. A head that cannot load strictly, and an official
+checkpoint whose last stage has a cls token (its official head classifies that token; lsvision's averages the map),
+are refused by name.
 """
 
 import argparse
