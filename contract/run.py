@@ -31,6 +31,8 @@ REPO_ROOT = HERE.parent
 CACHE_DIR = HERE / '.cache'
 # fast enough for CI (about 2 min on 2 cores): one model per family that shares the most code with the others
 DEFAULT_MODELS = 'cvt_ls_13,cvt_13,vil_ls_medium,pvt_v2_b0_grc'
+# CvT and CvT-LS return tokens from forward_features (cls token first, as timm's ViT): timm's non-standard cfg test
+DEFAULT_NON_STD = 'cvt_*'
 
 
 def fetch_timm_tests(version: str, cache_dir: Path = CACHE_DIR) -> Path:
@@ -88,9 +90,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument('--packages', default='lsvision',
                         help='modules to import; their registered timm models are the ones under test (default: '
                              'lsvision)')
-    parser.add_argument('--non-std', default='',
+    parser.add_argument('--non-std', default=DEFAULT_NON_STD,
                         help="patterns of token-output models that timm's NON_STD_FILTERS does not name already "
-                             '(none of lsvision needs one: vit_*_grc and deit_*_grc match its vit_* and deit*)')
+                             f'(default: {DEFAULT_NON_STD}; vit_*_grc and deit_*_grc match its vit_* and deit*)')
     parser.add_argument('--report', type=Path, help='also write the model x test outcomes to this JSON file')
     args, pytest_args = parser.parse_known_args(argv)
 

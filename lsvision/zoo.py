@@ -17,6 +17,7 @@ from timm.models import get_pretrained_cfg, model_entrypoint
 
 from lsvision.benchmark import BenchmarkConfig, benchmark_model, markdown_table
 from lsvision.measure import machine_description
+from lsvision.models.cvt import MICROSOFT_CHECKPOINTS
 
 __all__ = [
     'FAMILIES',
@@ -86,6 +87,8 @@ PAPER_RESULTS: Dict[str, Dict[str, Reported]] = {
     # CvT, the full-attention baseline (the paper's CvT numbers are of another implementation)
     'cvt_13': {'params_m': (20.0, 'ls_table5_cvt'), 'gflops': (6.7, 'ls_table5_cvt')},
     'cvt_21': {'params_m': (32.0, 'ls_table5_cvt'), 'gflops': (10.1, 'ls_table5_cvt')},
+    'cvt_13_384': {'params_m': (20.0, 'ls_table5_cvt'), 'gflops': (31.9, 'ls_table5_cvt')},
+    'cvt_21_384': {'params_m': (32.0, 'ls_table5_cvt'), 'gflops': (45.0, 'ls_table5_cvt')},
     # GRC: PVT v1 baselines and cached models
     'pvt_tiny': {'params_m': (13.2, 'grc'), 'gflops': (1.9, 'grc'), 'top1': (75.1, 'grc')},
     'pvt_small': {'params_m': (24.5, 'grc'), 'gflops': (3.8, 'grc'), 'top1': (79.9, 'grc')},
@@ -219,24 +222,28 @@ FAMILIES: List[Tuple[str, Family]] = [
         summary=('Three-stage CvT with the long-short attention of Transformer-LS (depthwise-separable conv '
                  'projections, a sliding window plus a dynamic low-rank projection), as specified from the paper '
                  "(there is no official code). `_384` and `_448` variants use the paper's windows and ranks for "
-                 'those sizes.'),
+                 "those sizes. The head is the paper's, the normed stage-3 cls token (`global_pool='token'`); "
+                 "`global_pool='avg'` averages the stage-3 map instead."),
         intended_use=('Classification and a backbone (`features_only`, strides 4/8/16) for high-resolution inputs, '
                       'and research on efficient attention: time and memory grow about linearly with the pixel count '
                       '(see docs/benchmarks/).'),
         weights=_NO_WEIGHTS + ('The paper released none for CvT-LS: create the model and train it, then load your '
-                               "checkpoint with `pretrained_cfg_overlay=dict(file='my_checkpoint.safetensors')`."),
+                               "checkpoint (lsvision's layout):\n\n```python\nmodel = timm.create_model('{name}', "
+                               "pretrained=True, pretrained_cfg_overlay=dict(file='my_checkpoint.safetensors'))\n```"),
         license=_LSVISION_LICENSE + 'No third-party weights are involved.',
         citations=('long_short', 'cvt'),
     )),
     ('cvt_*', Family(
         title="CvT (Microsoft's official design, full attention)",
         summary=('Convolutional vision Transformer: conv token embeddings, q/k/v from depthwise convs with keys and '
-                 'values at stride 2, full attention. The quadratic baseline beside CvT-LS.'),
+                 "values at stride 2, full attention, and Microsoft's head, the normed stage-3 cls token "
+                 "(`global_pool='token'`; `'avg'` averages the stage-3 map instead). The quadratic baseline beside "
+                 "CvT-LS. `_384` variants take Microsoft's 384 evaluation settings (crop_pct 1.0)."),
         intended_use=('Classification, and the full-attention counterpart in benchmarks of long-short attention '
                       '(its cost grows quadratically with the pixel count at large inputs).'),
-        weights=(_NO_WEIGHTS + "Microsoft's released CvT checkpoints (`stage{{i}}.*` keys) map to lsvision's names "
-                 "on load: `timm.create_model('{name}', pretrained=True, pretrained_cfg_overlay=dict(file="
-                 "'CvT-13-224x224-IN-1k.pth'))`."),
+        weights=(_NO_WEIGHTS + "Microsoft's released CvT checkpoint of this model (`stage{{i}}.*` keys) maps to "
+                 "lsvision's names on load and gives Microsoft's logits:\n\n```python\nmodel = timm.create_model("
+                 "'{name}', pretrained=True, pretrained_cfg_overlay=dict(file='{microsoft_file}'))\n```"),
         license=(_LSVISION_LICENSE + 'Adapted from microsoft/CvT (MIT); its checkpoints come under the license of '
                  'that repository.'),
         citations=('cvt',),
@@ -380,7 +387,7 @@ def render_card(name: str, measured: Dict[str, Any]) -> str:
     family = family_of(name)
     cfg = get_pretrained_cfg(name)
     _, height, width = measured['input_size']
-    fmt = {'name': name, 'base': _base_model(name)}
+    fmt = {'name': name, 'base': _base_model(name), 'microsoft_file': MICROSOFT_CHECKPOINTS.get(name, '')}
     notes = _Footnotes()
     description = _first_doc_line(name)
     size_note = '' if cfg.fixed_input_size else '; other sizes run too'

@@ -23,6 +23,12 @@ def golden_path(name: str) -> Path:
 
 
 @pytest.fixture(scope='session')
+def golden_root() -> Path:
+    """The root of the golden data (one folder per reference: vil_ls_official/, char_lm_official/, ...)."""
+    return golden_path('.')
+
+
+@pytest.fixture(scope='session')
 def golden_dir() -> Path:
     """The official ViL-LS reference outputs (tests/golden/vil_ls_official)."""
     return golden_path('vil_ls_official')

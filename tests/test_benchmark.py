@@ -74,7 +74,7 @@ def test_benchmark_tool_rejects_bad_input(tmp_path, capsys):
 
 
 def test_resolve_model_names():
-    assert resolve_model_names(['cvt_ls_13', 'cvt_1*', 'cvt_ls_13']) == ['cvt_ls_13', 'cvt_13']
+    assert resolve_model_names(['cvt_ls_13', 'cvt_1*', 'cvt_ls_13']) == ['cvt_ls_13', 'cvt_13', 'cvt_13_384']
     assert resolve_model_names(['resnet18']) == ['resnet18']  # any timm model
     assert resolve_model_names(['*']) == list_models()
     with pytest.raises(ValueError, match='matches no model'):

@@ -22,6 +22,8 @@ PARAMS = {
     'cvt_ls_21s_448': 31_011_848,
     'cvt_13': 19_997_480,
     'cvt_21': 31_622_696,
+    'cvt_13_384': 19_997_480,
+    'cvt_21_384': 31_622_696,
 }
 GFLOPS = {
     'cvt_ls_13': 4.953,
@@ -42,7 +44,16 @@ def test_registered_names():
     for size in ('13', '17', '21', '21s'):
         for res in ('', '_384', '_448'):
             assert f'cvt_ls_{size}{res}' in names
-    assert {'cvt_13', 'cvt_21'} <= names
+    assert {'cvt_13', 'cvt_21', 'cvt_13_384', 'cvt_21_384'} <= names
+
+
+@pytest.mark.parametrize('name', ['cvt_13_384', 'cvt_21_384'])
+def test_384_configs_match_microsoft_evaluation(name):
+    cfg = timm.get_pretrained_cfg(name)
+    assert cfg.input_size == (3, 384, 384) and cfg.crop_pct == 1.0
+    with torch.device('meta'):
+        big, base = timm.create_model(name), timm.create_model(name[:-len('_384')])
+    assert {k: v.shape for k, v in big.state_dict().items()} == {k: v.shape for k, v in base.state_dict().items()}
 
 
 @pytest.mark.parametrize('name', sorted(PARAMS))
@@ -110,7 +121,7 @@ def test_full_size_bf16_forward():
 def test_any_input_size(size):
     model = timm.create_model('cvt_ls_13', **TINY_LS).eval()
     with torch.no_grad():
-        out = model.forward_features(torch.randn(1, 3, *size))
+        out = model.forward_intermediates(torch.randn(1, 3, *size), intermediates_only=True)[-1]
     expected = []
     for s in size:
         for k, st, p in ((7, 4, 2), (3, 2, 1), (3, 2, 1)):  # the conv embeddings
@@ -129,23 +140,59 @@ def test_wrong_input_is_explained():
         model(torch.randn(3, 64, 64))
 
 
-def test_token_head_uses_cls_token():
+@pytest.mark.parametrize('name,kwargs', [('cvt_ls_13', TINY_LS), ('cvt_13', TINY_CONV)])
+def test_default_head_is_the_normed_cls_token(name, kwargs):
+    """The papers' head by default; forward == forward_head(forward_features) for every pooling, also after
+    reset_classifier; 'avg' averages the normed patch tokens (the stage-3 map)."""
     torch.manual_seed(0)
-    model = timm.create_model('cvt_ls_13', global_pool='token', num_classes=7, **TINY_LS).eval()
-    x = torch.randn(2, 3, 64, 64)
+    model = timm.create_model(name, num_classes=7, **kwargs).eval()
+    assert model.global_pool == 'token'
+    x = torch.randn(2, 3, 64, 80)
     with torch.no_grad():
-        out = model(x)
-        _, prefix = model.stages[0].forward_with_prefix(x)
-        assert prefix.shape[1] == 0
-        y = x
+        y, prefix = x, None
         for stage in model.stages:
             y, prefix = stage.forward_with_prefix(y)
-        expected = model.head(model.norm(prefix[:, 0]))
-    torch.testing.assert_close(out, expected)
-    with pytest.raises(AssertionError, match='call forward'):
-        model.forward_head(model.forward_features(x))
+        cls_logits = model.head(model.norm(prefix[:, 0]))
+        avg_logits = model.head(model.norm(y.flatten(2).transpose(1, 2)).mean(1))
+        feats = model.forward_features(x)
+        assert feats.shape == (2, 1 + 4 * 5, 64)
+        torch.testing.assert_close(model(x), cls_logits)
+        torch.testing.assert_close(model.forward_head(feats), cls_logits)
+        assert not torch.allclose(cls_logits, avg_logits, atol=1e-3)
+        head = model.head
+        model.reset_classifier(7, 'avg')
+        model.head = head
+        torch.testing.assert_close(model(x), avg_logits)
+        torch.testing.assert_close(model.forward_head(feats), avg_logits)
+        model.reset_classifier(0, '')
+        torch.testing.assert_close(model(x), feats)
+        model.reset_classifier(0, 'token')
+        torch.testing.assert_close(model(x), feats[:, 0])
+        final, _ = model.forward_intermediates(x)
+        torch.testing.assert_close(final, feats)
+    avg_model = timm.create_model(name, num_classes=7, global_pool='avg', **kwargs)
+    assert avg_model.global_pool == 'avg'
+    with pytest.raises(AssertionError, match="pass global_pool='avg'"):
+        timm.create_model(name, cls_token_stages=(False, False, False), **kwargs)
+    model = timm.create_model(name, global_pool='avg', cls_token_stages=(False, False, False), **kwargs)
     with pytest.raises(AssertionError, match='needs a cls token'):
-        timm.create_model('cvt_ls_13', global_pool='token', cls_token_stages=(False, False, False), **TINY_LS)
+        model.reset_classifier(3, 'token')
+
+
+def test_pruned_model_averages_the_tap():
+    """Pruned before the cls-token stage, the features are that stage's tokens and the head resets to no pooling."""
+    model = timm.create_model('cvt_ls_13', **TINY_LS).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        taps = model.forward_intermediates(x, intermediates_only=True)
+        model.prune_intermediate_layers([1])
+        feats = model.forward_features(x)
+        torch.testing.assert_close(feats, taps[1].flatten(2).transpose(1, 2))
+        assert model.global_pool == '' and model.num_prefix_tokens == 0
+        model.reset_classifier(0, 'avg')
+        torch.testing.assert_close(model(x), feats.mean(1))
+        with pytest.raises(AssertionError, match='needs a cls token'):
+            model.reset_classifier(0, 'token')
 
 
 def test_grad_checkpointing_keeps_outputs_and_grads():

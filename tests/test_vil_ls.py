@@ -100,6 +100,54 @@ def test_converter_explains_a_mismatched_checkpoint(golden_dir, tmp_path, capsys
     assert 'stages.2.blocks.2.attn.qkv.weight' in str(e.value) and 'layer3.5.attn.foo' in str(e.value)
 
 
+def test_converter_load_line_keeps_a_10_class_head(golden_dir, tmp_path, capsys):
+    """The printed line carries num_classes in pretrained_cfg_overlay: timm loads the head strictly, no warning."""
+    tool = _load_tool()
+    io, _ = _golden(golden_dir, 'tiny224')
+    out = tmp_path / 'tiny224.safetensors'
+    assert tool.main([str(golden_dir / 'tiny224.pth'), str(out)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith('load it with: '))
+    call = line[len('load it with: '):]
+    assert f'pretrained_cfg_overlay=dict(file={str(out)!r}, num_classes=10)' in call and 'num_classes=10' in call
+    model = eval(call, {'timm': timm})  # the line as printed
+    assert model.pretrained_cfg['num_classes'] == 10
+    _assert_reproduces(model, io)
+
+
+def test_converter_refuses_a_head_it_cannot_load(golden_dir):
+    tool = _load_tool()
+    checkpoint = torch.load(golden_dir / 'tiny224.pth', weights_only=True)
+    del checkpoint['net']['module.head.bias']
+    with pytest.raises(tool.ConversionError, match='classifier head cannot be loaded strictly') as e:
+        tool.convert(checkpoint)
+    assert 'head.bias' in str(e.value)
+
+
+def test_last_stage_cls_token_is_refused_by_name(golden_dir):
+    """The official head classifies a last-stage cls token; lsvision averages the map: refused, never loaded."""
+    tool = _load_tool()
+    checkpoint = torch.load(golden_dir / 'tiny224.pth', weights_only=True)
+    checkpoint['net']['module.layer4.0.cls_token'] = torch.zeros(1, 1, 64)
+    with pytest.raises(tool.ConversionError, match="'layer4.0.cls_token'"):
+        tool.convert(checkpoint)
+    _, kwargs = _golden(golden_dir, 'tiny224')
+    model = timm.create_model('vil_ls_medium', **dict(kwargs, num_cls_tokens=(1, 1, 1, 1)))
+    with pytest.raises(ValueError, match="'layer4.0.cls_token'.*classifies the normed cls token"):
+        checkpoint_filter_fn(checkpoint, model)
+
+
+def test_filter_names_keys_it_cannot_place(golden_dir):
+    _, kwargs = _golden(golden_dir, 'tiny224')
+    model = timm.create_model('vil_ls_medium', **kwargs)
+    checkpoint = torch.load(golden_dir / 'tiny224.pth', weights_only=True)
+    del checkpoint['net']['module.layer2.4.mlp.fc1.bias']
+    with pytest.raises(KeyError, match=r'missing.*stages\.1\.blocks\.1\.mlp\.fc1\.bias'):
+        checkpoint_filter_fn(checkpoint, model)
+    lsvision_layout = dict(model.state_dict(), extra=torch.zeros(1))
+    with pytest.raises(KeyError, match='unexpected.*extra'):
+        checkpoint_filter_fn(lsvision_layout, model)
+
+
 @pytest.mark.parametrize('official,name', [('vil_ls_medium_224', 'vil_ls_medium'), ('vil_ls_base_224', 'vil_ls_base')])
 def test_full_size_key_coverage(golden_dir, official, name):
     shapes = json.loads((golden_dir / 'full_key_shapes.json').read_text())[official]

@@ -12,7 +12,11 @@ Example::
     python tools/convert_vil_ls.py model_best.pth vil_ls_medium.safetensors
     python tools/convert_vil_ls.py model_best.pth vil_ls_medium_at384.safetensors --model vil_ls_medium --img-size 384
 
-and then ``timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=dict(file=...))``.
+and then ``timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=dict(file=...))``: the tool
+prints the exact line. A class count other than 1000 goes both into ``pretrained_cfg_overlay`` and into the model
+kwargs, so that timm loads the head strictly instead of dropping it. A head that cannot load strictly, and an official
+checkpoint whose last stage has a cls token (its official head classifies that token; lsvision's averages the map),
+are refused by name.
 """
 
 import argparse
@@ -29,6 +33,7 @@ import timm
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
 from lsvision.models.vil_ls import (
+    check_official_head,
     convert_official_state_dict,
     official_config,
     resize_rel_pos_tables,
@@ -119,6 +124,10 @@ def convert(
     if not isinstance(checkpoint, dict):
         raise ConversionError(f'expected a dict (model_best.pth or a state_dict), got {type(checkpoint).__name__}')
     try:
+        check_official_head(checkpoint)
+    except ValueError as e:
+        raise ConversionError(str(e)) from e
+    try:
         official = official_config(checkpoint)
     except ValueError as e:
         raise ConversionError(
@@ -150,6 +159,9 @@ def convert(
     ]
     if missing or unexpected or misshaped:
         msg = f'the checkpoint does not fit {model_name} ({len(expected)} tensors):\n'
+        if any(k.startswith('head.') for k in missing + unexpected + misshaped):
+            msg += ('  its classifier head cannot be loaded strictly (a head that does not load is never replaced '
+                    'by a random one here):\n')
         if missing:
             msg += _listing('missing (the model has them, the checkpoint not)', missing)
         if unexpected:
@@ -167,6 +179,20 @@ def convert(
                     'check where it came from, or download it again.')
         raise ConversionError(msg)
     return converted, model_name, kwargs, dropped
+
+
+def load_call(name: str, path: Path, kwargs: Dict[str, Any]) -> str:
+    """The `timm.create_model(...)` call that loads the converted file with its head (strictly).
+
+    timm keeps a checkpoint's classifier only when the pretrained config's class count equals the model's, so a
+    class count other than 1000 goes both into `pretrained_cfg_overlay` and into the model kwargs.
+    """
+    overlay = [f'file={str(path)!r}']
+    if kwargs['num_classes'] != 1000:
+        overlay.append(f"num_classes={kwargs['num_classes']!r}")
+    call = ', '.join([repr(name), 'pretrained=True', f'pretrained_cfg_overlay=dict({", ".join(overlay)})']
+                     + [f'{k}={v!r}' for k, v in kwargs.items() if not (k == 'num_classes' and v == 1000)])
+    return f'timm.create_model({call})'
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -191,12 +217,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     metadata = {'format': 'pt', 'model': name, 'model_kwargs': json.dumps(kwargs), 'source': args.checkpoint.name}
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(args.output), metadata=metadata)
     params = sum(v.numel() for v in state_dict.values())
-    call = ', '.join([repr(name), 'pretrained=True', f'pretrained_cfg_overlay=dict(file={str(args.output)!r})']
-                     + [f'{k}={v!r}' for k, v in kwargs.items() if not (k == 'num_classes' and v == 1000)])
     print(f'wrote {args.output}: {len(state_dict)} tensors, {params:,} parameters, for {name}')
     print(f'dropped {len(dropped)} relative_position_index buffers (lsvision computes them)'
           + (f'; ignored checkpoint entries: {", ".join(ignored)}' if ignored else ''))
-    print(f'load it with: timm.create_model({call})')
+    print(f'load it with: {load_call(name, args.output, kwargs)}')
     return 0
 
 

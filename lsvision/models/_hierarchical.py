@@ -3,8 +3,14 @@
 Such a model holds `stages` (an nn.Sequential of stages: NCHW in, NCHW out, each with `forward_with_prefix`
 returning the map and its prefix tokens, and a `grad_checkpointing` flag), a final `norm` over channels, `head_drop`
 and `head`, and sets `in_chans`, `min_input_size`, `global_pool`, `num_features`, `head_hidden_size`, `num_classes`
-and `feature_info`. `forward_features` returns the normed last-stage map (timm's standard NCHW contract); the head
-averages it ('avg'), or classifies the normed cls token of the last stage ('token', reached through `forward`).
+and `feature_info`.
+
+Two output layouts, chosen by the class attribute `token_features`:
+    * False: `forward_features` returns the normed last-stage map (timm's standard NCHW contract); the head averages
+      it ('avg'), or classifies the normed cls token of the last stage ('token', reached through `forward` only).
+    * True (CvT, CvT-LS): `forward_features` returns the normed last-stage tokens (B, g + H*W, C), cls token(s)
+      first, as timm's ViT does; the head takes the cls token ('token') or averages the patch tokens ('avg'), and
+      `forward == forward_head(forward_features)` for every pooling. '' returns the tokens.
 """
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -52,6 +58,7 @@ class HierarchicalTransformer(nn.Module):
     """Base of the stage-wise lsvision models: everything of the timm API that does not depend on the family."""
 
     global_pools: Tuple[str, ...] = ('avg', 'token', '')
+    token_features: bool = False  # forward_features returns tokens (with the cls token) instead of the NCHW map
 
     def _build_head_and_init(
             self,
@@ -67,6 +74,8 @@ class HierarchicalTransformer(nn.Module):
         the rest keeps PyTorch's defaults.
         """
         dd = {'device': device, 'dtype': dtype}
+        self.num_prefix_tokens = self.stages[-1].num_prefix_tokens  # of the last stage, in the token features
+        self.token_features = type(self).token_features  # an instance attribute: TorchScript sees only those
         self.norm = nn.LayerNorm(self.num_features, eps=norm_eps, **dd)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
@@ -125,6 +134,13 @@ class HierarchicalTransformer(nn.Module):
     def _norm_map(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
+    def _final_features(self, x: torch.Tensor, prefix: torch.Tensor) -> torch.Tensor:
+        """What forward_features returns from the last stage's map and prefix tokens: the normed map, or the normed
+        tokens [prefix | row-major patches] when `token_features`."""
+        if self.token_features:
+            return self.norm(torch.cat([prefix, x.flatten(2).transpose(1, 2)], dim=1))
+        return self._norm_map(x)
+
     def forward_intermediates(
             self,
             x: torch.Tensor,
@@ -157,15 +173,16 @@ class HierarchicalTransformer(nn.Module):
         else:
             stages = self.stages[:max_index + 1]
         last_idx = 0
+        prefix = x
         for i, stage in enumerate(stages):
-            x = stage(x)
+            x, prefix = stage.forward_with_prefix(x)
             last_idx = i
             if i in take_indices:
                 intermediates.append(self._norm_map(x) if norm and i == num_stages - 1 else x)
         if intermediates_only:
             return intermediates
         if last_idx == num_stages - 1:
-            x = self._norm_map(x)
+            x = self._final_features(x, prefix)
         return x, intermediates
 
     def prune_intermediate_layers(
@@ -178,6 +195,7 @@ class HierarchicalTransformer(nn.Module):
         take_indices, max_index = feature_take_indices(len(self.stages), indices)
         prune_end = max_index < len(self.stages) - 1
         self.stages = self.stages[:max_index + 1]
+        self.num_prefix_tokens = self.stages[-1].num_prefix_tokens
         if prune_norm or prune_end:
             self.norm = nn.Identity()
         if prune_end:
@@ -187,14 +205,25 @@ class HierarchicalTransformer(nn.Module):
         return take_indices
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Normed last-stage map (B, C, H/r, W/r) at the last reduction r; prefix tokens are dropped."""
+        """Normed last-stage map (B, C, H/r, W/r) at the last reduction r, prefix tokens dropped; with
+        `token_features` the normed last-stage tokens (B, g + H/r * W/r, C), prefix tokens first."""
         check_image_input(x, self.in_chans, self.min_input_size)
-        x = self.stages(x)
-        return self._norm_map(x)
+        prefix = x
+        for stage in self.stages:
+            x, prefix = stage.forward_with_prefix(x)
+        return self._final_features(x, prefix)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        """Classify the map from forward_features ('avg' or '' pooling) or a normed cls token (B, C) ('token')."""
-        if self.global_pool == 'avg':
+        """Pool and classify what forward_features returns ('avg', 'token' or '' pooling).
+
+        Without `token_features`, 'token' takes a normed cls token (B, C), which only `forward` passes in.
+        """
+        if self.token_features:
+            if self.global_pool == 'token':
+                x = x[:, 0]
+            elif self.global_pool == 'avg':
+                x = x[:, self.num_prefix_tokens:].mean(dim=1)
+        elif self.global_pool == 'avg':
             x = x.mean(dim=(2, 3))
         elif self.global_pool == 'token':
             _assert(x.ndim == 2, "global_pool='token' classifies the cls token: call forward(), not "
@@ -203,7 +232,7 @@ class HierarchicalTransformer(nn.Module):
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.global_pool == 'token':
+        if self.global_pool == 'token' and not self.token_features:
             check_image_input(x, self.in_chans, self.min_input_size)
             prefix = x
             for stage in self.stages:

@@ -10,12 +10,14 @@ a cls token joins the last stage only; no position embedding. The attention is p
       (keys/values at stride 2) and a Linear each, scale C^-0.5 over the full stage width, QuickGELU MLPs.
     * 'long_short': the 2D long-short attention of Transformer-LS (`cvt_ls_*`, registered in cvt_ls.py).
 
-The official CvT classifies from the stage-3 cls token. lsvision keeps that head as `global_pool='token'`; the
-default is `global_pool='avg'` (mean of the normed stage-3 map) so that `forward_features` can return the NCHW map
-that timm's standard contract and dense-prediction users expect, with `forward == forward_head(forward_features)`.
+Microsoft's CvT and the CvT-LS paper classify the normed stage-3 cls token: that is the default head
+(`global_pool='token'`). As in timm's ViT, `forward_features` returns the normed stage-3 tokens (B, 1 + H*W, C), cls
+token first, so `forward == forward_head(forward_features)` for every head; `global_pool='avg'` averages the patch
+tokens instead. `forward_intermediates` and `features_only` give the NCHW stage maps.
 
 Adapted from microsoft/CvT (MIT). Written for lsvision, Apache-2.0.
 """
+import re
 from functools import partial
 from typing import Any, Dict, Sequence, Tuple
 
@@ -34,6 +36,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from lsvision.layers import LongShortAttention2d
 
+from ._checkpoint import check_filtered_keys
 from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
 __all__ = ['ConvVisionTransformer']
@@ -214,11 +217,13 @@ class CvtStage(HierarchicalStage):
 class ConvVisionTransformer(HierarchicalTransformer):
     """CvT-style hierarchical transformer with pluggable attention (CvT, CvT-LS)."""
 
+    token_features = True  # forward_features keeps the cls token for the papers' head
+
     def __init__(
             self,
             in_chans: int = 3,
             num_classes: int = 1000,
-            global_pool: str = 'avg',
+            global_pool: str = 'token',
             embed_dims: Tuple[int, ...] = (64, 192, 384),
             depths: Tuple[int, ...] = (1, 2, 10),
             num_heads: Tuple[int, ...] = (1, 3, 6),
@@ -244,8 +249,8 @@ class ConvVisionTransformer(HierarchicalTransformer):
         Args:
             in_chans: Input image channels.
             num_classes: Classifier outputs (0 for no classifier).
-            global_pool: 'avg' (mean of the normed last map), 'token' (normed cls token, the official CvT head;
-                needs a cls token in the last stage) or '' (no pooling).
+            global_pool: 'token' (the normed cls token: Microsoft's CvT and the CvT-LS paper; needs a cls token in
+                the last stage), 'avg' (mean of the normed last-stage patch tokens) or '' (the tokens, no pooling).
             embed_dims: Channels per stage.
             depths: Blocks per stage.
             num_heads: Attention heads per stage.
@@ -269,8 +274,9 @@ class ConvVisionTransformer(HierarchicalTransformer):
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
         num_stages = len(depths)
-        assert global_pool in ('avg', 'token', ''), f"global_pool must be 'avg', 'token' or '', got {global_pool!r}"
-        assert global_pool != 'token' or cls_token_stages[-1], "global_pool='token' needs a cls token in the last stage"
+        assert global_pool in self.global_pools, f'global_pool must be one of {self.global_pools}, got {global_pool!r}'
+        assert global_pool != 'token' or cls_token_stages[-1], (
+            "global_pool='token' needs a cls token in the last stage; pass global_pool='avg' to average the map")
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
@@ -315,18 +321,18 @@ class ConvVisionTransformer(HierarchicalTransformer):
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Map a Microsoft CvT checkpoint (`stage{i}.blocks.{j}...`) to lsvision names; lsvision ones pass through."""
-    if 'state_dict' in state_dict:
+    """Map a Microsoft CvT checkpoint (`stage{i}.blocks.{j}...`, `stage2.cls_token`, `norm`, `head`) to lsvision
+    names; lsvision ones pass through. Every key must then fit the model (the classifier aside, which timm drops when
+    the class count differs): a KeyError names the ones that do not."""
+    if 'state_dict' in state_dict and isinstance(state_dict['state_dict'], dict):
         state_dict = state_dict['state_dict']
-    if any(k.startswith('stages.') for k in state_dict):
-        return state_dict
-    import re
-    out = {}
-    for k, v in state_dict.items():
-        k = re.sub(r'^module\.', '', k)
-        k = re.sub(r'^stage(\d+)\.', lambda m: f'stages.{m.group(1)}.', k)
-        out[k] = v
-    return out
+    state_dict = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state_dict.items()}
+    if not any(k.startswith('stages.') for k in state_dict):
+        state_dict = {re.sub(r'^stage(\d+)\.', r'stages.\1.', k): v for k, v in state_dict.items()}
+        source = 'the Microsoft CvT checkpoint'
+    else:
+        source = 'the lsvision CvT checkpoint'
+    return check_filtered_keys(state_dict, model, source)
 
 
 def _create_cvt(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
@@ -353,23 +359,47 @@ def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
     }
 
 
+# the released ImageNet-1k checkpoints of microsoft/CvT, by the model they load into (with the documented call)
+MICROSOFT_CHECKPOINTS = {
+    'cvt_13': 'CvT-13-224x224-IN-1k.pth',
+    'cvt_21': 'CvT-21-224x224-IN-1k.pth',
+    'cvt_13_384': 'CvT-13-384x384-IN-1k.pth',
+    'cvt_21_384': 'CvT-21-384x384-IN-1k.pth',
+}
+
+_cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)  # Microsoft's 384 evaluation
+
 default_cfgs = generate_default_cfgs({
     'cvt_13.untrained': _cfg(),
     'cvt_21.untrained': _cfg(),
+    'cvt_13_384.untrained': _cfg_384(),
+    'cvt_21_384.untrained': _cfg_384(),
 })
 
 _cvt_ms = partial(dict, attn_type='conv', act_layer='quick_gelu')
+_CVT_13 = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 2, 10))
+_CVT_21 = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 4, 16))
 
 
 @register_model
 def cvt_13(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     """CvT-13, Microsoft's official design (19.997M params, 4.585 GFLOPs at 224)."""
-    model_args = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 2, 10))
-    return _create_cvt('cvt_13', pretrained=pretrained, **dict(model_args, **kwargs))
+    return _create_cvt('cvt_13', pretrained=pretrained, **dict(_CVT_13, **kwargs))
 
 
 @register_model
 def cvt_21(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     """CvT-21, Microsoft's official design (31.623M params, 7.206 GFLOPs at 224)."""
-    model_args = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 4, 16))
-    return _create_cvt('cvt_21', pretrained=pretrained, **dict(model_args, **kwargs))
+    return _create_cvt('cvt_21', pretrained=pretrained, **dict(_CVT_21, **kwargs))
+
+
+@register_model
+def cvt_13_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    """CvT-13 evaluated at 384 as Microsoft's CvT-13-384x384 (same weights layout as cvt_13, crop_pct 1.0)."""
+    return _create_cvt('cvt_13_384', pretrained=pretrained, **dict(_CVT_13, **kwargs))
+
+
+@register_model
+def cvt_21_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    """CvT-21 evaluated at 384 as Microsoft's CvT-21-384x384 (same weights layout as cvt_21, crop_pct 1.0)."""
+    return _create_cvt('cvt_21_384', pretrained=pretrained, **dict(_CVT_21, **kwargs))

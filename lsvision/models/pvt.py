@@ -20,6 +20,7 @@ fixed here. GRC models do not support gradient checkpointing (the recompute woul
 
 Written for lsvision, Apache-2.0.
 """
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -37,6 +38,7 @@ from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs,
 
 from lsvision.layers import GatedRecurrentCache
 
+from ._checkpoint import check_filtered_keys
 from ._helpers import GRC_CHECKPOINT_ERROR, GrcModelMixin, grc_layer_kwargs
 from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
@@ -374,24 +376,27 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
     """Map an official PVT checkpoint (`patch_embed1`, `pos_embed1`, `block1.0`, `cls_token`) to lsvision names.
 
     Checkpoints already in lsvision layout pass through; a plain PVT checkpoint loaded into a GRC model leaves only
-    the `attn.grc.*` keys missing (zero caches).
+    the `attn.grc.*` keys missing (zero caches). Every other key must fit the model (the classifier aside, which timm
+    drops when the class count differs): a KeyError names the ones that do not, so the GRC models' non-strict load
+    never leaves a layer silently fresh.
     """
     for key in ('model', 'state_dict'):
         if key in state_dict and isinstance(state_dict[key], dict):
             state_dict = state_dict[key]
-    if any(k.startswith('stages.') for k in state_dict):
-        return state_dict
-    import re
-    last = len(model.stages) - 1
-    out = {}
-    for k, v in state_dict.items():
-        k = re.sub(r'^module\.', '', k)
-        k = re.sub(r'^(patch_embed|pos_embed|block)(\d+)',
-                   lambda m: f'stages.{int(m.group(2)) - 1}.' + ('blocks' if m.group(1) == 'block' else m.group(1)),
-                   k)
-        k = re.sub(r'^cls_token$', f'stages.{last}.cls_token', k)
-        out[k] = v
-    return out
+    source = 'the lsvision PVT checkpoint'
+    if not any(k.startswith('stages.') for k in state_dict):
+        source = 'the official PVT checkpoint'
+        last = len(model.stages) - 1
+        out = {}
+        for k, v in state_dict.items():
+            k = re.sub(r'^module\.', '', k)
+            k = re.sub(r'^(patch_embed|pos_embed|block)(\d+)',
+                       lambda m: f'stages.{int(m.group(2)) - 1}.' + ('blocks' if m.group(1) == 'block' else m.group(1)),
+                       k)
+            k = re.sub(r'^cls_token$', f'stages.{last}.cls_token', k)
+            out[k] = v
+        state_dict = out
+    return check_filtered_keys(state_dict, model, source, optional=('.grc.',))
 
 
 def _create_pvt(variant: str, pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:

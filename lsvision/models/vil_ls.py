@@ -39,6 +39,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from lsvision.layers import LongShortAttention2d, resize_window_rel_pos_table, window_rel_pos_table_size
 
+from ._checkpoint import check_filtered_keys
 from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
 __all__ = ['VisionLongShortTransformer']
@@ -632,6 +633,26 @@ def _unwrap_checkpoint(state_dict: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return {k[7:] if k.startswith('module.') else k: v for k, v in state_dict.items()}
 
 
+def check_official_head(state_dict: Dict[str, Any]) -> None:
+    """Refuse an official MsViT checkpoint whose last stage has cls tokens.
+
+    The official head then classifies the normed cls token, while lsvision's ViL-LS always averages the last map
+    (`global_pool='avg'`): loaded, such weights would give other logits than the official model.
+
+    Raises:
+        ValueError: Naming the last stage's `layer{N}.0.cls_token` key.
+    """
+    sd = _unwrap_checkpoint(state_dict)
+    stages = [int(m.group(1)) for k in sd if (m := re.match(r'^layer(\d+)\.0\.proj\.weight$', k))]
+    key = f'layer{max(stages)}.0.cls_token' if stages else None
+    if key in sd:
+        raise ValueError(
+            f"official key '{key}': the last stage has {sd[key].shape[1]} cls token(s), and the official head "
+            'classifies the normed cls token. lsvision ViL-LS averages the last map instead (its last stage has no '
+            'cls token, as in every released ViL-LS), so these weights cannot give the official outputs and are not '
+            'loaded.')
+
+
 def convert_official_state_dict(
         state_dict: Dict[str, Any],
 ) -> Tuple[Dict[str, torch.Tensor], List[str], List[str]]:
@@ -639,7 +660,11 @@ def convert_official_state_dict(
 
     Returns:
         (converted state_dict, official keys dropped on purpose, official keys this mapping does not know).
+
+    Raises:
+        ValueError: The last stage has a cls token (`check_official_head`).
     """
+    check_official_head(state_dict)
     out, dropped, unknown = {}, [], []
     for k, v in _unwrap_checkpoint(state_dict).items():
         try:
@@ -681,17 +706,21 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[s
 
     `optimizer`, `scheduler`, `epoch` and `best_acc` are ignored, the `relative_position_index` buffers dropped.
     lsvision-layout state dicts pass through. In both cases the full-attention bias tables are interpolated when
-    their size differs from the model's (e.g. 224 weights in a 384 model).
+    their size differs from the model's (e.g. 224 weights in a 384 model), and then every key must fit the model
+    (the classifier aside, which timm drops when the class count differs): a KeyError names the ones that do not.
+    An official checkpoint whose last stage has a cls token is refused (`check_official_head`).
     """
     state_dict = _unwrap_checkpoint(state_dict)
+    source = 'the lsvision ViL-LS checkpoint'
     if not any(k.startswith('stages.') for k in state_dict):
+        source = 'the official ViL-LS checkpoint'
         state_dict, _, unknown = convert_official_state_dict(state_dict)
         if unknown:
             raise ValueError(
                 f'{len(unknown)} keys of the checkpoint are not ViL-LS (MsViT with relative position bias) keys, '
                 f'e.g. {unknown[:5]}; is it a ViL-LS checkpoint of NVIDIA/transformer-ls? '
                 'tools/convert_vil_ls.py lists every mismatch.')
-    return resize_rel_pos_tables(state_dict, model)
+    return check_filtered_keys(resize_rel_pos_tables(state_dict, model), model, source)
 
 
 def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionLongShortTransformer:

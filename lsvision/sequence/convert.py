@@ -5,14 +5,18 @@
   dual_ln_s}.*`, `model.transformer_{i}.{norm1,norm2}.*`, `model.transformer_{i}.mlpblock.{0,3}.*`, `model.norm.*`,
   the cls vector (a key ending in `cls_embed` or `cls_token`), `seq_classifer.mlpblock.{0,2}.*`. The
   attention module may sit under another name than `mha` (it is found by its `W_q` weight).
-* Char-LM (fairseq `TransformerLSModel`): per layer the attention `{proj_query,proj_key,proj_val,proj_out,dconv_1,
-  r_net,r_net_chunk,dual_ln_win,dual_ln_dproj}.*`, `r_w_bias` (1, h, 1, 1, d), `r_r_bias` (1, h, 1, d), found by
-  their names; the layer's two LayerNorms and FFN Linears are taken from the first name pattern that exists
-  (`_LM_LAYER_CANDIDATES`); the embedding from a key ending in `embed_tokens.weight` (or `word_emb.weight`) and the
-  output bias from a key ending in `out_bias` (or `output_projection.bias`, `out_layer.bias`).
+  An r = 0 layer keeps an empty `dconv_fc` (0 rows): it is dropped, as the lsvision r = 0 layer has none.
+  A `module.` prefix (DataParallel) and a `{'model_state_dict': ...}` / `{'model': ...}` wrapper are accepted.
+* Char-LM: the authors' `TransformerLSModel` (`autoregressive/model_lib/model.py`), exactly its names
+  (`../shared/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.{weight,bias}` (weight tied to
+  `in_emb`), the `pos_emb.inv_freq` buffer (checked against lsvision's sinusoid frequencies, then dropped), and per
+  layer `layers.{i}.attn.{proj_query,proj_key,proj_val,proj_out,dconv_1,r_net,r_net_chunk,dual_ln_win,
+  dual_ln_dproj}.*`, `r_w_bias` (1, h, 1, 1, d), `r_r_bias` (1, h, 1, d), `layers.{i}.{norm1,norm2}.*`,
+  `layers.{i}.ff.{fc1,fc2}.*`. Either the bare state_dict or a fairseq checkpoint (`checkpoint_best.pt`: the same
+  keys under `['model']` with the prefix `decoder.model.`).
 
-A `module.` prefix (DataParallel) and a `{'model_state_dict': ...}` / `{'model': ...}` wrapper are accepted. Files
-are read with `torch.load(..., weights_only=True)`. Keys that nothing maps are reported, not silently dropped.
+Files are read with `torch.load(..., weights_only=True)`. Every key that nothing maps is named in the error, never
+silently dropped, and the models load strictly.
 
 Written for lsvision, Apache-2.0.
 """
@@ -22,21 +26,31 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
+from lsvision.layers import sinusoid_positions
+
 __all__ = ['convert_lra_state_dict', 'convert_char_lm_state_dict', 'load_official_checkpoint']
 
 StateDict = Dict[str, torch.Tensor]
 
-# (lsvision suffix, candidate official suffixes) inside one char-LM layer, beside the attention
-_LM_LAYER_CANDIDATES: List[Tuple[str, Tuple[str, ...]]] = [
-    ('norm1', ('self_attn_layer_norm', 'norm1', 'layer_norm1', 'ln1', 'layer_norm')),
-    ('norm2', ('final_layer_norm', 'norm2', 'layer_norm2', 'ln2', 'ff_layer_norm')),
-    ('mlp.fc1', ('fc1', 'ff.0', 'pos_ff.CoreNet.0', 'mlp.0', 'ffn.0')),
-    ('mlp.fc2', ('fc2', 'ff.3', 'pos_ff.CoreNet.3', 'mlp.3', 'ffn.3')),
+_FAIRSEQ_PREFIX = 'decoder.model.'  # fairseq's TransformerLS LM -> TransformerLSDecoder -> .model
+# one char-LM layer: official module -> lsvision module, and the official module's parameters
+_LM_LAYER: List[Tuple[str, str, Tuple[str, ...]]] = [
+    ('attn.proj_query', 'attn.q', ('weight',)),
+    ('attn.proj_key', 'attn.k', ('weight',)),
+    ('attn.proj_val', 'attn.v', ('weight',)),
+    ('attn.proj_out', 'attn.proj', ('weight',)),
+    ('attn.dconv_1', 'attn.dynamic_proj', ('weight', 'bias')),
+    ('attn.r_net', 'attn.r_net', ('weight',)),
+    ('attn.r_net_chunk', 'attn.r_net_chunk', ('weight', 'bias')),
+    ('attn.dual_ln_win', 'attn.norm_local', ('weight', 'bias')),
+    ('attn.dual_ln_dproj', 'attn.norm_global', ('weight', 'bias')),
+    ('norm1', 'norm1', ('weight', 'bias')),
+    ('norm2', 'norm2', ('weight', 'bias')),
+    ('ff.fc1', 'mlp.fc1', ('weight', 'bias')),
+    ('ff.fc2', 'mlp.fc2', ('weight', 'bias')),
 ]
-_LM_ATTN = {
-    'proj_query': 'q', 'proj_key': 'k', 'proj_val': 'v', 'proj_out': 'proj', 'dconv_1': 'dynamic_proj',
-    'r_net': 'r_net', 'r_net_chunk': 'r_net_chunk', 'dual_ln_win': 'norm_local', 'dual_ln_dproj': 'norm_global',
-}
+# the Transformer-XL biases u, v: (1, h, 1, 1, d) and (1, h, 1, d) -> (h, d)
+_LM_BIASES = (('attn.r_w_bias', 'attn.content_bias'), ('attn.r_r_bias', 'attn.pos_bias'))
 
 
 def _unwrap(state: Dict) -> StateDict:
@@ -49,6 +63,8 @@ def _unwrap(state: Dict) -> StateDict:
 
 
 def _take(state: StateDict, used: set, key: str) -> torch.Tensor:
+    if key not in state:
+        raise KeyError(f'the official key {key!r} is missing from the state_dict')
     used.add(key)
     return state[key]
 
@@ -85,13 +101,18 @@ def convert_lra_state_dict(state: Dict) -> StateDict:
     layers = sorted({int(m.group(1)) for k in state if (m := re.match(re.escape(root) + r'transformer_(\d+)\.', k))})
     for i in layers:
         pre = f'{root}transformer_{i}.'
-        wq = next(k for k in state if k.startswith(pre) and k.endswith('.W_q.weight'))
+        wq = next((k for k in state if k.startswith(pre) and k.endswith('.W_q.weight')), None)
+        if wq is None:
+            raise KeyError(f'layer {pre!r} of the official LRA state_dict has no attention ("...W_q.weight" key)')
         attn = wq[:-len('.W_q.weight')]
         dst = f'encoder.blocks.{i}.'
         for p in ('weight', 'bias'):
             out[dst + f'attn.qkv.{p}'] = torch.cat([_take(state, used, f'{attn}.W_{n}.{p}') for n in 'qkv'])
         _copy_module(state, used, f'{attn}.W_o', dst + 'attn.proj', out)
-        if f'{attn}.dconv_fc.weight' in state:
+        dconv = state.get(f'{attn}.dconv_fc.weight')
+        if dconv is not None and dconv.numel() == 0:  # r = 0: the official layer keeps an empty projection
+            used.update(k for k in state if k.startswith(f'{attn}.dconv_fc.') and state[k].numel() == 0)
+        elif dconv is not None:
             _copy_module(state, used, f'{attn}.dconv_fc', dst + 'attn.dynamic_proj', out)
         _copy_module(state, used, f'{attn}.dual_ln_l', dst + 'attn.norm_local', out)
         _copy_module(state, used, f'{attn}.dual_ln_s', dst + 'attn.norm_global', out)
@@ -103,51 +124,95 @@ def convert_lra_state_dict(state: Dict) -> StateDict:
     cls = next((k for k in state if k.endswith('cls_embed') or k.endswith('cls_token')), None)
     if cls is not None:
         out['encoder.cls_token'] = _take(state, used, cls).reshape(1, 1, -1)
-    head = next(k[:-len('.mlpblock.0.weight')] for k in state if k.endswith('mlpblock.0.weight')
-                and 'transformer_' not in k)
+    head = next((k[:-len('.mlpblock.0.weight')] for k in state if k.endswith('mlpblock.0.weight')
+                 and 'transformer_' not in k), None)
+    if head is None:
+        raise KeyError('the official LRA state_dict has no classifier ("seq_classifer.mlpblock.0.weight" key)')
     _copy_module(state, used, head + '.mlpblock.0', 'head.0', out)
     _copy_module(state, used, head + '.mlpblock.2', 'head.2', out)
     _check_unused(state, used, 'LRA conversion')
     return out
 
 
+def _unwrap_char_lm(state: Dict) -> Tuple[StateDict, str]:
+    """The bare `TransformerLSModel` state_dict inside an official char-LM file, and what the file was.
+
+    A fairseq checkpoint holds it under `['model']` with the prefix `decoder.model.`; every other key there is
+    reported by name.
+    """
+    if 'model' in state and isinstance(state['model'], dict):
+        inner = state['model']
+        stray = sorted(k for k in inner if not k.startswith(_FAIRSEQ_PREFIX))
+        if stray:
+            more = ' ...' if len(stray) > 8 else ''
+            raise KeyError(f'fairseq char-LM checkpoint: {len(stray)} keys under ["model"] lack the prefix '
+                           f'{_FAIRSEQ_PREFIX!r} of the TransformerLSModel: {stray[:8]}{more}')
+        return {k[len(_FAIRSEQ_PREFIX):]: v for k, v in inner.items()}, 'fairseq char-LM checkpoint'
+    return dict(state), 'char-LM state_dict'
+
+
+def _check_inv_freq(inv_freq: torch.Tensor, dim: int) -> None:
+    """The official `pos_emb.inv_freq` buffer must hold lsvision's sinusoid frequencies (it is then dropped)."""
+    if tuple(inv_freq.shape) != (dim // 2,):
+        raise ValueError(f'pos_emb.inv_freq has shape {tuple(inv_freq.shape)}, expected ({dim // 2},) for width {dim}')
+    # lsvision's own frequencies, read off its sinusoids at position 1: sin(w) for w <= 1 inverts exactly
+    ours = torch.asin(sinusoid_positions(torch.ones(1), dim, torch.float64)[0, :dim // 2])
+    if not torch.allclose(inv_freq.double(), ours, rtol=1e-5, atol=0):
+        worst = (inv_freq.double() - ours).abs().argmax().item()
+        raise ValueError(f'pos_emb.inv_freq differs from the sinusoid frequencies lsvision uses (10000^(-2k/D)), '
+                         f'e.g. entry {worst}: {inv_freq[worst].item()} vs {ours[worst].item()}; the checkpoint was '
+                         'trained with other position encodings and cannot be loaded.')
+
+
 def convert_char_lm_state_dict(state: Dict) -> StateDict:
-    """Official fairseq char-LM (`TransformerLSModel`) state_dict -> `CharLM` keys."""
-    state = _unwrap(state)
+    """Official char-LM (`TransformerLSModel`) state_dict or fairseq checkpoint -> `CharLM` keys.
+
+    The official names (`../shared/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.weight` (tied to
+    `in_emb.weight`: it must be equal), `out_emb.bias`, `pos_emb.inv_freq` (checked, then dropped), and per layer
+    the modules of `_LM_LAYER` and the biases of `_LM_BIASES`.
+
+    Raises:
+        KeyError: Naming every official key that is missing and every key that has no lsvision counterpart.
+        ValueError: The frequencies or the tied output weight do not fit.
+    """
+    state, what = _unwrap_char_lm(state)
     used: set = set()
     out: StateDict = {}
-    attn_keys = sorted((k for k in state if k.endswith('.proj_query.weight')), key=lambda k: [
-        int(t) if t.isdigit() else t for t in re.split(r'(\d+)', k)])
-    if not attn_keys:
-        raise KeyError('not an official char-LM state_dict: no "...proj_query.weight" key')
-    for i, key in enumerate(attn_keys):
-        attn = key[:-len('.proj_query.weight')]
-        layer = attn.rsplit('.', 1)[0]
-        dst = f'blocks.{i}.'
-        for src_name, dst_name in _LM_ATTN.items():
-            _copy_module(state, used, f'{attn}.{src_name}', dst + f'attn.{dst_name}', out)
-        for src_name, dst_name in (('r_w_bias', 'content_bias'), ('r_r_bias', 'pos_bias')):
-            t = _take(state, used, f'{attn}.{src_name}')  # (1, h, 1, [1,] d) -> (h, d)
-            out[dst + f'attn.{dst_name}'] = t.reshape(-1, t.shape[-1])
-        for dst_name, candidates in _LM_LAYER_CANDIDATES:
-            src = next((f'{layer}.{c}' for c in candidates if f'{layer}.{c}.weight' in state), None)
-            if src is None:
-                raise KeyError(f'layer {layer!r}: none of {candidates} found for {dst_name}')
-            _copy_module(state, used, src, dst + dst_name, out)
-    emb = next((k for k in state if k.endswith('embed_tokens.weight') or k.endswith('word_emb.weight')), None)
-    bias = next((k for k in state if k.endswith('out_bias') or k.endswith('output_projection.bias')
-                 or k.endswith('out_layer.bias')), None)
-    if emb is None or bias is None:
-        raise KeyError('char-LM state_dict: token embedding or output bias not found')
-    out['embed.weight'] = _take(state, used, emb)
-    out['out_bias'] = _take(state, used, bias)
-    # a separate output weight tied to the embedding may be stored too: accept it only if it is equal
-    for k in list(state):
-        if k not in used and k.endswith('weight') and state[k].shape == out['embed.weight'].shape \
-                and torch.equal(state[k], out['embed.weight']):
-            used.add(k)
-    used.update(k for k in state if k.endswith('.version') or k.endswith('_float_tensor'))
-    _check_unused(state, used, 'char-LM conversion')
+    missing: List[str] = []
+
+    def take(key: str) -> Optional[torch.Tensor]:
+        if key not in state:
+            missing.append(key)
+            return None
+        return _take(state, used, key)
+
+    layers = sorted({int(m.group(1)) for k in state if (m := re.match(r'^layers\.(\d+)\.', k))})
+    for i in range(max(layers, default=-1) + 1):
+        src, dst = f'layers.{i}.', f'blocks.{i}.'
+        for src_name, dst_name, params in _LM_LAYER:
+            for param in params:
+                t = take(f'{src}{src_name}.{param}')
+                if t is not None:
+                    out[f'{dst}{dst_name}.{param}'] = t
+        for src_name, dst_name in _LM_BIASES:
+            t = take(src + src_name)
+            if t is not None:
+                out[dst + dst_name] = t.reshape(-1, t.shape[-1])
+    emb, out_weight, out_bias, inv_freq = (
+        take(k) for k in ('in_emb.weight', 'out_emb.weight', 'out_emb.bias', 'pos_emb.inv_freq'))
+    unused = sorted(set(state) - used)
+    if missing or unused:
+        problems = [f'{text}: {keys[:8]}{" ..." if len(keys) > 8 else ""}' for text, keys in (
+            (f'{len(missing)} official keys are missing', missing),
+            (f'{len(unused)} keys have no lsvision counterpart', unused)) if keys]
+        raise KeyError(f'{what} is not in the official TransformerLSModel layout (NVIDIA/transformer-ls '
+                       'autoregressive/): ' + '; '.join(problems))
+    if not torch.equal(out_weight, emb):
+        raise ValueError(f"{what}: 'out_emb.weight' differs from 'in_emb.weight'; the official model ties them, and "
+                         'lsvision CharLM has one tied matrix')
+    _check_inv_freq(inv_freq, emb.shape[1])
+    out['embed.weight'] = emb
+    out['out_bias'] = out_bias
     return out
 
 
@@ -156,12 +221,19 @@ def load_official_checkpoint(model: nn.Module, path_or_state: Union[str, Dict], 
 
     Args:
         model: An `LraClassifier` / `LraDualClassifier` or a `CharLM`.
-        path_or_state: A checkpoint file (read with weights_only=True) or a state_dict.
+        path_or_state: A checkpoint file (read with weights_only=True) or a loaded checkpoint / state_dict: for the
+            char-LM the bare `TransformerLSModel` state_dict or a fairseq checkpoint (`['model']`).
         kind: 'lra' or 'char_lm'; inferred from the model when None.
+
+    Raises:
+        KeyError, ValueError: The checkpoint does not fit (the message names the keys).
+        RuntimeError: From `load_state_dict` (strict) when the model's settings differ from the checkpoint's.
     """
     state = torch.load(path_or_state, map_location='cpu', weights_only=True) \
         if isinstance(path_or_state, str) else path_or_state
     if kind is None:
         kind = 'lra' if hasattr(model, 'encoder') else 'char_lm'
+    if kind not in ('lra', 'char_lm'):
+        raise ValueError(f"kind must be 'lra' or 'char_lm', got {kind!r}")
     converted = convert_lra_state_dict(state) if kind == 'lra' else convert_char_lm_state_dict(state)
     model.load_state_dict(converted, strict=True)
