@@ -19,7 +19,7 @@ Adapted from microsoft/CvT (MIT). Written for lsvision, Apache-2.0.
 """
 import re
 from functools import partial
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -31,6 +31,7 @@ from timm.layers import (
     Mlp,
     QuickGELU,
     register_notrace_module,
+    to_2tuple,
 )
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
@@ -221,6 +222,7 @@ class ConvVisionTransformer(HierarchicalTransformer):
 
     def __init__(
             self,
+            img_size: Union[int, Tuple[int, int]] = 224,
             in_chans: int = 3,
             num_classes: int = 1000,
             global_pool: str = 'token',
@@ -247,6 +249,8 @@ class ConvVisionTransformer(HierarchicalTransformer):
     ):
         """
         Args:
+            img_size: Native input size (recorded as `img_size`; CvT has no position embeddings, so any size from
+                `min_input_size` up runs, and `set_input_size` only records a new one).
             in_chans: Input image channels.
             num_classes: Classifier outputs (0 for no classifier).
             global_pool: 'token' (the normed cls token: Microsoft's CvT and the CvT-LS paper; needs a cls token in
@@ -283,6 +287,7 @@ class ConvVisionTransformer(HierarchicalTransformer):
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.drop_rate = drop_rate
         self.min_input_size = 2 ** (num_stages + 1)  # one token in the last stage
+        self.img_size = to_2tuple(img_size)
         act = {'quick_gelu': QuickGELU, 'gelu': nn.GELU}[act_layer]
 
         last_dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depths[-1], device='cpu')]
@@ -318,6 +323,18 @@ class ConvVisionTransformer(HierarchicalTransformer):
         self.stages = nn.Sequential(*stages)
 
         self._build_head_and_init(num_classes, drop_rate, norm_eps, **dd)
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
+        """Make `img_size` the native input size. Nothing in CvT is sized by it (no position embeddings), so this
+        only checks and records it."""
+        if img_size is None:
+            return
+        img_size = to_2tuple(img_size)
+        if min(img_size) < self.min_input_size:
+            raise ValueError(f'img_size {img_size} is smaller than the smallest this model takes '
+                             f'({self.min_input_size}x{self.min_input_size})')
+        self.img_size = img_size
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -396,10 +413,10 @@ def cvt_21(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
 @register_model
 def cvt_13_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     """CvT-13 evaluated at 384 as Microsoft's CvT-13-384x384 (same weights layout as cvt_13, crop_pct 1.0)."""
-    return _create_cvt('cvt_13_384', pretrained=pretrained, **dict(_CVT_13, **kwargs))
+    return _create_cvt('cvt_13_384', pretrained=pretrained, **{**_CVT_13, 'img_size': 384, **kwargs})
 
 
 @register_model
 def cvt_21_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     """CvT-21 evaluated at 384 as Microsoft's CvT-21-384x384 (same weights layout as cvt_21, crop_pct 1.0)."""
-    return _create_cvt('cvt_21_384', pretrained=pretrained, **dict(_CVT_21, **kwargs))
+    return _create_cvt('cvt_21_384', pretrained=pretrained, **{**_CVT_21, 'img_size': 384, **kwargs})

@@ -61,10 +61,13 @@ _RESOLUTIONS = {
 }
 
 
-def _cvt_ls(size: str, img_size: int, pretrained: bool, **kwargs: Any) -> ConvVisionTransformer:
+def _cvt_ls(size: str, resolution: int, pretrained: bool, **kwargs: Any) -> ConvVisionTransformer:
+    """A CvT-LS model of `size` with the window sizes and ranks of its `resolution` variant; `img_size` in kwargs
+    only sets the native input size, as for any CvT."""
     embed_dims, num_heads, depths = _SIZES[size]
-    window_sizes, dp_ranks = _RESOLUTIONS[img_size]
+    window_sizes, dp_ranks = _RESOLUTIONS[resolution]
     model_args = dict(
+        img_size=resolution,
         embed_dims=embed_dims,
         num_heads=num_heads,
         depths=depths,
@@ -73,7 +76,7 @@ def _cvt_ls(size: str, img_size: int, pretrained: bool, **kwargs: Any) -> ConvVi
         dp_ranks=dp_ranks,
         act_layer='gelu',
     )
-    variant = f'cvt_ls_{size}' + ('' if img_size == 224 else f'_{img_size}')
+    variant = f'cvt_ls_{size}' + ('' if resolution == 224 else f'_{resolution}')
     return _create_cvt(variant, pretrained=pretrained, **dict(model_args, **kwargs))
 
 

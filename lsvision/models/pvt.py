@@ -33,6 +33,7 @@ from timm.layers import (
     Mlp,
     calculate_drop_path_rates,
     register_notrace_function,
+    to_2tuple,
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 
@@ -314,7 +315,8 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
         super().__init__()
         num_stages = len(depths)
         assert global_pool in ('avg', 'token', ''), f"global_pool must be 'avg', 'token' or '', got {global_pool!r}"
-        img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        img_size = to_2tuple(img_size)
+        self.img_size = img_size
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
@@ -364,6 +366,30 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
         return {n for n, _ in self.named_parameters() if n.endswith(('cls_token', 'pos_embed'))}
+
+    @torch.jit.ignore
+    def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
+        """Make `img_size` the native input size: each stage's position embedding is resampled to its new grid
+        (as forward does for other sizes) and the GRC caches are resized to it (bilinear over the grid)."""
+        if img_size is None:
+            return
+        img_size = to_2tuple(img_size)
+        if min(img_size) < self.min_input_size:
+            raise ValueError(f'img_size {img_size} is smaller than the smallest this model takes '
+                             f'({self.min_input_size}x{self.min_input_size})')
+        patch = self.stages[0].patch_embed.proj.stride[0]
+        grid = (img_size[0] // patch, img_size[1] // patch)
+        for i, stage in enumerate(self.stages):
+            if i > 0:
+                grid = (grid[0] // 2, grid[1] // 2)
+            with torch.no_grad():
+                pos_embed = resample_pos_embed(stage.pos_embed, stage.grid_size, list(grid), stage.num_prefix_tokens)
+            stage.pos_embed = nn.Parameter(pos_embed, requires_grad=stage.pos_embed.requires_grad)
+            stage.grid_size = grid
+            for blk in stage.blocks:
+                if blk.attn.grc is not None:
+                    blk.attn.grc.resize_cache(grid)
+        self.img_size = img_size
 
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:

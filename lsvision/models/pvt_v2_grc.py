@@ -191,6 +191,13 @@ class PyramidVisionTransformerV2Grc(GrcModelMixin, PyramidVisionTransformerV2):
                 blk.attn.apply(self._init_weights)
 
     @torch.jit.ignore
+    def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
+        """Make `img_size` the native input size: the GRC caches are resized to its stage grids (PVT v2 itself has
+        no position embeddings: any size runs)."""
+        if img_size is not None:
+            self.resize_cache(img_size)
+
+    @torch.jit.ignore
     def resize_cache(self, img_size: Union[int, Tuple[int, int]]) -> None:
         """Resize every cache (bilinear over its grid) to the stage grids of a new training resolution."""
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)

@@ -9,13 +9,14 @@ timm's `VisionTransformer` is built unchanged, then every block's `Attention` is
 subclass that keeps its keys (`attn.qkv/proj`) and adds one `grc` child. (timm calls `issubclass` on `attn_layer`,
 so a partial can't be passed; replacing after construction avoids that.) The cache covers the prefix tokens and the
 patch grid at the training resolution (1 x 197 x D_m for ViT-S/16 at 224); other token counts (`dynamic_img_size`)
-resize the summary to the cache (1-D nearest, or '2d'); the PE conv assumes a square patch grid. No gradient
-checkpointing. The forward features are tokens: these are timm "non-standard" models.
+resize the summary to the cache (1-D nearest, or '2d'); `forward_features` passes the patch grid to the PE conv, so
+non-square grids work (`forward_intermediates`, timm's own, assumes a square one). No gradient checkpointing. The
+forward features are tokens: these are timm "non-standard" models.
 
 Written for lsvision, Apache-2.0.
 """
 from functools import partial
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -100,9 +101,11 @@ class VitGrcAttention(Attention):
             x: torch.Tensor,
             attn_mask: Optional[torch.Tensor] = None,
             is_causal: bool = False,
+            feat_size: Optional[List[int]] = None,
     ) -> torch.Tensor:
+        """`feat_size` (H, W) of the patch grid; None: a square grid (timm's blocks pass none)."""
         # masks apply to the self branch only; the memory branch attends to every cache slot
-        return self.grc(x, self.forward_self(x, attn_mask, is_causal), None)
+        return self.grc(x, self.forward_self(x, attn_mask, is_causal), feat_size)
 
 
 class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
@@ -147,6 +150,28 @@ class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
                 **dd,
             )
             blk.attn.apply(init_linear_trunc_normal)
+
+    def forward_features(
+            self,
+            x: torch.Tensor,
+            attn_mask: Optional[torch.Tensor] = None,
+            is_causal: bool = False,
+    ) -> torch.Tensor:
+        """timm's `VisionTransformer.forward_features`, with the patch grid passed to every GRC attention, so that
+        non-square grids (`dynamic_img_size=True`) work. The block's two residual steps are timm's `Block.forward`,
+        restated to pass the grid (TorchScript can't call super())."""
+        x = self.patch_embed(x)
+        if self.dynamic_img_size:
+            feat_size = [x.shape[1], x.shape[2]]  # (B, H, W, C) with a dynamic size
+        else:
+            feat_size = [self.patch_embed.grid_size[0], self.patch_embed.grid_size[1]]
+        x = self._pos_embed(x)
+        x = self.patch_drop(x)
+        x = self.norm_pre(x)
+        for blk in self.blocks:
+            x = x + blk.drop_path1(blk.ls1(blk.attn(blk.norm1(x), attn_mask, is_causal, feat_size)))
+            x = x + blk.drop_path2(blk.ls2(blk.mlp(blk.norm2(x))))
+        return self.norm(x)
 
 
 def checkpoint_filter_fn(
