@@ -1,6 +1,6 @@
 """The lsvision model zoo: what the papers report for each registered model, and the model cards and README table.
 
-:data:`PAPER_RESULTS` is the one place the papers' numbers live (taken from the verified specs in ``../shared/specs``;
+:data:`PAPER_RESULTS` is the one place the papers' numbers live (taken from the papers, as verified for this project;
 a number the specs do not give is "not reported"). :func:`measure_model` measures a model for its card (parameters,
 FLOPs at the native size, batch-1 throughput, and the machine and load it ran under); :func:`render_card` and
 :func:`render_models_table` turn stored measurements plus this data into ``model_cards/<model>.md`` and the models
@@ -419,7 +419,7 @@ def render_card(name: str, measured: Dict[str, Any]) -> str:
     lines += notes.lines()
     if name in PAPER_NOTES:
         lines += [PAPER_NOTES[name], '']
-    lines += ['"not reported": the verified specs of the papers (`../shared/specs`) give no number for this model. '
+    lines += ['"not reported": the papers, as verified for this project, give no number for this model. '
               'lsvision ships no trained weights, so no accuracy here is measured by lsvision.', '']
     lines += ['## Intended use', '', family.intended_use, '']
     lines += ['## Create, load and convert weights', '', _CREATE.format(**fmt), '', family.weights.format(**fmt), '']
