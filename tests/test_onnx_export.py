@@ -1,0 +1,86 @@
+"""ONNX export of every vision family (tiny configs): torch.onnx's dynamo exporter, checked with onnxruntime.
+
+Needs the optional `onnx` extra (`pip install -c constraints.txt -e '.[onnx]'`: onnx, onnxscript, onnxruntime);
+skipped cleanly without it. The legacy TorchScript-based exporter (`dynamo=False`) is refused by the long-short and
+GRC layers with a message (it exported their in-place buffer writes wrongly: outputs off by 0.05-0.6), never wrong
+numbers.
+"""
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import timm
+
+import lsvision  # noqa: F401  (registers the models)
+
+ort = pytest.importorskip('onnxruntime', reason="the optional 'onnx' extra is not installed")
+pytest.importorskip('onnxscript', reason="the optional 'onnx' extra is not installed")
+
+README = (Path(__file__).resolve().parents[1] / 'README.md').read_text()
+
+TINY = {
+    'cvt_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2)),
+    'cvt_ls_13': dict(
+        embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2), window_sizes=(4, 2, 2), dp_ranks=(4, 2, 2)),
+    'vil_ls_medium': dict(depths=(1, 1, 1, 1)),
+    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
+    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1, 1, 1)),
+    'swin_tiny_patch4_window7_224_grc': dict(img_size=64, embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4)),
+    'vit_small_patch16_224_grc': dict(img_size=64, embed_dim=64, depth=2, num_heads=2),
+}
+INPUT = {'vil_ls_medium': 96}
+LEGACY_REFUSED = ['cvt_ls_13', 'vil_ls_medium', 'pvt_tiny_grc', 'pvt_v2_b0_grc', 'swin_tiny_patch4_window7_224_grc',
+                  'vit_small_patch16_224_grc']
+
+
+def _tiny(name: str) -> tuple:
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=10, **TINY[name]).eval()
+    size = INPUT.get(name, 64)
+    return model, torch.randn(2, 3, size, size)
+
+
+def _onnxruntime(path: Path, x: torch.Tensor) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=['CPUExecutionProvider'])
+    return session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_dynamo_export_matches_onnxruntime_and_leaves_eager_unchanged(name, tmp_path):
+    model, x = _tiny(name)
+    with torch.no_grad():
+        before = model(x)
+    path = tmp_path / f'{name}.onnx'
+    with contextlib.redirect_stdout(io.StringIO()):  # the exporter prints its steps
+        torch.onnx.export(model, (x,), str(path), dynamo=True, opset_version=18)
+    np.testing.assert_allclose(_onnxruntime(path, x), before.numpy(), rtol=0, atol=1e-4)
+    with torch.no_grad():
+        assert torch.equal(model(x), before), 'export changed later eager outputs'
+
+
+@pytest.mark.parametrize('name', LEGACY_REFUSED)
+def test_legacy_exporter_is_refused_with_a_message(name, tmp_path):
+    model, x = _tiny(name)
+    with pytest.raises(RuntimeError, match='dynamo=True'):
+        torch.onnx.export(model, (x,), str(tmp_path / 'm.onnx'), dynamo=False, opset_version=18)
+
+
+def test_readme_export_line_runs(tmp_path, monkeypatch):
+    """The README's export snippet, as written, on a tiny model in place of the full-size one."""
+    block = re.search(r'```python\n(# ONNX export.*?)```', README, flags=re.S)
+    assert block, 'README.md lost its ONNX export snippet'
+    code = block.group(1)
+    model, x = _tiny('cvt_ls_13')
+    monkeypatch.chdir(tmp_path)
+    namespace = {'model': model, 'x': x}
+    code = code.replace("model = timm.create_model('cvt_ls_13').eval()\n", '')
+    code = code.replace('x = torch.randn(1, 3, 224, 224)\n', '')
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(code, namespace)
+    with torch.no_grad():
+        np.testing.assert_allclose(_onnxruntime(tmp_path / 'cvt_ls_13.onnx', x), model(x).numpy(), rtol=0, atol=1e-4)
