@@ -777,11 +777,12 @@ class GrcMatmulFloor(nn.Module):
     """Stands in for a `GatedRecurrentCache` in eval: its matrix products, and optionally its memory attention, at the
     shapes of an eval forward, and nothing else.
 
-    Kept from the layer's eval forward: the summary halves of the three gates as one matmul (their cache halves act
-    on the frozen cache and are computed once), the candidate's matmul on the reset cache, the memory branch's q and
-    kv projections (after its spatial reduction, if any), its attention (`attention=True`, through the layer's own
-    `attend`: same kernel and bias) and its output projection. Left out: the gate nonlinearities, LayerNorm,
-    interpolation, the PE conv and the mixing (the projected memory output is added to the self-attention output).
+    Kept from the reparameterized layer's eval forward (`grc_matmul_floor` reparameterizes it): the summary halves of
+    the three gates as one matmul (their cache halves act on the frozen cache and are stored), the candidate's matmul
+    on the reset cache, the memory branch's q and kv projections (after its spatial reduction, if any), its attention
+    (`attention=True`, through the layer's own `attend`: same kernel and bias) and its output projection. Left out:
+    the gate nonlinearities, LayerNorm, interpolation, the PE conv and the mixing (the projected memory output is
+    added to the self-attention output).
     The result is wrong on purpose; its time is the least that an implementation of the layer on top of these
     kernels can take.
     """
@@ -799,17 +800,17 @@ class GrcMatmulFloor(nn.Module):
             raise ValueError(f'the GRC floor runs at the token count of the cache ({grc.cache_len}), got {T} tokens: '
                              'time it at the default input size of the model')
         summary = o_self[..., :dm]
-        memo = grc._eval_memo(o_self.dtype)  # the fused gate weights, as the layer keeps them in eval
-        w_s = grc._gate_weights()[0] if memo is None else memo['w_s']
-        gates = torch.mm(summary.reshape(-1, dm), w_s.t())  # (B * T_m, 3 D_m)
-        cand = torch.mm(gates[:, :dm], grc.linear_candidate.weight[:, :dm].t()).view(B, -1, dm)
+        # the fused gate weights and the candidate's cache half, as the reparameterized layer stores them
+        assert grc.gate_weight is not None and grc.candidate_cache_weight is not None
+        gates = torch.mm(summary.reshape(-1, dm), grc.gate_weight.t())  # (B * T_m, 3 D_m)
+        cand = torch.mm(gates[:, :dm], grc.candidate_cache_weight.t()).view(B, -1, dm)
         q = mem.q(x[..., :dm].reshape(B * T, dm)).reshape(B, T, mem.num_heads, mem.head_dim).transpose(1, 2)
         kv = mem.kv(mem._reduce(cand))
         if self.attention:
             kv = kv.reshape(B, -1, 2, mem.num_heads, mem.head_dim).permute(2, 0, 3, 1, 4)
             bias = None
-            if mem.relative_position_bias_table is not None and mem.window_size is not None:
-                bias = mem._rel_pos_bias(mem.window_size[0] * mem.window_size[1], q.dtype)
+            if mem.rel_pos_bias is not None:
+                bias = mem.rel_pos_bias.to(q.dtype)
             q = mem.attend(q, kv[0], kv[1], bias)
         o_mem = mem.proj(q.transpose(1, 2).reshape(B, T, dm))
         out = o_self.clone()
@@ -826,6 +827,8 @@ def grc_matmul_floor(model: nn.Module, attention: bool = True) -> nn.Module:
     for parent in list(floor.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, GatedRecurrentCache):
+                child.reparameterize()  # the terms of the frozen cache once, as timm.models.reparameterize_model
+                child.mem_attn.reparameterize()
                 setattr(parent, child_name, GrcMatmulFloor(child, attention))
                 replaced += 1
     if not replaced:
