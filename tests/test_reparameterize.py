@@ -1,6 +1,8 @@
 """Outputs are a pure function of parameters, buffers and input; inference folding is explicit
 (`timm.models.reparameterize_model`): same outputs, scriptable, no more FLOPs, and a folded model refuses to train."""
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from lsvision.flops import count_flops
 from lsvision.layers import GatedRecurrentCache, GrcMemoryAttention, LongShortAttention2d
 from lsvision.layers.long_short import FusedConvProjections
 
+ROOT = Path(__file__).resolve().parents[1]
 SWIN_T = 'swin_tiny_patch4_window7_224_grc'
 # a tiny config of every vision model family (name -> kwargs); inputs are 64 x 64
 TINY = {
@@ -53,7 +56,7 @@ def _randomize_state(model: torch.nn.Module, seed: int) -> None:
 
 def _tiny(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:
     torch.manual_seed(seed)
-    model = timm.create_model(name, num_classes=10, **dict(TINY[name], **kwargs)).eval()
+    model = timm.create_model(name, **{**TINY[name], 'num_classes': 10, **kwargs}).eval()
     _randomize_state(model, seed)
     return model
 
@@ -256,3 +259,38 @@ def test_patch_reduction_as_matmul_equals_the_conv():
         assert mem.sr is None and mem.sr_patch_weight is not None
         torch.testing.assert_close(mem(x, cache), plain, atol=1e-6, rtol=0)
 
+
+
+def test_validate_tool_reparam_flag(tmp_path):
+    # tools/validate.py (and robustness.py, same CLI code) --reparam evaluates the folded model: same metrics, and the
+    # results say it was folded
+    import importlib.util
+
+    from eval_fixtures import make_imagenet
+    from safetensors.torch import save_file
+
+    spec = importlib.util.spec_from_file_location('validate', ROOT / 'tools' / 'validate.py')
+    validate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(validate)
+    imagenet = make_imagenet(tmp_path / 'imagenet')
+    model = _tiny('cvt_ls_13', num_classes=1000)
+    ckpt = tmp_path / 'tiny.safetensors'
+    save_file(model.state_dict(), str(ckpt))
+    kwargs = ['embed_dims=[16,32,64]', 'num_heads=[1,2,4]', 'depths=[1,1,2]', 'window_sizes=[4,2,2]',
+              'dp_ranks=[4,2,2]']
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for flags in ([], ['--reparam']):
+            out = tmp_path / ('reparam' if flags else 'plain')
+            assert validate.main(['--models', 'cvt_ls_13', '--checkpoint', str(ckpt), '--model-kwargs', *kwargs,
+                                  '--imagenet', str(imagenet['root']), '--workers', '0', '--threads', '1',
+                                  '--device', 'cpu', '--no-progress', '--out-dir', str(out), *flags]) == 0
+            results[bool(flags)] = json.loads((out / 'results.json').read_text())
+    finally:
+        torch.set_num_threads(threads)
+    plain, folded = results[False], results[True]
+    assert folded['settings']['reparam'] and folded['models'][0]['reparam']
+    assert not plain['settings']['reparam'] and 'reparam' not in plain['models'][0]
+    for key in ('top1', 'top5', 'count'):
+        assert folded['models'][0]['suites']['imagenet'][key] == plain['models'][0]['suites']['imagenet'][key]
