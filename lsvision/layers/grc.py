@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
 from .matmul_attention import matmul_attention
-from .reparam import refuse_training
+from .reparam import FoldableModule
 
 __all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
 
@@ -63,7 +63,7 @@ def _cat_bias(
     return torch.cat([a, b, c])
 
 
-class GrcMemoryAttention(nn.Module):
+class GrcMemoryAttention(FoldableModule):
     """Memory branch: queries from the input slice, keys/values from the (per-sample) cache.
 
     The same attention kind as the self branch at width D_m: q (D_m->D_m), kv (D_m->2 D_m), proj (D_m->D_m), plus
@@ -134,7 +134,6 @@ class GrcMemoryAttention(nn.Module):
         self.register_buffer('rel_pos_bias', None)
         self.register_buffer('sr_patch_weight', None)
         self.register_buffer('sr_patch_bias', None)
-        self.reparameterized = False
 
     def _rel_index(self, device=None) -> torch.Tensor:
         wh, ww = self.window_size
@@ -224,13 +223,7 @@ class GrcMemoryAttention(nn.Module):
             self.register_buffer('sr_patch_weight', w.permute(0, 2, 3, 1).reshape(w.shape[0], -1).clone())
             self.register_buffer('sr_patch_bias', None if sr.bias is None else sr.bias.clone())
             self.sr = None
-        self.reparameterized = True
-        self.training = False
-
-    def train(self, mode: bool = True) -> 'GrcMemoryAttention':
-        if self.reparameterized:
-            refuse_training(self, mode)
-        return super().train(mode)
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D_m) queries' source, cache: (B, T_m, D_m). Returns (B, T, D_m)."""
@@ -273,7 +266,7 @@ class GrcMemoryAttention(nn.Module):
 
 
 @register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
-class GatedRecurrentCache(nn.Module):
+class GatedRecurrentCache(FoldableModule):
     """The GRC part of a GRC-Attention block (spec steps 2-10): cache, gates, memory attention, mixing, PE.
 
     Call it with the attention input X (B, T, D) and the self-attention output o_self (B, T, D); it returns the
@@ -366,7 +359,6 @@ class GatedRecurrentCache(nn.Module):
         for name in ('gate_weight', 'gate_bias', 'candidate_cache_weight', 'mix_weight', 'pe_weight_own',
                      'pe_weight_pair', 'pe_bias'):
             self.register_buffer(name, None)
-        self.reparameterized = False
 
     def extra_repr(self) -> str:
         return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
@@ -475,13 +467,7 @@ class GatedRecurrentCache(nn.Module):
             self.pe_weight_own, self.pe_weight_pair = (w.clone() for w in self._pe_filters())
             self.pe_bias = None if pe.bias is None else pe.bias.clone()
             self.pe = None
-        self.reparameterized = True
-        self.training = False
-
-    def train(self, mode: bool = True) -> 'GatedRecurrentCache':
-        if self.reparameterized:
-            refuse_training(self, mode)
-        return super().train(mode)
+        self._set_reparameterized()
 
     def update(self, cache: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
         """Per-sample GRU-style update: cache (B or 1, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m).

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
 from .matmul_attention import matmul_attention
-from .reparam import refuse_training
+from .reparam import FoldableModule
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
@@ -132,7 +132,7 @@ class LinearQkv(nn.Linear):
         return F.linear(x, self.weight, self.bias).reshape(B, N, 3, C).permute(2, 0, 1, 3)
 
 
-class SepConv2d(nn.Module):
+class SepConv2d(FoldableModule):
     """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base.
 
     `reparameterize()` folds the BatchNorm (running statistics) into the depthwise conv, for inference.
@@ -144,7 +144,6 @@ class SepConv2d(nn.Module):
         self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, **dd)
         self.bn = nn.BatchNorm2d(dim, **dd)
         self.pw = nn.Conv2d(dim, dim, 1, **dd)
-        self.reparameterized = False
 
     @torch.jit.unused
     def foldable(self) -> bool:
@@ -168,13 +167,7 @@ class SepConv2d(nn.Module):
         folded.bias.copy_((dw_bias - bn.running_mean.float()) * scale + bn.bias.float())
         self.dw = folded.requires_grad_(False)
         self.bn = nn.Identity()
-        self.reparameterized = True
-        self.training = False
-
-    def train(self, mode: bool = True) -> 'SepConv2d':
-        if self.reparameterized:
-            refuse_training(self, mode)
-        return super().train(mode)
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
@@ -224,7 +217,7 @@ class LinearDynamicProjection(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class ConvDynamicProjection(nn.Module):
+class ConvDynamicProjection(FoldableModule):
     """Dynamic-projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (CvT-LS).
 
     `reparameterize()` standardizes the depthwise weight once (`dw` becomes a plain conv), for inference.
@@ -235,7 +228,6 @@ class ConvDynamicProjection(nn.Module):
         super().__init__()
         self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
         self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
-        self.reparameterized = False
 
     @torch.no_grad()
     def reparameterize(self) -> None:
@@ -256,13 +248,7 @@ class ConvDynamicProjection(nn.Module):
         if dw.bias is not None:
             plain.bias.copy_(dw.bias)
         self.dw = plain.requires_grad_(False)
-        self.reparameterized = True
-        self.training = False
-
-    def train(self, mode: bool = True) -> 'ConvDynamicProjection':
-        if self.reparameterized:
-            refuse_training(self, mode)
-        return super().train(mode)
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
@@ -275,7 +261,7 @@ class ConvDynamicProjection(nn.Module):
 _FUSE_CONVS_MAX_POSITIONS = 1024
 
 
-class FusedConvProjections(nn.Module):
+class FusedConvProjections(FoldableModule):
     """The CvT-LS q, k, v convs and projection-logit conv of a reparameterized `LongShortAttention2d`, for inference.
 
     The four depthwise convs (q, k, v with BatchNorm folded in, the projection's standardized conv) read the same
@@ -303,11 +289,7 @@ class FusedConvProjections(nn.Module):
             self.register_buffer('proj_weight', dynamic_proj.pw.weight.flatten(1).clone())  # (h * r, C)
             self.register_buffer('proj_bias', dynamic_proj.pw.bias.clone())
         self.max_fused_positions = _FUSE_CONVS_MAX_POSITIONS
-        self.train(False)
-
-    def train(self, mode: bool = True) -> 'FusedConvProjections':
-        refuse_training(self, mode)
-        return super().train(mode)
+        self._set_reparameterized()
 
     def forward(
             self,
@@ -457,7 +439,7 @@ _DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
 
 
 @register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
-class LongShortAttention2d(nn.Module):
+class LongShortAttention2d(FoldableModule):
     """Long-short attention over a 2D token map with optional prefix (cls) tokens.
 
     Input tokens are (B, g + H * W, C): g prefix tokens first, then the map in row-major order. g is inferred
@@ -524,7 +506,6 @@ class LongShortAttention2d(nn.Module):
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
         self.fused_proj: Optional[FusedConvProjections] = None  # set by `reparameterize` (CvT-LS convs)
-        self.reparameterized = False
 
     @torch.no_grad()
     def reparameterize(self) -> None:
@@ -541,13 +522,7 @@ class LongShortAttention2d(nn.Module):
         self.fused_proj = FusedConvProjections(qkv, dp)
         self.qkv = None
         self.dynamic_proj = None
-        self.reparameterized = True
-        self.training = False
-
-    def train(self, mode: bool = True) -> 'LongShortAttention2d':
-        if self.reparameterized:
-            refuse_training(self, mode)
-        return super().train(mode)
+        self._set_reparameterized()
 
     def _attention_mask(
             self,
