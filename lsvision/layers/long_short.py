@@ -145,7 +145,6 @@ class SepConv2d(FoldableModule):
         self.bn = nn.BatchNorm2d(dim, **dd)
         self.pw = nn.Conv2d(dim, dim, 1, **dd)
 
-    @torch.jit.unused
     def foldable(self) -> bool:
         """Whether the BatchNorm is (or can be) folded: it has running statistics."""
         return self.reparameterized or (isinstance(self.bn, nn.BatchNorm2d) and self.bn.running_var is not None)
