@@ -26,6 +26,7 @@ import json
 import math
 import os
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,15 +36,19 @@ import torch
 import torch.nn as nn
 
 import timm
+from timm.models import reparameterize_model
 
 from lsvision.flops import count_activations, count_flops, parameter_count
 from lsvision.layers.grc import GatedRecurrentCache
 from lsvision.measure import (
+    TimingResult,
     _read_status_kb,
     machine_description,
     machine_info,
+    peak_memory_forward,
     run_in_fresh_process,
     time_forward,
+    time_forward_interleaved,
     time_train_step,
 )
 from lsvision.models import list_models
@@ -188,6 +193,9 @@ class BenchmarkConfig:
         flops: Count FLOPs and activations (one traced forward pass each, on the uncompiled model).
         memory: Measure the peak memory of one more forward pass.
         train: Also time training steps (forward, backward, SGD step; :func:`lsvision.measure.time_train_step`).
+        reparam: Also time the model folded for inference (``timm.models.reparameterize_model``): plain and folded
+            passes alternate in the same rounds (:func:`lsvision.measure.time_forward_interleaved`), so their ratio
+            holds on a shared machine.
     """
 
     img_size: Optional[int] = None
@@ -202,6 +210,7 @@ class BenchmarkConfig:
     flops: bool = True
     memory: bool = True
     train: bool = False
+    reparam: bool = False
 
     def __post_init__(self) -> None:
         if self.amp is not None and self.amp not in AMP_DTYPES:
@@ -267,10 +276,13 @@ def benchmark_model(
         row['mactivations'] = count_activations(model, input_size) / 1e6
     amp_dtype = AMP_DTYPES.get(config.amp) if config.amp else None
     runner = torch.compile(model) if config.compile else model
-    timing = time_forward(
-        runner, input_size, batch_size=config.batch_size, warmup=config.warmup, iters=config.iters,
-        max_time_s=config.max_time_s, amp_dtype=amp_dtype, channels_last=config.channels_last,
-        measure_memory=config.memory)
+    if config.reparam:
+        timing = _time_with_reparam(model, runner, input_size, config, amp_dtype, row)
+    else:
+        timing = time_forward(
+            runner, input_size, batch_size=config.batch_size, warmup=config.warmup, iters=config.iters,
+            max_time_s=config.max_time_s, amp_dtype=amp_dtype, channels_last=config.channels_last,
+            measure_memory=config.memory)
     row.update(
         latency_ms=timing.median_s * 1e3,
         latency_p10_ms=timing.p10_s * 1e3,
@@ -296,6 +308,42 @@ def benchmark_model(
     return row
 
 
+def _time_with_reparam(
+        model: nn.Module,
+        runner: nn.Module,
+        input_size: Tuple[int, int, int],
+        config: BenchmarkConfig,
+        amp_dtype: Optional[torch.dtype],
+        row: Dict[str, Any],
+) -> TimingResult:
+    """Times `runner` (the plain model) and its `reparameterize_model` copy in alternating rounds; fills the
+    `reparam_*` fields of `row` and returns the plain model's timing (with its peak memory if asked for)."""
+    folded = reparameterize_model(model)
+    if config.flops:
+        row['reparam_gflops'] = count_flops(folded, input_size, warn_unsupported=False).gflops
+    folded_runner = torch.compile(folded) if config.compile else folded
+    x = torch.randn(config.batch_size, *input_size, device=config.device, dtype=next(model.parameters()).dtype)
+    if config.channels_last:
+        for m in (model, folded):
+            m.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    timing, folded_timing = time_forward_interleaved(
+        [runner, folded_runner], x, warmup=config.warmup, iters=config.iters, max_time_s=config.max_time_s,
+        amp_dtype=amp_dtype)
+    if config.memory:
+        timing.peak_bytes = peak_memory_forward(runner, x, warmup=0, amp_dtype=amp_dtype)
+    row.update(
+        reparam_latency_ms=folded_timing.median_s * 1e3,
+        reparam_latency_p10_ms=folded_timing.p10_s * 1e3,
+        reparam_latency_p90_ms=folded_timing.p90_s * 1e3,
+        reparam_images_per_s=folded_timing.images_per_s,
+        # median over rounds of the per-round ratio: both passes of a round met the same load
+        reparam_ratio=statistics.median(f / p for f, p in zip(folded_timing.times_s, timing.times_s)),
+        reparam_timing=folded_timing.to_dict(),
+    )
+    return timing
+
+
 _TABLE_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
     ('model', 'model', str),
     ('input', 'input_size', lambda v: f'{v[1]}x{v[2]}'),
@@ -308,20 +356,30 @@ _TABLE_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
     ('peak MiB', 'peak_mib', lambda v: f'{v:.0f}'),
     ('train step ms', 'train_step_ms', lambda v: f'{v:.1f}'),
 ]
+# shown when any row timed the model folded for inference (`BenchmarkConfig.reparam`)
+_REPARAM_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
+    ('reparam ms (p10-p90)', 'reparam_latency_ms', None),
+    ('reparam / plain', 'reparam_ratio', lambda v: f'{v:.3f}'),
+]
 
 
 def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
     """Renders :func:`benchmark_model` rows as a markdown table ('-' where a number was not measured)."""
+    columns = list(_TABLE_COLUMNS)
+    if any(r.get('reparam_latency_ms') is not None for r in rows):
+        at = next(i for i, c in enumerate(columns) if c[1] == 'images_per_s') + 1
+        columns[at:at] = _REPARAM_COLUMNS
     table = []
     for r in rows:
         cells = []
-        for _, key, fmt in _TABLE_COLUMNS:
-            if key == 'latency_ms':
-                cells.append(f"{r['latency_ms']:.1f} ({r['latency_p10_ms']:.1f}-{r['latency_p90_ms']:.1f})")
+        for _, key, fmt in columns:
+            if key in ('latency_ms', 'reparam_latency_ms') and r.get(key) is not None:
+                p = key[:-3]
+                cells.append(f"{r[key]:.1f} ({r[p + '_p10_ms']:.1f}-{r[p + '_p90_ms']:.1f})")
             else:
                 cells.append('-' if r.get(key) is None else fmt(r[key]))
         table.append(cells)
-    return markdown_table([c[0] for c in _TABLE_COLUMNS], table, left_columns=2)
+    return markdown_table([c[0] for c in columns], table, left_columns=2)
 
 
 def _csv_text(rows: Sequence[Dict[str, Any]]) -> str:
@@ -777,11 +835,12 @@ class GrcMatmulFloor(nn.Module):
     """Stands in for a `GatedRecurrentCache` in eval: its matrix products, and optionally its memory attention, at the
     shapes of an eval forward, and nothing else.
 
-    Kept from the layer's eval forward: the summary halves of the three gates as one matmul (their cache halves act
-    on the frozen cache and are computed once), the candidate's matmul on the reset cache, the memory branch's q and
-    kv projections (after its spatial reduction, if any), its attention (`attention=True`, through the layer's own
-    `attend`: same kernel and bias) and its output projection. Left out: the gate nonlinearities, LayerNorm,
-    interpolation, the PE conv and the mixing (the projected memory output is added to the self-attention output).
+    Kept from the reparameterized layer's eval forward (`grc_matmul_floor` reparameterizes it): the summary halves of
+    the three gates as one matmul (their cache halves act on the frozen cache and are stored), the candidate's matmul
+    on the reset cache, the memory branch's q and kv projections (after its spatial reduction, if any), its attention
+    (`attention=True`, through the layer's own `attend`: same kernel and bias) and its output projection. Left out:
+    the gate nonlinearities, LayerNorm, interpolation, the PE conv and the mixing (the projected memory output is
+    added to the self-attention output).
     The result is wrong on purpose; its time is the least that an implementation of the layer on top of these
     kernels can take.
     """
@@ -799,17 +858,17 @@ class GrcMatmulFloor(nn.Module):
             raise ValueError(f'the GRC floor runs at the token count of the cache ({grc.cache_len}), got {T} tokens: '
                              'time it at the default input size of the model')
         summary = o_self[..., :dm]
-        memo = grc._eval_memo(o_self.dtype)  # the fused gate weights, as the layer keeps them in eval
-        w_s = grc._gate_weights()[0] if memo is None else memo['w_s']
-        gates = torch.mm(summary.reshape(-1, dm), w_s.t())  # (B * T_m, 3 D_m)
-        cand = torch.mm(gates[:, :dm], grc.linear_candidate.weight[:, :dm].t()).view(B, -1, dm)
+        # the fused gate weights and the candidate's cache half, as the reparameterized layer stores them
+        assert grc.gate_weight is not None and grc.candidate_cache_weight is not None
+        gates = torch.mm(summary.reshape(-1, dm), grc.gate_weight.t())  # (B * T_m, 3 D_m)
+        cand = torch.mm(gates[:, :dm], grc.candidate_cache_weight.t()).view(B, -1, dm)
         q = mem.q(x[..., :dm].reshape(B * T, dm)).reshape(B, T, mem.num_heads, mem.head_dim).transpose(1, 2)
         kv = mem.kv(mem._reduce(cand))
         if self.attention:
             kv = kv.reshape(B, -1, 2, mem.num_heads, mem.head_dim).permute(2, 0, 3, 1, 4)
             bias = None
-            if mem.relative_position_bias_table is not None and mem.window_size is not None:
-                bias = mem._rel_pos_bias(mem.window_size[0] * mem.window_size[1], q.dtype)
+            if mem.rel_pos_bias is not None:
+                bias = mem.rel_pos_bias.to(q.dtype)
             q = mem.attend(q, kv[0], kv[1], bias)
         o_mem = mem.proj(q.transpose(1, 2).reshape(B, T, dm))
         out = o_self.clone()
@@ -826,6 +885,8 @@ def grc_matmul_floor(model: nn.Module, attention: bool = True) -> nn.Module:
     for parent in list(floor.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, GatedRecurrentCache):
+                child.reparameterize()  # the terms of the frozen cache once, as timm.models.reparameterize_model
+                child.mem_attn.reparameterize()
                 setattr(parent, child_name, GrcMatmulFloor(child, attention))
                 replaced += 1
     if not replaced:

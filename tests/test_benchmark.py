@@ -62,6 +62,25 @@ def test_benchmark_tool_run(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith('| cvt_ls_13 | 64x64 |')
 
 
+def test_benchmark_tool_run_reparam(tmp_path):
+    # --reparam: the plain and the reparameterized model timed in the same alternating rounds, both printed
+    out = tmp_path / 'bench'
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'benchmark.py'), 'run', '--models', 'cvt_ls_13', '--img-size', '64',
+         '--warmup', '1', '--iters', '3', '--threads', '1', '--no-memory', '--reparam', '--out', str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (row,) = json.loads((out / 'results.json').read_text())['rows']
+    assert row['timed_passes'] == row['reparam_timing']['iters'] == 3
+    assert 0 < row['reparam_latency_p10_ms'] <= row['reparam_latency_ms'] <= row['reparam_latency_p90_ms']
+    ratios = sorted(f / p for f, p in zip(row['reparam_timing']['times_s'], row['timing']['times_s']))
+    assert row['reparam_ratio'] == pytest.approx(ratios[1])  # the median of the per-round ratios
+    assert 0 < row['reparam_gflops'] <= row['gflops']  # folding never adds FLOPs (BatchNorms go)
+    assert '| reparam ms (p10-p90) | reparam / plain |' in (out / 'results.md').read_text()
+    assert 'reparameterized' in proc.stderr and f"({row['reparam_ratio']:.3f}x plain)" in proc.stderr
+    assert proc.stdout.strip().splitlines()[-1].startswith('| cvt_ls_13 | 64x64 |')
+
+
 def test_benchmark_tool_rejects_bad_input(tmp_path, capsys):
     tool = load_tool('benchmark')
     assert tool.main(['run', '--models', 'no_such_model*', '--out', str(tmp_path)]) == 2

@@ -9,6 +9,7 @@ Subcommands (``python tools/benchmark.py <subcommand> --help`` for all options):
                python tools/benchmark.py run --models cvt_ls_13 'pvt_v2_*_grc' --batch-size 8 --out output/bench
                python tools/benchmark.py run --models vil_ls_medium --device cuda --amp bfloat16 --channels-last \\
                    --compile --train
+               python tools/benchmark.py run --models cvt_ls_13 --reparam   # plain and reparameterized, one run
 
 ``sweep``  time and peak memory against input size, each model until a time or memory budget is exceeded (each
            point in a fresh process), with the fitted exponents against pixel count and a PNG plot. The default is the
@@ -96,6 +97,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     run.add_argument('--channels-last', action='store_true', help='channels-last memory format')
     run.add_argument('--compile', action='store_true', help='time torch.compile(model)')
     run.add_argument('--train', action='store_true', help='also time training steps (forward, backward, SGD step)')
+    run.add_argument('--reparam', action='store_true',
+                     help='also time the model folded for inference (timm.models.reparameterize_model), in the same '
+                          'alternating rounds as the plain one; prints both times and their ratio')
     run.add_argument('--no-flops', action='store_true', help='skip FLOP and activation counting')
     run.add_argument('--no-memory', action='store_true', help='skip peak memory (one pass fewer)')
     run.add_argument('--out', type=Path, default=Path('output') / 'benchmark',
@@ -136,8 +140,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     cards.add_argument('--reuse', action='store_true', help='measure nothing; render from the stored numbers')
     cards.add_argument('--cards-dir', type=Path, default=ROOT / 'model_cards', help='folder of the cards')
     cards.add_argument('--readme', type=Path, default=ROOT / 'README.md', help='README whose models table to update')
-    # 3 warm-up passes: with 1, the median of 3 timed passes still held first-call costs (oneDNN primitives, eval
-    # memos): cvt_ls_13 measured 183 ms a pass against 102 ms with 3
+    # 3 warm-up passes: with 1, the median of 3 timed passes still held first-call costs (oneDNN primitives):
+    # cvt_ls_13 measured 183 ms a pass against 102 ms with 3
     add_timing_args(cards, warmup=3, iters=5, budget=20.0)
 
     args = parser.parse_args(argv)
@@ -164,13 +168,16 @@ def run_models(args: argparse.Namespace) -> int:
     config = BenchmarkConfig(
         img_size=args.img_size, batch_size=args.batch_size, device=args.device, amp=args.amp,
         channels_last=args.channels_last, compile=args.compile, warmup=args.warmup, iters=args.iters,
-        max_time_s=args.budget_s, flops=not args.no_flops, memory=not args.no_memory, train=args.train)
+        max_time_s=args.budget_s, flops=not args.no_flops, memory=not args.no_memory, train=args.train,
+        reparam=args.reparam)
     log(f'Machine: {machine_description(args.device)}')
     rows = []
     for i, name in enumerate(names, 1):
         row = benchmark_model(name, config)
         rows.append(row)
-        log(f"[{i}/{len(names)}] {name}: {row['latency_ms']:.1f} ms/pass, {row['images_per_s']:.1f} img/s")
+        reparam = '' if not args.reparam else (
+            f"; reparameterized {row['reparam_latency_ms']:.1f} ms/pass ({row['reparam_ratio']:.3f}x plain)")
+        log(f"[{i}/{len(names)}] {name}: {row['latency_ms']:.1f} ms/pass, {row['images_per_s']:.1f} img/s{reparam}")
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != 'command'}
     paths = write_benchmark_reports(rows, args.out, settings, device=args.device)
     print(benchmark_table(rows))

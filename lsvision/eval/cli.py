@@ -12,6 +12,7 @@ import torch.nn as nn
 import yaml
 
 import timm
+from timm.models import reparameterize_model
 
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
 from .runner import EvalSettings, default_workers, file_sha256
@@ -37,6 +38,8 @@ def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     g.add_argument('--amp', default=None, choices=['bfloat16', 'float16'], help='autocast dtype')
     g.add_argument('--threads', type=int, default=None, help='torch CPU threads')
+    g.add_argument('--reparam', action='store_true',
+                   help='evaluate the model folded for inference (timm.models.reparameterize_model)')
     g.add_argument('--img-size', type=int, default=None,
                    help="override the model's eval input size (ImageNet/ReaL/V2/A/R; recorded as the protocol)")
     g.add_argument('--crop-pct', type=float, default=None, help="override the model's eval crop_pct (same suites)")
@@ -146,7 +149,8 @@ def run_and_report(
         date=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
         versions=dict(lsvision=lsvision.__version__, timm=timm.__version__, torch=torch.__version__),
         settings=dict(batch_size=settings.batch_size, device=str(settings.device), amp=args.amp,
-                      data_overrides=settings.data_overrides, strict=settings.strict),
+                      data_overrides=settings.data_overrides, strict=settings.strict,
+                      reparam=getattr(args, 'reparam', False)),
         models=[])
     json_path = os.path.join(args.out_dir, 'results.json')
     md_path = os.path.join(args.out_dir, 'results.md')
@@ -155,6 +159,9 @@ def run_and_report(
         print(f'[{i}/{len(names)}] {name}' + (f' ({ckpt})' if ckpt else ''), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         model, identity = load_model(name, ckpt, args.pretrained, _parse_kwargs(args.model_kwargs))
+        if getattr(args, 'reparam', False):
+            model = reparameterize_model(model)
+            identity['reparam'] = True
         model.to(settings.device)
         identity['suites'] = evaluate(model, settings)
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)

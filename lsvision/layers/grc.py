@@ -24,7 +24,7 @@ cache grid, Swin relative position bias over the window slots).
 Written for lsvision, Apache-2.0.
 """
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
-from .eval_memo import EvalMemo, eval_fast_path
 from .matmul_attention import matmul_attention
+from .reparam import FoldableModule
 
 __all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
 
@@ -49,8 +49,8 @@ def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
     return cache_dim
 
 
-# Window memory attention with at most this many scores per (window, head) runs as batched matmuls on multi-threaded
-# CPUs (see `GrcMemoryAttention._batched_matmul_attention`); Swin's 7x7 windows have 49 x 49.
+# Window memory attention with at most this many scores per (window, head) runs as batched matmuls on CPU (see
+# `GrcMemoryAttention.attend`); Swin's 7x7 windows have 49 x 49.
 _SMALL_WINDOW_SCORES = 64 * 64
 
 
@@ -63,7 +63,7 @@ def _cat_bias(
     return torch.cat([a, b, c])
 
 
-class GrcMemoryAttention(nn.Module):
+class GrcMemoryAttention(FoldableModule):
     """Memory branch: queries from the input slice, keys/values from the (per-sample) cache.
 
     The same attention kind as the self branch at width D_m: q (D_m->D_m), kv (D_m->2 D_m), proj (D_m->D_m), plus
@@ -117,9 +117,10 @@ class GrcMemoryAttention(nn.Module):
         if (self.sr is not None) and self.cache_hw is None:
             raise ValueError('spatial reduction on the cache needs cache_hw')
         self.window_size = tuple(window_size) if window_size is not None else None
-        # SDPA also for the window memory branch (timm's self branch asks for it only as 'experimental'), but see
-        # `_batched_matmul_attention` for small windows on multi-threaded CPUs
+        # SDPA also for the window memory branch (timm's self branch asks for it only as 'experimental'); small windows
+        # on CPU run as batched matmuls instead (see `attend`)
         self.fused_attn = use_fused_attn()
+        self.matmul_max_scores = _SMALL_WINDOW_SCORES
         if self.window_size is not None:
             wh, ww = self.window_size
             self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads, **dd))
@@ -128,9 +129,11 @@ class GrcMemoryAttention(nn.Module):
         else:
             self.relative_position_bias_table = None
             self.relative_position_index = None
-        # eval memos: the gathered relative-position bias ('rel_pos_bias'), the patch-major reduction weight
-        # ('sr_weight'); kept in eval without autograd until a source tensor changes or the mode switches; not state
-        self._memos = EvalMemo()
+        self.sr_ratio = sr_ratio
+        # set by `reparameterize`: the gathered (1, heads, n, n) bias, the patch-major reduction weight and its bias
+        self.register_buffer('rel_pos_bias', None)
+        self.register_buffer('sr_patch_weight', None)
+        self.register_buffer('sr_patch_bias', None)
 
     def _rel_index(self, device=None) -> torch.Tensor:
         wh, ww = self.window_size
@@ -141,87 +144,86 @@ class GrcMemoryAttention(nn.Module):
         rel[:, :, 1] += ww - 1
         return rel[:, :, 0] * (2 * ww - 1) + rel[:, :, 1]
 
+    def _patch_reduce_applies(self) -> bool:
+        """Whether the spatial reduction is a conv with kernel = stride = s over a grid that s divides (PVT)."""
+        sr, hw = self.sr, self.cache_hw
+        if self.pool is not None or sr is None or hw is None:
+            return False
+        s = sr.stride[0]
+        return s == self.sr_ratio and sr.kernel_size == (s, s) and sr.stride == (s, s) and sr.padding == (0, 0) \
+            and hw[0] % s == 0 and hw[1] % s == 0
+
     def _reduce(self, kv: torch.Tensor) -> torch.Tensor:
-        if self.sr is None:
+        if self.sr is None and self.sr_patch_weight is None:
             return kv
         B, _, C = kv.shape
         hw = self.cache_hw
         assert hw is not None
         p = self.num_prefix_tokens
         grid = kv[:, p:]
-        reduced: Optional[torch.Tensor] = None
-        if not torch.jit.is_scripting():
-            reduced = self._patch_reduce(grid)
-        if reduced is None:
+        if self.sr_patch_weight is not None:  # reparameterized: the weight in patch-major order, stored
+            reduced = self._patch_reduce(grid, self.sr_patch_weight, self.sr_patch_bias)
+        else:
+            assert self.sr is not None
             grid = grid.transpose(1, 2).reshape(B, C, hw[0], hw[1])
             if self.pool is not None:
                 grid = self.pool(grid)
             reduced = self.sr(grid).flatten(2).transpose(1, 2)
+        assert self.norm is not None
         grid = self.norm(reduced)
         if self.act is not None:
             grid = self.act(grid)
         return grid if p == 0 else torch.cat([kv[:, :p], grid], dim=1)
 
-    def _gather_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        assert self.relative_position_bias_table is not None and self.relative_position_index is not None
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
-        return bias.permute(2, 0, 1).unsqueeze(0).to(dtype)
-
-    def _contiguous_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """`_gather_rel_pos_bias` as one contiguous block (the SDPA mask reads it once per window batch)."""
-        return self._gather_rel_pos_bias(n, dtype).contiguous()
-
-    @torch.jit.unused
-    def _rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """The (1, heads, n, n) relative-position bias of the window slots: in eval it depends only on the table."""
-        if not eval_fast_path(self.training):
-            return self._contiguous_rel_pos_bias(n, dtype)
-        table, index = self._parameters['relative_position_bias_table'], self._buffers['relative_position_index']
-        return self._memos.get(
-            'rel_pos_bias', (table, index), self._contiguous_rel_pos_bias, n, dtype, extra=(n, dtype))
-
-    @torch.jit.unused
-    def _patch_major_sr_weight(self) -> torch.Tensor:
-        """The (C, s*s*C) reduction conv weight with its input channels in patch-major (row, col, channel) order."""
-        w = self.sr.weight
-        return w.permute(0, 2, 3, 1).reshape(w.shape[0], -1)
-
-    @torch.jit.unused
-    def _patch_reduce(self, grid: torch.Tensor) -> Optional[torch.Tensor]:
-        """The k = s spatial reduction of the cache grid (B, h*w, C) as one matmul, or None where it does not apply.
+    def _patch_reduce(self, grid: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The kernel = stride = s reduction of the cache grid (B, h*w, C) as one matmul (reparameterized layers).
 
         A conv with kernel = stride = s maps each non-overlapping s x s patch linearly: on a patch-major copy of the
         tokens it is one (B*h*w/s^2, s*s*C) x (s*s*C, C) matmul, 1.1-2.5x faster on CPU than the conv on the
-        transposed grid (which needs a layout copy too). Only in eval without autograd and where s divides the grid;
-        traced (FLOP counting, export) it stays the conv.
+        transposed grid (which needs a layout copy too). Same math and FLOPs as the conv (tested).
         """
-        sr, hw = self.sr, self.cache_hw
-        if self.pool is not None or sr is None or hw is None or not eval_fast_path(self.training):
-            return None
-        s = sr.stride[0]
-        if sr.kernel_size != (s, s) or sr.stride != (s, s) or sr.padding != (0, 0) or hw[0] % s or hw[1] % s:
-            return None
         B, _, C = grid.shape
+        hw = self.cache_hw
+        assert hw is not None
+        s = self.sr_ratio
         h, w = hw[0] // s, hw[1] // s
-        weight = self._memos.get('sr_weight', (sr.weight,), self._patch_major_sr_weight)
         patches = grid.reshape(B, h, s, w, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * h * w, s * s * C)
-        return F.linear(patches, weight.to(grid.dtype), sr.bias).view(B, h * w, C)
+        return F.linear(patches, weight.to(grid.dtype), None if bias is None else bias.to(grid.dtype)).view(
+            B, h * w, C)
 
-    @torch.jit.unused
-    def _batched_matmul_attention(self, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Whether the attention runs as batched matmuls + softmax (`matmul_attention`) instead of SDPA: for window
-        memory attention (Swin: 49 slots, head dim 16) on a CPU with more than one thread. There SDPA's flash kernel
-        does not speed up with a second thread, while the batched matmuls do: 1.4-1.6x faster than SDPA on 2 cores
-        at Swin-T's shapes (batch 1 and 8), 0.8-0.9x on one thread."""
-        return (
-            self.fused_attn and self.window_size is not None and q.device.type == 'cpu'
-            and q.shape[2] * k.shape[2] <= _SMALL_WINDOW_SCORES and torch.get_num_threads() > 1
-        )
+    def _gather_rel_pos_bias(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The (1, heads, n, n) relative-position bias of the window slots, gathered from the table (contiguous: the
+        SDPA mask reads it once per window batch)."""
+        if self.rel_pos_bias is not None:  # reparameterized: gathered once
+            return self.rel_pos_bias.to(dtype)
+        assert self.relative_position_bias_table is not None and self.relative_position_index is not None
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).unsqueeze(0).to(dtype).contiguous()
 
-    def train(self, mode: bool = True) -> 'GrcMemoryAttention':
-        if mode != self.training:  # a mode switch drops the eval memos
-            self._memos.clear()
-        return super().train(mode)
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Gather the window relative-position bias once and store the kernel = stride reduction conv's weight in
+        patch-major order (one matmul, see `_patch_reduce`); the table and the conv go. Inference-only afterwards.
+
+        Called by `timm.models.reparameterize_model`.
+        """
+        if self.reparameterized:
+            return
+        ws = self.window_size
+        if self.relative_position_bias_table is not None and ws is not None:
+            n = ws[0] * ws[1]
+            table = self.relative_position_bias_table
+            self.register_buffer('rel_pos_bias', self._gather_rel_pos_bias(n, table.dtype).clone())
+            self.relative_position_bias_table = None
+            self.relative_position_index = None
+        if self._patch_reduce_applies():
+            sr = self.sr
+            assert sr is not None
+            w = sr.weight
+            self.register_buffer('sr_patch_weight', w.permute(0, 2, 3, 1).reshape(w.shape[0], -1).clone())
+            self.register_buffer('sr_patch_bias', None if sr.bias is None else sr.bias.clone())
+            self.sr = None
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D_m) queries' source, cache: (B, T_m, D_m). Returns (B, T, D_m)."""
@@ -232,28 +234,27 @@ class GrcMemoryAttention(nn.Module):
         k, v = kv.unbind(0)
         bias: Optional[torch.Tensor] = None
         ws = self.window_size
-        if self.relative_position_bias_table is not None and self.relative_position_index is not None \
-                and ws is not None:
+        if (self.rel_pos_bias is not None or self.relative_position_bias_table is not None) and ws is not None:
             n = ws[0] * ws[1]
             if N != n or k.shape[2] != n:
                 raise ValueError(f'window memory attention expects {n} queries and cache slots, got {N} and '
                                  f'{k.shape[2]}')
-            if torch.jit.is_scripting():
-                bias = self._gather_rel_pos_bias(n, q.dtype)
-            else:
-                bias = self._rel_pos_bias(n, q.dtype)
+            bias = self._gather_rel_pos_bias(n, q.dtype)
         x = self.attend(q, k, v, bias)
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
         return self.proj_drop(x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """softmax(q k^T * scale + bias) v for (B, heads, N, head_dim) queries against the cache's keys and values,
-        through the fastest kernel for the shape (SDPA, or batched matmuls, see `_batched_matmul_attention`)."""
+        """softmax(q k^T * scale + bias) v for (B, heads, N, head_dim) queries against the cache's keys and values.
+
+        One kernel per device and layer: window memory attention with small windows (Swin: 49 slots, head dim 16) runs
+        as batched matmuls + softmax (`matmul_attention`) on CPU, where SDPA's flash kernel costs a few microseconds
+        per (window x head) block and does not speed up with a second thread (the matmuls were 1.4-1.6x faster than
+        SDPA on 2 cores at Swin-T's shapes, 0.8-0.9x on one thread); everything else through SDPA. Both give the same
+        output (tested).
+        """
         dropout_p = self.attn_drop if self.training else 0.
-        batched_matmul = False
-        if not torch.jit.is_scripting():
-            batched_matmul = self._batched_matmul_attention(q, k)
-        if bias is not None and batched_matmul:
+        if bias is not None and q.device.type == 'cpu' and q.shape[2] * k.shape[2] <= self.matmul_max_scores:
             return matmul_attention(q, k, v, bias, dropout_p, self.scale)
         if self.fused_attn:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=self.scale)
@@ -265,7 +266,7 @@ class GrcMemoryAttention(nn.Module):
 
 
 @register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
-class GatedRecurrentCache(nn.Module):
+class GatedRecurrentCache(FoldableModule):
     """The GRC part of a GRC-Attention block (spec steps 2-10): cache, gates, memory attention, mixing, PE.
 
     Call it with the attention input X (B, T, D) and the self-attention output o_self (B, T, D); it returns the
@@ -354,8 +355,10 @@ class GatedRecurrentCache(nn.Module):
         self.lam = nn.Parameter(torch.full((num_heads,), float(lam_init), **dd))
         self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
-        # eval memo of the frozen terms ('frozen', see `_eval_memo`): not state, never saved
-        self._memos = EvalMemo()
+        # set by `reparameterize` (see there); None in a layer that trains
+        for name in ('gate_weight', 'gate_bias', 'candidate_cache_weight', 'mix_weight', 'pe_weight_own',
+                     'pe_weight_pair', 'pe_bias'):
+            self.register_buffer(name, None)
 
     def extra_repr(self) -> str:
         return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
@@ -364,7 +367,15 @@ class GatedRecurrentCache(nn.Module):
     @torch.no_grad()
     def reset_cache(self) -> None:
         """Zero the cache (e.g. before fine-tuning on a new task, as the paper does for COCO)."""
+        self._check_not_reparameterized('reset_cache')
         self.cache.zero_()
+
+    def _check_not_reparameterized(self, what: str) -> None:
+        if self.reparameterized:
+            raise RuntimeError(
+                f'{what}: this GRC layer was reparameterized (timm.models.reparameterize_model), its gate terms hold '
+                'the frozen cache; change the cache of the model you passed to reparameterize_model, then call '
+                'reparameterize_model again')
 
     @torch.no_grad()
     def resize_cache(self, new_hw: Tuple[int, int]) -> None:
@@ -372,6 +383,7 @@ class GatedRecurrentCache(nn.Module):
 
         Only for layers whose cache is a patch grid (PVT); the memory attention's reduction must fit the new grid.
         """
+        self._check_not_reparameterized('resize_cache')
         if self.cache_hw is None:
             raise ValueError('resize_cache needs a layer built with cache_hw')
         new_hw = (int(new_hw[0]), int(new_hw[1]))
@@ -420,84 +432,71 @@ class GatedRecurrentCache(nn.Module):
         w_pair = torch.diagonal(w.flip(2), dim1=1, dim2=2).permute(0, 3, 1, 2).reshape(D, 1, 3, 3)
         return w_own, w_pair
 
-    def train(self, mode: bool = True) -> 'GatedRecurrentCache':
-        if mode != self.training:  # a mode switch always rebuilds the eval memo (eval() in eval mode keeps it)
-            self._memos.clear()
-        return super().train(mode)
-
-    @torch.jit.unused
-    def _memo_inputs(self) -> List[torch.Tensor]:
-        """The tensors the eval memo is computed from. Read from the module dicts: nn.Module attribute lookups cost
-        ~1 us each, and this runs on every eval call of every block."""
-        tensors = [self._buffers['cache'], self._parameters['lam']]
-        for name in ('linear_reset', 'linear_update', 'linear_candidate', 'pe'):
-            tensors += [t for t in self._modules[name]._parameters.values() if t is not None]
-        return tensors
-
-    @torch.jit.unused
-    def _eval_memo(self, dtype: torch.dtype) -> Optional[Dict[str, torch.Tensor]]:
-        """The terms of an eval forward that depend only on the parameters and the frozen cache, computed once.
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Compute the terms of an eval forward that depend only on the parameters and the frozen cache, once.
 
         In eval the cache is frozen, so the cache halves of the reset and update gates, [W_rP; W_uP] C, are the same
-        for every sample of every call (the spec's per-sample update starts from the frozen buffer); they are kept
-        with the gate biases as one per-token term `s_bias` (1, T_m, 3 D_m). So are the fused gate weights, the PE
-        filters and the mixing weights. They are kept here and recomputed when the cache
-        or a parameter of this layer changes: an in-place write (optimizer step, load_state_dict, copy_ under
-        no_grad, reset_cache) bumps the tensor's version, a new tensor has a new address, and a switch between train
-        and eval mode drops the memo. Writes through `.data` are invisible to versions: switch modes after them.
-        Only in eval without autograd and autocast, and never traced (the FLOP counter and exports see the full
-        computation), compiled or scripted. Returns None where the memo does not apply.
+        for every sample; with the gate biases they become one per-token term `gate_bias` (1, T_m, 3 D_m) beside the
+        fused summary halves `gate_weight` [W_rS; W_uS; W_cS] (3 D_m, D_m) and the candidate's cache half
+        `candidate_cache_weight` W_cP (D_m, D_m); the mixing weights sigmoid(lam) become `mix_weight` (heads, 1),
+        and the PE conv with 2 channels per group (r = 0.5) its two depthwise filters (see `_pe`). The gate Linears,
+        `lam` and (r = 0.5) `pe` go. Called by `timm.models.reparameterize_model`; afterwards the layer is
+        inference-only (`train()`, `reset_cache` and `resize_cache` raise).
         """
-        if not eval_fast_path(self.training) or torch.is_autocast_enabled(self.cache.device.type):
-            return None
-        return self._memos.get(
-            'frozen', self._memo_inputs(), self._frozen_terms, dtype, extra=(dtype,), compute_unkept=False)
-
-    @torch.jit.unused
-    def _frozen_terms(self, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-        """The terms kept by `_eval_memo`, computed in `dtype`."""
+        if self.reparameterized:
+            return
+        dm = self.cache_dim
         w_s, b_s, w_p = self._gate_weights()
-        ru = F.linear(self.cache.to(dtype), w_p.to(dtype))  # (1, T_m, 2 D_m)
-        s_bias = torch.cat([ru, ru.new_zeros(ru.shape[:-1] + (self.cache_dim,))], dim=-1)
+        cache = self.cache.to(w_p.dtype)
+        ru = F.linear(cache, w_p)  # (1, T_m, 2 D_m)
+        gate_bias = torch.cat([ru, ru.new_zeros(ru.shape[:-1] + (dm,))], dim=-1)
         if b_s is not None:
-            s_bias += b_s
-        memo = {'w_s': w_s, 's_bias': s_bias}
-        memo['w_own'], memo['w_pair'] = self._pe_filters()
-        w = torch.sigmoid(self.lam).to(dtype).view(self.num_heads, 1)
-        memo['mix_mem'], memo['mix_self'] = w, 1. - w
-        return memo
+            gate_bias += b_s
+        self.gate_weight = w_s.clone()
+        self.gate_bias = gate_bias
+        self.candidate_cache_weight = self.linear_candidate.weight[:, :dm].clone()
+        self.mix_weight = torch.sigmoid(self.lam).view(self.num_heads, 1).clone()
+        self.linear_reset = None
+        self.linear_update = None
+        self.linear_candidate = None
+        self.lam = None
+        if self.dim == 2 * self.cache_dim:
+            pe = self.pe
+            assert pe is not None
+            self.pe_weight_own, self.pe_weight_pair = (w.clone() for w in self._pe_filters())
+            self.pe_bias = None if pe.bias is None else pe.bias.clone()
+            self.pe = None
+        self._set_reparameterized()
 
-    def update(
-            self,
-            cache: torch.Tensor,
-            summary: torch.Tensor,
-            frozen: Optional[Dict[str, torch.Tensor]] = None,
-    ) -> torch.Tensor:
+    def update(self, cache: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
         """Per-sample GRU-style update: cache (B or 1, T_m, D_m) and summary (B, T_m, D_m) -> C_t (B, T_m, D_m).
 
         Same math as `W [P, S]` on the concatenation, with each gate weight split into its cache and summary halves:
         the three summary halves run as one matmul on the summary as it lies (a channel slice: no copy), and the
-        cache halves of W_r and W_u act on the batch-independent cache once (not once per sample). No concatenated
-        or expanded copies of the activations are made.
+        cache halves of W_r and W_u act on the batch-independent cache once (not once per sample); reparameterized,
+        that product and the biases are one stored per-token term. No concatenated or expanded copies of the
+        activations are made.
         """
         B, T, dm = summary.shape
-        w_c = self.linear_candidate.weight
         # [W_rS; W_uS; W_cS] S: (B * T_m, 3 D_m); the reshape is a view of a channel slice
         summary2d = summary.reshape(B * T, dm)
-        if frozen is None:
+        if self.gate_weight is None:
             w_s, b_s, w_p = self._gate_weights()
             s3 = F.linear(summary2d, w_s) if b_s is None else torch.addmm(b_s, summary2d, w_s.t())
             # + [W_rP; W_uP] C: (1 or B, T_m, 2 D_m)
             gates = torch.sigmoid_(s3[:, :2 * dm].view(B, T, 2 * dm) + F.linear(cache, w_p))
+            w_cp = self.linear_candidate.weight[:, :dm]
         else:
-            # eval: [W_rP; W_uP] C of the frozen cache and all biases are one per-token term (1, T_m, 3 D_m), computed
-            # once and added in place: no bias copy before the matmul and no new tensor for the gates
-            s3 = torch.mm(summary2d, frozen['w_s'].t())
-            s3.view(B, T, 3 * dm).add_(frozen['s_bias'])
+            # reparameterized: [W_rP; W_uP] C of the frozen cache and all biases are one per-token term (1, T_m,
+            # 3 D_m), added in place: no bias copy before the matmul and no new tensor for the gates
+            s3 = torch.mm(summary2d, self.gate_weight.to(summary.dtype).t())
+            s3.view(B, T, 3 * dm).add_(self.gate_bias.to(summary.dtype))
             gates = torch.sigmoid_(s3[:, :2 * dm]).view(B, T, 2 * dm)
+            w_cp = self.candidate_cache_weight.to(summary.dtype)
         g_r, g_u = gates[..., :dm], gates[..., dm:]
         # W_cP (g_r * C) + (W_cS S + b_c)
-        cand = torch.addmm(s3[:, 2 * dm:], (g_r * cache).reshape(B * T, dm), w_c[:, :dm].t())
+        cand = torch.addmm(s3[:, 2 * dm:], (g_r * cache).reshape(B * T, dm), w_cp.t())
         cand = self.norm_candidate(self.act(cand.view(B, T, dm)))
         return torch.lerp(cache, cand, g_u)  # = g_u * cand + (1 - g_u) * cache
 
@@ -548,11 +547,8 @@ class GatedRecurrentCache(nn.Module):
         # clone: the buffer is written in place below (train) while this step's graph still uses its value; without
         # a graph or a store (eval, no grad) the buffer is read as is
         cache = self.cache.to(dtype=summary.dtype, copy=self.training or torch.is_grad_enabled())
-        frozen: Optional[Dict[str, torch.Tensor]] = None
-        if not torch.jit.is_scripting():
-            frozen = self._eval_memo(summary.dtype)
         if self.training or self.eval_update:
-            cache = self.update(cache, summary, frozen)
+            cache = self.update(cache, summary)
             if self.training:
                 self._store(cache)
         else:
@@ -560,13 +556,13 @@ class GatedRecurrentCache(nn.Module):
         o_mem = self.mem_attn(x[..., :dm], cache)
 
         H = self.num_heads
-        if frozen is None:
+        if self.mix_weight is None:
             w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
-            w_self = 1. - w
         else:
-            w, w_self = frozen['mix_mem'], frozen['mix_self']
+            w = self.mix_weight.to(o_self.dtype)
+        w_self = 1. - w
         # O = w * [o_mem, 0] + (1 - w) * o_self per head (without the zero-padded copy of o_mem), + PE on the patches
-        pe = self._pe(x[:, p:], feat_size, frozen)  # prefix tokens get no PE
+        pe = self._pe(x[:, p:], feat_size)  # prefix tokens get no PE
         if p == 0 and pe.is_contiguous():
             # accumulate into the fresh PE tensor: one pass and no new tensor for (1 - w) * o_self
             out = pe.view(B, T, H, D // H).addcmul_(o_self.reshape(B, T, H, D // H), w_self)
@@ -576,36 +572,34 @@ class GatedRecurrentCache(nn.Module):
         out[..., :dm // H].addcmul_(o_mem.reshape(B, T, H, dm // H), w)
         return out.view(B, T, D)
 
-    def _pe(
-            self,
-            x: torch.Tensor,
-            feat_size: List[int],
-            frozen: Optional[Dict[str, torch.Tensor]] = None,
-    ) -> torch.Tensor:
+    def _pe(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
         """`self.pe` on patch tokens (B, H*W, D), returned as tokens (B, H*W, D).
 
         With 2 channels per group (r = 0.5), each output channel sums a 3x3 depthwise filter over its own channel and
         one over its pair partner; oneDNN's grouped kernel is slow on CPU for this shape. So it runs as 2 depthwise
         convs on channels-last views of the token-major input (no layout copies; only the pair-swapped copy of x),
-        3-9x faster than the grouped conv. The same sum either way. Traced (FLOP counting, export), it stays the
-        conv, which fvcore counts.
+        3-9x faster than the grouped conv. The same sum and FLOPs either way. Traced (FLOP counting, export), a layer
+        that trains keeps the grouped conv; a reparameterized one stores the two filters.
         """
         B, N, D = x.shape
         H, W = feat_size
-        if self.dim != 2 * self.cache_dim or torch.jit.is_tracing():
-            patches = x.transpose(1, 2).reshape(B, D, H, W)
-            return self.pe(patches).flatten(2).transpose(1, 2)
-        G = self.cache_dim
-        if frozen is None:
-            w_own, w_pair = self._pe_filters()
+        if self.pe_weight_own is not None:  # reparameterized
+            w_own, w_pair, bias = self.pe_weight_own, self.pe_weight_pair, self.pe_bias
         else:
-            w_own, w_pair = frozen['w_own'], frozen['w_pair']
+            pe = self.pe
+            assert pe is not None
+            if self.dim != 2 * self.cache_dim or torch.jit.is_tracing():
+                patches = x.transpose(1, 2).reshape(B, D, H, W)
+                return pe(patches).flatten(2).transpose(1, 2)
+            w_own, w_pair = self._pe_filters()
+            bias = pe.bias
+        G = self.cache_dim
         x = x.contiguous()
         x2 = x.view(B, N, G, 2)
         x_pair = torch.stack([x2[..., 1], x2[..., 0]], dim=-1)  # each channel's pair partner in its place
         # (B, H*W, D) token-major is (B, D, H, W) channels-last: oneDNN's depthwise kernel reads it as is
-        y = F.conv2d(x.view(B, H, W, D).permute(0, 3, 1, 2), w_own, self.pe.bias, padding=1, groups=D)
-        y.add_(F.conv2d(x_pair.view(B, H, W, D).permute(0, 3, 1, 2), w_pair, None, padding=1, groups=D))
+        y = F.conv2d(x.view(B, H, W, D).permute(0, 3, 1, 2), w_own.to(x.dtype), bias, padding=1, groups=D)
+        y.add_(F.conv2d(x_pair.view(B, H, W, D).permute(0, 3, 1, 2), w_pair.to(x.dtype), None, padding=1, groups=D))
         return y.permute(0, 2, 3, 1).reshape(B, N, D)
 
 

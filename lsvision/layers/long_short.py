@@ -15,8 +15,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
-from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -24,11 +23,12 @@ import torch.nn.functional as F
 
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
-from .eval_memo import EvalMemo, eval_fast_path
 from .matmul_attention import matmul_attention
+from .reparam import FoldableModule
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
+    'FusedConvProjections',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
     'resize_window_rel_pos_table', 'projection_weights', 'segment_attention', 'dynamic_projection',
     'segment_padding_mask',
@@ -132,8 +132,11 @@ class LinearQkv(nn.Linear):
         return F.linear(x, self.weight, self.bias).reshape(B, N, 3, C).permute(2, 0, 1, 3)
 
 
-class SepConv2d(nn.Module):
-    """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base."""
+class SepConv2d(FoldableModule):
+    """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base.
+
+    `reparameterize()` folds the BatchNorm (running statistics) into the depthwise conv, for inference.
+    """
 
     def __init__(self, dim: int, device=None, dtype=None):
         dd = {'device': device, 'dtype': dtype}
@@ -142,36 +145,32 @@ class SepConv2d(nn.Module):
         self.bn = nn.BatchNorm2d(dim, **dd)
         self.pw = nn.Conv2d(dim, dim, 1, **dd)
 
-        self._memos = EvalMemo()  # eval memo: 'folded_dw', the dw weight and bias with bn folded in
+    def foldable(self) -> bool:
+        """Whether the BatchNorm is (or can be) folded: it has running statistics."""
+        return self.reparameterized or (isinstance(self.bn, nn.BatchNorm2d) and self.bn.running_var is not None)
 
-    @torch.jit.unused
-    def _fold_sources(self) -> List[torch.Tensor]:
-        """The tensors the folded depthwise weight and bias are computed from."""
-        return [self.dw.weight, self.dw.bias, self.bn.weight, self.bn.bias, self.bn.running_mean, self.bn.running_var]
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Fold the BatchNorm into the depthwise conv (`bn` becomes Identity); afterwards the layer is inference-only.
 
-    @torch.jit.unused
-    def _folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Weight and bias of the depthwise conv with the BatchNorm (running stats) folded in, cached per version."""
-        return self._memos.get('folded_dw', self._fold_sources(), self._compute_folded_dw, extra=(self.bn.eps,))
-
-    @torch.jit.unused
-    def _compute_folded_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        scale = self.bn.weight * torch.rsqrt(self.bn.running_var + self.bn.eps)
-        weight = self.dw.weight * scale[:, None, None, None]
-        bias = (self.dw.bias - self.bn.running_mean) * scale + self.bn.bias
-        return weight, bias
+        Called by `timm.models.reparameterize_model`. A BatchNorm without running statistics is kept (nothing folds).
+        """
+        if self.reparameterized or not self.foldable():
+            return
+        bn, dw = self.bn, self.dw
+        scale = bn.weight.float() * torch.rsqrt(bn.running_var.float() + bn.eps)  # fp32 fold, stored in dw's dtype
+        folded = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, padding=dw.padding, groups=dw.groups,
+                           device=dw.weight.device, dtype=dw.weight.dtype)
+        folded.weight.copy_(dw.weight.float() * scale[:, None, None, None])
+        dw_bias = dw.bias.float() if dw.bias is not None else torch.zeros_like(scale)
+        folded.bias.copy_((dw_bias - bn.running_mean.float()) * scale + bn.bias.float())
+        self.dw = folded.requires_grad_(False)
+        self.bn = nn.Identity()
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
-        if torch.jit.is_scripting():
-            x = self.bn(self.dw(x))
-        elif eval_fast_path(self.training) and self.bn.running_var is not None:
-            # inference: one conv instead of conv + BatchNorm (traced and scripted graphs keep both)
-            weight, bias = self._folded_dw()
-            x = F.conv2d(x, weight, bias, padding=1, groups=weight.shape[0])
-        else:
-            x = self.bn(self.dw(x))
-        x = x.flatten(2).transpose(1, 2)
+        x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
         # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
 
@@ -217,8 +216,11 @@ class LinearDynamicProjection(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-class ConvDynamicProjection(nn.Module):
-    """Dynamic-projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (CvT-LS)."""
+class ConvDynamicProjection(FoldableModule):
+    """Dynamic-projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (CvT-LS).
+
+    `reparameterize()` standardizes the depthwise weight once (`dw` becomes a plain conv), for inference.
+    """
 
     def __init__(self, dim: int, num_proj: int, device=None, dtype=None):
         dd = {'device': device, 'dtype': dtype}
@@ -226,33 +228,97 @@ class ConvDynamicProjection(nn.Module):
         self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
         self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
 
-        self._memos = EvalMemo()  # eval memo: 'std_weight', the standardized dw weight
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Replace the weight-standardized conv by a plain conv holding the standardized weight (inference-only).
 
-    @torch.jit.unused
-    def _standardized_dw_weight(self) -> torch.Tensor:
-        """The depthwise weight standardized as StdConv2d does it, cached per parameter version."""
-        return self._memos.get('std_weight', (self.dw.weight,), self._compute_standardized_dw_weight,
-                               extra=(self.dw.eps,))
-
-    @torch.jit.unused
-    def _compute_standardized_dw_weight(self) -> torch.Tensor:
-        w = self.dw.weight
-        return F.batch_norm(
-            w.reshape(1, self.dw.out_channels, -1), None, None, training=True, momentum=0., eps=self.dw.eps,
-        ).reshape_as(w)
+        Called by `timm.models.reparameterize_model`.
+        """
+        dw = self.dw
+        if self.reparameterized or not isinstance(dw, StdConv2d):
+            return
+        # StdConv2d's own standardization (batch_norm over each filter, biased variance), in fp32
+        w = dw.weight.float()
+        std = F.batch_norm(w.reshape(1, dw.out_channels, -1), None, None, training=True, momentum=0., eps=dw.eps)
+        plain = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, stride=dw.stride, padding=dw.padding,
+                          dilation=dw.dilation, groups=dw.groups, bias=dw.bias is not None,
+                          device=dw.weight.device, dtype=dw.weight.dtype)
+        plain.weight.copy_(std.reshape_as(w))
+        if dw.bias is not None:
+            plain.bias.copy_(dw.bias)
+        self.dw = plain.requires_grad_(False)
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = _tokens_to_map(x, feat_size)
-        if torch.jit.is_scripting():
-            x = self.dw(x)
-        elif eval_fast_path(self.training):
-            # inference: the standardized weight once per parameter version (traced and scripted graphs keep it)
-            x = F.conv2d(x, self._standardized_dw_weight(), self.dw.bias, self.dw.stride, self.dw.padding,
-                         self.dw.dilation, self.dw.groups)
-        else:
-            x = self.dw(x)
-        x = x.flatten(2).transpose(1, 2)
+        x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
+
+
+# A reparameterized CvT-LS layer runs its four depthwise convs as one conv up to this many map positions
+# (batch x H x W): measured in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at
+# batch 8 as well, stage 3 (1568 positions) was no faster and stage 1 slower.
+_FUSE_CONVS_MAX_POSITIONS = 1024
+
+
+class FusedConvProjections(FoldableModule):
+    """The CvT-LS q, k, v convs and projection-logit conv of a reparameterized `LongShortAttention2d`, for inference.
+
+    The four depthwise convs (q, k, v with BatchNorm folded in, the projection's standardized conv) read the same
+    patch map; their filters are stored concatenated, so on small maps one depthwise conv over four copies of the map
+    gives all four outputs (oneDNN spends a fixed ~50-100 us per depthwise conv call on CPU, which dominates on small
+    maps); on larger maps (more than `_FUSE_CONVS_MAX_POSITIONS` positions, batch included) each filter set runs as
+    its own conv, which was faster there. The same math either way (tested). The pointwise convs read their channel
+    slice. Built by `LongShortAttention2d.reparameterize`; inference-only.
+    """
+
+    def __init__(self, qkv: SepConvQkv, dynamic_proj: ConvDynamicProjection):
+        super().__init__()
+        convs = (qkv.q, qkv.k, qkv.v)
+        for c in convs:
+            c.reparameterize()
+        dynamic_proj.reparameterize()
+        if not all(c.reparameterized for c in convs):
+            raise ValueError('FusedConvProjections needs q, k, v convs whose BatchNorms have running statistics')
+        dws = [c.dw for c in convs] + [dynamic_proj.dw]
+        with torch.no_grad():
+            self.register_buffer('dw_weight', torch.cat([dw.weight for dw in dws]))  # (4C, 1, 3, 3)
+            self.register_buffer('dw_bias', torch.cat([dw.bias for dw in dws]))  # (4C,)
+            self.register_buffer('qkv_weight', torch.stack([c.pw.weight.flatten(1) for c in convs]))  # (3, C, C)
+            self.register_buffer('qkv_bias', torch.stack([c.pw.bias for c in convs]))  # (3, C)
+            self.register_buffer('proj_weight', dynamic_proj.pw.weight.flatten(1).clone())  # (h * r, C)
+            self.register_buffer('proj_bias', dynamic_proj.pw.bias.clone())
+        self.max_fused_positions = _FUSE_CONVS_MAX_POSITIONS
+        self._set_reparameterized()
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix_tokens: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns q, k, v stacked (3, B, N, C) and the projection logits (B, H * W, h * r)."""
+        C = x.shape[2]
+        patches = x[:, num_prefix_tokens:]
+        qkv = _qkv_buffer(x, num_prefix_tokens)
+        if x.shape[0] * feat_size[0] * feat_size[1] <= self.max_fused_positions:
+            maps = F.conv2d(_tokens_to_map(torch.cat([patches, patches, patches, patches], dim=2), feat_size),
+                            self.dw_weight, self.dw_bias, padding=1, groups=4 * C)
+            maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
+            for i in range(3):
+                qkv[i, :, num_prefix_tokens:] = F.linear(
+                    maps[..., i * C:(i + 1) * C], self.qkv_weight[i], self.qkv_bias[i])
+            return qkv, F.linear(maps[..., 3 * C:], self.proj_weight, self.proj_bias)
+        feat_map = _tokens_to_map(patches, feat_size)
+        for i in range(3):
+            qkv[i, :, num_prefix_tokens:] = F.linear(
+                self._depthwise(feat_map, i, C), self.qkv_weight[i], self.qkv_bias[i])
+        return qkv, F.linear(self._depthwise(feat_map, 3, C), self.proj_weight, self.proj_bias)
+
+    def _depthwise(self, feat_map: torch.Tensor, i: int, C: int) -> torch.Tensor:
+        """The i-th depthwise conv (q, k, v, projection) alone, as tokens (B, H * W, C)."""
+        out = F.conv2d(feat_map, self.dw_weight[i * C:(i + 1) * C], self.dw_bias[i * C:(i + 1) * C], padding=1,
+                       groups=C)
+        return out.flatten(2).transpose(1, 2)
 
 
 # The window attention runs over blocks of samples or segment rows whose gathered keys take about this many bytes.
@@ -367,21 +433,12 @@ def segment_padding_mask(
     return mask.reshape(1, repeat * gy * gx, 1, mask.shape[-1])
 
 
-# Padding masks depend on the shapes only: each is built once; the 64 built last are kept.
-_PADDING_MASKS: 'OrderedDict[Tuple, torch.Tensor]' = OrderedDict()
-_PADDING_MASKS_MAX = 64
-
-# Inference runs the four depthwise convs of a CvT-LS layer as one conv up to this many map positions (batch x H x W):
-# measured in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at batch 8 as well,
-# stage 3 (1568 positions) was no faster and stage 1 slower.
-_FUSE_CONVS_MAX_POSITIONS = 1024
-
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
 _DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
 
 
 @register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
-class LongShortAttention2d(nn.Module):
+class LongShortAttention2d(FoldableModule):
     """Long-short attention over a 2D token map with optional prefix (cls) tokens.
 
     Input tokens are (B, g + H * W, C): g prefix tokens first, then the map in row-major order. g is inferred
@@ -447,84 +504,24 @@ class LongShortAttention2d(nn.Module):
             self.rel_pos_table = None
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
-        self._memos = EvalMemo()  # eval memo: 'fused_dw', weight and bias of the four depthwise convs as one
+        self.fused_proj: Optional[FusedConvProjections] = None  # set by `reparameterize` (CvT-LS convs)
 
-    @torch.jit.unused
-    def _fused_conv_projections(
-            self,
-            x: torch.Tensor,
-            feat_size: Tuple[int, int],
-            num_prefix: int,
-    ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        """q, k, v and the projection logits with the four depthwise convs (CvT-LS) run as one, in inference.
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Fold the CvT-LS q, k, v convs (BatchNorm folded in) and the projection conv (standardized weight) into one
+        `FusedConvProjections` (`qkv` and `dynamic_proj` become None); other layers are left to their children.
 
-        The q, k and v convs (BatchNorm folded in) and the projection's standardized conv all read the same patch
-        map, so one depthwise conv over four copies of the map, with the four filter sets concatenated, gives all
-        four outputs; the pointwise convs then read their channel slice of it. oneDNN spends a fixed ~50-100 us per
-        depthwise conv call on CPU, which dominates on small maps. Same math; returns None where it does not apply
-        (training, autograd, tracing, other qkv/projection layers, more than `_FUSE_CONVS_MAX_POSITIONS`).
-
-        Returns:
-            q, k, v stacked (3, B, N, C) and the projection logits (B, H * W, h * r).
+        Called by `timm.models.reparameterize_model`; afterwards the layer is inference-only.
         """
-        qkv_layer, dp = self.qkv, self.dynamic_proj
-        if not (isinstance(qkv_layer, SepConvQkv) and isinstance(dp, ConvDynamicProjection)):
-            return None
-        if x.shape[0] * feat_size[0] * feat_size[1] > _FUSE_CONVS_MAX_POSITIONS:
-            return None
-        convs = (qkv_layer.q, qkv_layer.k, qkv_layer.v)
-        if not eval_fast_path(self.training) or any(c.bn.running_var is None for c in convs):
-            return None
-        sources = [dp.dw.weight, dp.dw.bias]
-        for c in convs:
-            sources += c._fold_sources()
-        weight, bias = self._memos.get(
-            'fused_dw', sources, self._compute_fused_dw, extra=tuple(c.bn.eps for c in convs) + (dp.dw.eps,))
-        C = x.shape[2]
-        patches = x[:, num_prefix:]
-        maps = F.conv2d(
-            _tokens_to_map(torch.cat([patches] * 4, dim=2), feat_size), weight, bias, padding=1, groups=4 * C)
-        maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
-        qkv = _qkv_buffer(x, num_prefix)
-        for i, conv in enumerate(convs):
-            qkv[i, :, num_prefix:] = F.linear(maps[..., i * C:(i + 1) * C], conv.pw.weight.flatten(1), conv.pw.bias)
-        logits = F.linear(maps[..., 3 * C:], dp.pw.weight.flatten(1), dp.pw.bias)
-        return qkv, logits
-
-    @torch.jit.unused
-    def _compute_fused_dw(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The q, k, v depthwise filters (BatchNorm folded in) and the projection's standardized filters, concatenated
-        along the output channels, and their biases."""
-        convs = (self.qkv.q, self.qkv.k, self.qkv.v)
-        dp = self.dynamic_proj
-        folded = [c._folded_dw() for c in convs]
-        weight = torch.cat([w for w, _ in folded] + [dp._standardized_dw_weight()])
-        bias = torch.cat([b for _, b in folded] + [dp.dw.bias])
-        return weight, bias
-
-    @torch.jit.unused
-    def _cached_padding_mask(
-            self,
-            feat_size: Tuple[int, int],
-            num_prefix: int,
-            repeat: int,
-            dtype: torch.dtype,
-            device: torch.device,
-    ) -> torch.Tensor:
-        """`segment_padding_mask`, built once per shape, dtype and device (it depends on nothing else)."""
-        if torch.jit.is_tracing():  # sizes may be traced tensors: no key to cache under
-            return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
-        key = (feat_size[0], feat_size[1], self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
-        mask = _PADDING_MASKS.get(key)
-        if mask is None:
-            # a normal tensor even when first built under inference mode, so that training can use it later
-            with torch.inference_mode(False), torch.no_grad():
-                mask = segment_padding_mask(
-                    feat_size, self.window_size, self.dp_rank, num_prefix, repeat, dtype, device)
-            _PADDING_MASKS[key] = mask
-            if len(_PADDING_MASKS) > _PADDING_MASKS_MAX:
-                _PADDING_MASKS.popitem(last=False)
-        return mask
+        qkv, dp = self.qkv, self.dynamic_proj
+        if not (isinstance(qkv, SepConvQkv) and isinstance(dp, ConvDynamicProjection)):
+            return
+        if not all(c.foldable() for c in (qkv.q, qkv.k, qkv.v)):
+            return  # BatchNorm without running statistics: the children fold what they can
+        self.fused_proj = FusedConvProjections(qkv, dp)
+        self.qkv = None
+        self.dynamic_proj = None
+        self._set_reparameterized()
 
     def _attention_mask(
             self,
@@ -539,13 +536,8 @@ class LongShortAttention2d(nn.Module):
         """
         h = self.num_heads
         if self.rel_pos_table is None:
-            if torch.jit.is_scripting():
-                return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, h, dtype, device)
-            return self._cached_padding_mask(feat_size, num_prefix, h, dtype, device)
-        if torch.jit.is_scripting():
-            base = segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, 1, dtype, device)
-        else:
-            base = self._cached_padding_mask(feat_size, num_prefix, 1, dtype, device)
+            return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, h, dtype, device)
+        base = segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, 1, dtype, device)
         ws = self.window_size
         _, span = window_span(ws)
         idx = window_rel_pos_index(ws, device)
@@ -611,14 +603,11 @@ class LongShortAttention2d(nn.Module):
         torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
         h, d, r, ws = self.num_heads, self.head_dim, self.dp_rank, self.window_size
 
-        fused: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        if not torch.jit.is_scripting():
-            fused = self._fused_conv_projections(x, feat_size, num_prefix)
-        if fused is None:
+        if self.fused_proj is not None:  # reparameterized CvT-LS convs
+            qkv, logits = self.fused_proj(x, feat_size, num_prefix)
+        else:
             qkv = self.qkv(x, feat_size, num_prefix)  # (3, B, N, C)
             logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
-        else:
-            qkv, logits = fused
         q = qkv[0]
         kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
 

@@ -1,9 +1,9 @@
 """Attention as batched matmuls + softmax, for the small blocks where it beats F.scaled_dot_product_attention on CPU.
 
 SDPA's CPU flash kernel costs a few microseconds per (batch x head x query block) and, for blocks of a few dozen
-queries, does not speed up with more threads; batched matmuls do. The layers pick this path only where they measured
-it faster (long-short segments of at most 16 queries, Swin's 49-slot window memory attention of GRC on more than one
-thread).
+queries, does not speed up with more threads; batched matmuls do. The layers pick this path by device and layer shape
+only, where they measured it faster on the 2-core CPU (long-short segments of at most 16 queries, Swin's 49-slot
+window memory attention of GRC), never by thread count, so that a model's rounding does not change with it.
 
 Written for lsvision, Apache-2.0.
 """
