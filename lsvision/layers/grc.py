@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
+from .export import refuse_legacy_onnx_export
 from .matmul_attention import matmul_attention
 from .reparam import FoldableModule
 
@@ -241,7 +242,8 @@ class GrcMemoryAttention(FoldableModule):
                                  f'{k.shape[2]}')
             bias = self._gather_rel_pos_bias(n, q.dtype)
         x = self.attend(q, k, v, bias)
-        x = self.proj(x.transpose(1, 2).reshape(B, N, C))
+        # contiguous, then a view: torch.export's fake SDPA output has other strides, and its reshape became a view
+        x = self.proj(x.transpose(1, 2).contiguous().view(B, N, C))
         return self.proj_drop(x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -527,6 +529,7 @@ class GatedRecurrentCache(FoldableModule):
             o_self: Self-attention output (B, T, D).
             feat_size: (H, W) of the patch tokens; inferred as square when None.
         """
+        refuse_legacy_onnx_export('GatedRecurrentCache')
         B, T, D = x.shape
         if o_self.shape != x.shape:
             raise ValueError(f'self-attention output {o_self.shape} must match its input {x.shape}')

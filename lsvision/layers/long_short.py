@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
+from .export import refuse_legacy_onnx_export
 from .matmul_attention import matmul_attention
 from .reparam import FoldableModule
 
@@ -596,6 +597,7 @@ class LongShortAttention2d(FoldableModule):
         Returns:
             Tokens (B, g + H * W, C).
         """
+        refuse_legacy_onnx_export('LongShortAttention2d')
         B, N, C = x.shape
         H, W = feat_size
         num_patches = H * W

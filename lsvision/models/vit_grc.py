@@ -30,6 +30,7 @@ from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_filter_fn
 
 from lsvision.layers import GatedRecurrentCache
+from lsvision.layers.export import refuse_legacy_onnx_export
 
 from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal, require_non_grc_keys
 
@@ -104,6 +105,7 @@ class VitGrcAttention(Attention):
             feat_size: Optional[List[int]] = None,
     ) -> torch.Tensor:
         """`feat_size` (H, W) of the patch grid; None: a square grid (timm's blocks pass none)."""
+        refuse_legacy_onnx_export('VitGrcAttention')  # before timm's self branch, which that exporter cannot trace
         # masks apply to the self branch only; the memory branch attends to every cache slot
         return self.grc(x, self.forward_self(x, attn_mask, is_causal), feat_size)
 
