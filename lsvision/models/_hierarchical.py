@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 
-from timm.layers import _assert, get_device_dtype, trunc_normal_
+from timm.layers import _assert, get_device_dtype, to_2tuple, trunc_normal_
 from timm.models import checkpoint
 from timm.models._features import feature_take_indices
 
@@ -92,6 +92,14 @@ class HierarchicalTransformer(nn.Module):
             trunc_normal_(m.weight, std=.02)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+    def _checked_input_size(self, img_size: Union[int, Tuple[int, int]]) -> Tuple[int, int]:
+        """`img_size` as (H, W); a ValueError when it is below `min_input_size` (for `set_input_size`)."""
+        img_size = to_2tuple(img_size)
+        if min(img_size) < self.min_input_size:
+            raise ValueError(f'img_size {img_size} is smaller than the smallest this model takes '
+                             f'({self.min_input_size}x{self.min_input_size})')
+        return img_size
 
     def _check_global_pool(self, global_pool: str) -> None:
         assert global_pool in self.global_pools, f'global_pool must be one of {self.global_pools}, got {global_pool!r}'

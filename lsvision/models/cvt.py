@@ -330,10 +330,7 @@ class ConvVisionTransformer(HierarchicalTransformer):
         only checks and records it."""
         if img_size is None:
             return
-        img_size = to_2tuple(img_size)
-        if min(img_size) < self.min_input_size:
-            raise ValueError(f'img_size {img_size} is smaller than the smallest this model takes '
-                             f'({self.min_input_size}x{self.min_input_size})')
+        img_size = self._checked_input_size(img_size)
         self.img_size = img_size
 
 

@@ -373,10 +373,7 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
         (as forward does for other sizes) and the GRC caches are resized to it (bilinear over the grid)."""
         if img_size is None:
             return
-        img_size = to_2tuple(img_size)
-        if min(img_size) < self.min_input_size:
-            raise ValueError(f'img_size {img_size} is smaller than the smallest this model takes '
-                             f'({self.min_input_size}x{self.min_input_size})')
+        img_size = self._checked_input_size(img_size)
         patch = self.stages[0].patch_embed.proj.stride[0]
         grid = (img_size[0] // patch, img_size[1] // patch)
         for i, stage in enumerate(self.stages):
