@@ -5,6 +5,8 @@ from typing import Dict, List, Sequence
 import torch
 import torch.nn as nn
 
+from ._helpers import CheckpointMismatchError
+
 __all__ = ['check_filtered_keys']
 
 _logger = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ def check_filtered_keys(
         optional: Parts of model keys the checkpoint may lack (e.g. '.grc.': a GRC model loads its base's weights).
 
     Raises:
-        KeyError: Naming every key that could not be placed (missing, unexpected or mis-shaped), classifier aside.
+        CheckpointMismatchError: (a KeyError) Naming every key that could not be placed (missing, unexpected or
+            mis-shaped), classifier aside.
     """
     expected = model.state_dict()
     head = classifier + '.'
@@ -52,7 +55,7 @@ def check_filtered_keys(
             ('missing (the model has them, the checkpoint not)', missing),
             ('unexpected (the checkpoint has them, the model not)', unexpected),
             ('mis-shaped', misshaped)) if keys]
-        raise KeyError(f'{source} does not fit {type(model).__name__}: ' + '; '.join(problems)
+        raise CheckpointMismatchError(f'{source} does not fit {type(model).__name__}: ' + '; '.join(problems)
                        + '. Create the model with the settings the checkpoint was trained with.')
     ckpt_head = state_dict.get(head + 'weight')
     model_head = expected.get(head + 'weight')

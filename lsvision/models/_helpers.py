@@ -34,8 +34,13 @@ def grc_layer_kwargs(
                 interp_mode=interp_mode, sync_cache=sync_cache)
 
 
-class CheckpointMismatchError(ValueError):
-    """A checkpoint whose tensors do not fit the model: another architecture, or the same one built differently."""
+class CheckpointMismatchError(ValueError, KeyError):
+    """A checkpoint whose tensors do not fit the model: another architecture, or the same one built differently.
+
+    Also a KeyError: the checkpoint filters raise it for keys they cannot place.
+    """
+
+    __str__ = Exception.__str__  # the message as written (KeyError would quote it)
 
 
 def _sample(keys: Sequence[str], n: int = 4) -> str:
@@ -137,7 +142,7 @@ def read_checked_state_dict(
 @contextlib.contextmanager
 def explain_checkpoint_errors(model_name: str, path: str, model_kwargs: Optional[Dict[str, Any]] = None) -> Iterator:
     """Around `timm.create_model(model_name, pretrained=True, pretrained_cfg_overlay=dict(file=path), ...)`: turn
-    torch's listing of every mismatched key (and a GRC filter's error about a checkpoint whose file names another
+    torch's listing of every mismatched key (and a checkpoint filter's error about a file that records its
     architecture) into the short `CheckpointMismatchError` of `read_checked_state_dict`, with both architectures.
 
     Args:
@@ -148,8 +153,9 @@ def explain_checkpoint_errors(model_name: str, path: str, model_kwargs: Optional
     try:
         yield
     except (RuntimeError, CheckpointMismatchError) as e:
+        # a filter's own error stays where the file records no architecture (official checkpoints)
         if not ('loading state_dict' in str(e) or isinstance(e, CheckpointMismatchError)
-                and checkpoint_arch(path) not in (None, model_name)):
+                and checkpoint_arch(path) is not None):
             raise
         from timm import create_model  # at call time: timm.models imports nothing of lsvision
         read_checked_state_dict(create_model(model_name, device='meta', **(model_kwargs or {})), path, model_name)
