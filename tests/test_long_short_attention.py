@@ -128,40 +128,6 @@ def test_scriptable():
         torch.testing.assert_close(scripted(x, (5, 7)), attn(x, (5, 7)))
 
 
-@pytest.mark.parametrize('w', [2, 3, 8])
-def test_small_segment_path_equals_sdpa_path(w):
-    """Small segments skip SDPA on CPU for speed; both paths compute the same attention."""
-    torch.manual_seed(0)
-    attn = LongShortAttention2d(32, 4, w, 3, qkv_layer='conv', dp_layer='conv', rel_pos_bias=True).eval()
-    assert attn.small_segment == (w * w <= 16)
-    x = torch.randn(2, 1 + 9 * 10, 32)
-    with torch.no_grad():
-        attn.small_segment = True
-        small = attn(x, (9, 10))
-        attn.small_segment = False
-        fused = attn(x, (9, 10))
-    torch.testing.assert_close(small, fused, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize('feat_size,g', [((9, 10), 1), ((16, 12), 0)])
-def test_chunked_window_attention_equals_one_block(feat_size, g):
-    """Blocks of samples or of segment rows (to bound the gathered keys) give the same outputs and gradients."""
-    torch.manual_seed(0)
-    attn = LongShortAttention2d(32, 4, 4, 3, qkv_layer='conv', dp_layer='conv', rel_pos_bias=True)
-    x = torch.randn(3, g + feat_size[0] * feat_size[1], 32)
-    outs, grads = [], []
-    for chunk_bytes in (1 << 40, 450_000, 1):  # one block; two samples per block; one segment row per block
-        attn.chunk_bytes = chunk_bytes
-        xg = x.clone().requires_grad_()
-        out = attn(xg, feat_size)
-        out.square().sum().backward()
-        outs.append(out.detach())
-        grads.append(xg.grad)
-    for out, grad in zip(outs[1:], grads[1:]):
-        torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-5)
-        torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize('src,dst', [(7, 8), (8, 7), (4, 6), (7, 7)])
 def test_window_table_carried_over_offset_by_offset(src, dst):
     from lsvision.layers import resize_window_rel_pos_table

@@ -9,7 +9,6 @@ from .long_short import (
     dynamic_projection,
     projection_weights,
     resize_window_rel_pos_table,
-    segment_attention,
     window_rel_pos_index,
     window_rel_pos_table_size,
     window_size_of_rel_pos_table,
@@ -17,3 +16,4 @@ from .long_short import (
 )
 from .long_short_1d import CausalLongShortAttention, FullAttention1d, LongShortAttention1d, sinusoid_positions
 from .matmul_attention import matmul_attention
+from .span_attention import span_attention

@@ -24,22 +24,15 @@ import torch.nn.functional as F
 from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
 
 from .export import refuse_legacy_onnx_export
-from .matmul_attention import matmul_attention
 from .reparam import FoldableModule
+from .span_attention import span_attention, span_window_key_mask, window_span
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
     'FusedConvProjections',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
-    'resize_window_rel_pos_table', 'projection_weights', 'segment_attention', 'dynamic_projection',
-    'segment_padding_mask',
+    'resize_window_rel_pos_table', 'projection_weights', 'dynamic_projection',
 ]
-
-
-def window_span(window_size: int) -> Tuple[int, int]:
-    """Key padding s and key span K = w + 2s of a segment of size w (s = max(w // 2, 1))."""
-    pad = max(window_size // 2, 1)
-    return pad, window_size + 2 * pad
 
 
 def window_rel_pos_table_size(window_size: int) -> int:
@@ -322,36 +315,6 @@ class FusedConvProjections(FoldableModule):
         return out.flatten(2).transpose(1, 2)
 
 
-# The window attention runs over blocks of samples or segment rows whose gathered keys take about this many bytes.
-_CHUNK_BYTES = 8 << 20
-
-# Segments of at most this many queries skip SDPA on CPU: its flash kernel costs a few microseconds per
-# (batch x head x segment) block, which dominates when a block is 4 queries against ~20 keys (w = 2: measured 2.4 ms
-# against 0.6 ms for the batched matmuls below, for CvT-LS stage 3 at 384 px on 2 cores). Larger segments, and every
-# segment on other devices, run through F.scaled_dot_product_attention.
-_SMALL_SEGMENT = 16
-
-
-def segment_attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor,
-        dropout_p: float = 0.,
-        scale: Optional[float] = None,
-        small: bool = False,
-) -> torch.Tensor:
-    """Attention of segment-wise query blocks to their gathered keys (projected + window span [+ prefix]).
-
-    The core shared by the 2D and 1D long-short layers: q (B, n, L, d) against k, v (B, n, S, d) with an additive
-    mask broadcastable to (B, n, L, S). Small blocks on CPU run as batched matmuls (see `_SMALL_SEGMENT`), the rest
-    through `F.scaled_dot_product_attention`. Softmax in fp32 either way.
-    """
-    if small and q.device.type == 'cpu':
-        return matmul_attention(q, k, v, mask, dropout_p, scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-
-
 def projection_weights(
         logits: torch.Tensor,
         num_heads: int,
@@ -404,34 +367,6 @@ def dynamic_projection(
     r = proj.shape[2]
     kv_bar = (proj @ kv).transpose(2, 3).reshape(2, B, r, h * d)
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
-
-
-def segment_padding_mask(
-        feat_size: Tuple[int, int],
-        window_size: int,
-        num_proj: int,
-        num_prefix: int,
-        repeat: int,
-        dtype: torch.dtype,
-        device: torch.device,
-) -> torch.Tensor:
-    """Additive mask of the keys of every segment, [projected (r) | window span (K^2) | prefix (g)].
-
-    -inf on the window keys that fall on the zero padding (outside the H x W map), 0 elsewhere. Segments are in
-    row-major order, the whole set repeated `repeat` times (once per head).
-
-    Returns:
-        (1, repeat * Gy * Gx, 1, r + K^2 + g) mask.
-    """
-    H, W = feat_size
-    pad, span = window_span(window_size)
-    gy, gx = (H + window_size - 1) // window_size, (W + window_size - 1) // window_size
-    valid = torch.zeros(gy * window_size + 2 * pad, gx * window_size + 2 * pad, dtype=torch.bool, device=device)
-    valid[pad:pad + H, pad:pad + W] = True
-    valid = valid.unfold(0, span, window_size).unfold(1, span, window_size).reshape(gy * gx, span * span)
-    mask = torch.zeros(repeat, gy * gx, num_proj + span * span + num_prefix, dtype=dtype, device=device)
-    mask[:, :, num_proj:num_proj + span * span].masked_fill_(~valid, float('-inf'))
-    return mask.reshape(1, repeat * gy * gx, 1, mask.shape[-1])
 
 
 _QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
@@ -488,8 +423,6 @@ class LongShortAttention2d(FoldableModule):
         self.window_size = window_size
         self.dp_rank = dp_rank
         self.attn_drop = attn_drop
-        self.small_segment = window_size * window_size <= _SMALL_SEGMENT
-        self.chunk_bytes = _CHUNK_BYTES
 
         if qkv_layer == 'linear':
             self.qkv = LinearQkv(dim, bias=qkv_bias, **dd)
@@ -524,69 +457,19 @@ class LongShortAttention2d(FoldableModule):
         self.dynamic_proj = None
         self._set_reparameterized()
 
-    def _attention_mask(
-            self,
-            feat_size: Tuple[int, int],
-            num_prefix: int,
-            dtype: torch.dtype,
-            device: torch.device,
-    ) -> torch.Tensor:
-        """Additive mask over [projected (r) | window (K^2) | prefix (g)] keys: (1, h * Gy * Gx, 1 or w^2, L).
+    def _window_mask(self, feat_size: Tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Additive mask of the window-span keys: (1, h or 1, Gy * Gx, w^2 or 1, K^2).
 
-        -inf on the zero-padded window keys, plus the window relative-position bias if the layer has one.
+        -inf on the zero-padded keys, plus the window relative-position bias if the layer has one.
         """
-        h = self.num_heads
-        if self.rel_pos_table is None:
-            return segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, h, dtype, device)
-        base = segment_padding_mask(feat_size, self.window_size, self.dp_rank, num_prefix, 1, dtype, device)
         ws = self.window_size
+        mask = span_window_key_mask(list(feat_size), ws, dtype, device)[None, None, :, None]  # (1, 1, n, 1, K^2)
+        if self.rel_pos_table is None:
+            return mask
         _, span = window_span(ws)
         idx = window_rel_pos_index(ws, device)
-        bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, h).permute(2, 0, 1)
-        bias = F.pad(bias.to(dtype), (self.dp_rank, num_prefix))[:, None]  # (h, 1, w^2, L): 0 on r and g
-        num_tiles = base.shape[1]
-        return (base + bias).reshape(1, h * num_tiles, ws * ws, base.shape[-1])
-
-    def _window_attention(
-            self,
-            q_rows: torch.Tensor,
-            kv_rows: torch.Tensor,
-            kv_bar: torch.Tensor,
-            kv_prefix: torch.Tensor,
-            mask: torch.Tensor,
-            dropout_p: float,
-    ) -> torch.Tensor:
-        """Attention of a block of segment rows to [projected (r) | window span (K^2) | prefix (g)] keys.
-
-        Args:
-            q_rows: Queries of b samples and n segment rows, (b, n, w, gx, w, h, d) (a view of the padded map).
-            kv_rows: Zero-padded keys and values of the same rows plus the 2s rows around them,
-                (2, b, h, n * w + 2s, gx * w + 2s, d).
-            kv_bar: Projected keys and values (2, b, h, r, d).
-            kv_prefix: Prefix keys and values (2, b, h, g, d).
-            mask: Additive mask (1, h * n * gx, 1 or w^2, r + K^2 + g).
-
-        Returns:
-            Outputs (b, n, w, gx, w, h, d), a permuted view.
-        """
-        b, n, ws, gx, _, h, d = q_rows.shape
-        pad, span = window_span(ws)
-        r, g = kv_bar.shape[3], kv_prefix.shape[3]
-        num_tiles = n * gx
-        q_tiles = q_rows.permute(0, 5, 1, 3, 2, 4, 6).reshape(b, h * num_tiles, ws * ws, d)
-        # keys and values of every segment in one buffer, each part written once (no concatenation copies); the
-        # shared projected and prefix keys as flat rows of r * d and g * d
-        tiles = kv_rows.unfold(3, span, ws).unfold(4, span, ws)  # (2, b, h, n, gx, d, K, K)
-        kv = kv_rows.new_empty(2 * b * h, num_tiles, r + span * span + g, d)
-        kv[:, :, :r].view(2 * b * h, num_tiles, r * d).copy_(
-            kv_bar.reshape(2 * b * h, 1, r * d).expand(-1, num_tiles, -1))
-        kv[:, :, r:r + span * span].view(2, b, h, n, gx, span, span, d).copy_(tiles.permute(0, 1, 2, 3, 4, 6, 7, 5))
-        if g > 0:
-            kv[:, :, r + span * span:].view(2 * b * h, num_tiles, g * d).copy_(
-                kv_prefix.reshape(2 * b * h, 1, g * d).expand(-1, num_tiles, -1))
-        kv = kv.view(2, b, h * num_tiles, r + span * span + g, d)
-        out = segment_attention(q_tiles, kv[0], kv[1], mask, dropout_p, small=self.small_segment)
-        return out.view(b, h, n, gx, ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)
+        bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads).permute(2, 0, 1)
+        return mask + bias.to(dtype)[None, :, None]  # (1, h, n, w^2, K^2)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
@@ -603,7 +486,7 @@ class LongShortAttention2d(FoldableModule):
         num_patches = H * W
         num_prefix = N - num_patches
         torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
-        h, d, r, ws = self.num_heads, self.head_dim, self.dp_rank, self.window_size
+        h, d, r = self.num_heads, self.head_dim, self.dp_rank
 
         if self.fused_proj is not None:  # reparameterized CvT-LS convs
             qkv, logits = self.fused_proj(x, feat_size, num_prefix)
@@ -620,59 +503,29 @@ class LongShortAttention2d(FoldableModule):
         kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
         kv_prefix = kv[:, :, :num_prefix].reshape(2, B, num_prefix, h, d).transpose(2, 3)
 
-        # segment-wise windows: queries in w x w tiles (map padded to whole segments), keys in K x K spans
-        gy, gx = (H + ws - 1) // ws, (W + ws - 1) // ws
-        pad, span = window_span(ws)
-        q_patch = q[:, num_prefix:].reshape(B, H, W, h, d)
-        if H != gy * ws or W != gx * ws:
-            q_patch = F.pad(q_patch, (0, 0, 0, 0, 0, gx * ws - W, 0, gy * ws - H))
-        q_patch = q_patch.reshape(B, gy, ws, gx, ws, h, d)
-        # zero padding: s around the map, plus the rows/cols that complete the last segments
-        kv_padded = F.pad(kv_patch.reshape(2, B, h, H, W, d), (0, 0, pad, gx * ws + pad - W, pad, gy * ws + pad - H))
-        # additive mask over [dp (r) | window (K^2) | prefix (g)]: -inf on padded keys, window bias if any
-        mask = self._attention_mask(feat_size, num_prefix, q.dtype, q.device)
-        mq, num_keys = mask.shape[2], mask.shape[3]
-
-        # outputs go straight into the token buffer (B, N, h, d) where the map has whole segments
-        tokens = x.new_empty(B, N, h, d)
-        if H == gy * ws and W == gx * ws:
-            out_map = tokens[:, num_prefix:].view(B, gy, ws, gx, ws, h, d)
-        else:
-            out_map = x.new_empty(B, gy, ws, gx, ws, h, d)
-        # blocks of samples (small maps) or segment rows (large maps) whose gathered keys take at most about
-        # `chunk_bytes`: they stay in cache, and glibc does not map (and page-fault) fresh memory for them per call
-        sample_bytes = 2 * h * gy * gx * num_keys * d * x.element_size()
-        samples = max(1, min(B, self.chunk_bytes // sample_bytes))
-        rows = gy if sample_bytes <= self.chunk_bytes else max(1, self.chunk_bytes * gy // sample_bytes)
+        # segment-wise windows, one joint softmax over [projected (r) | prefix (g) | window span (K^2)] keys; views
+        # of q and kv go in, and the backward gathers the spans again instead of keeping them
         dropout_p = self.attn_drop if self.training else 0.
-        for s0 in range(0, B, samples):
-            s1 = min(B, s0 + samples)
-            for y0 in range(0, gy, rows):
-                y1 = min(gy, y0 + rows)
-                if y1 - y0 == gy:
-                    mask_rows = mask
-                else:
-                    mask_rows = mask.view(mask.shape[0], h, gy, gx, mq, num_keys)[:, :, y0:y1]
-                    mask_rows = mask_rows.reshape(mask.shape[0], h * (y1 - y0) * gx, mq, num_keys)
-                out_map[s0:s1, y0:y1] = self._window_attention(
-                    q_patch[s0:s1, y0:y1],
-                    kv_padded[:, s0:s1, :, y0 * ws:y1 * ws + 2 * pad],
-                    kv_bar[:, s0:s1],
-                    kv_prefix[:, s0:s1],
-                    mask_rows,
-                    dropout_p,
-                )
-        if H != gy * ws or W != gx * ws:
-            tokens[:, num_prefix:].unflatten(1, (H, W)).copy_(out_map.reshape(B, gy * ws, gx * ws, h, d)[:, :H, :W])
+        out = span_attention(
+            q[:, num_prefix:].reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4),
+            kv_patch.reshape(2, B, h, H, W, d),
+            torch.cat([kv_bar, kv_prefix], dim=3) if num_prefix > 0 else kv_bar,
+            self._window_mask(feat_size, q.dtype, q.device),
+            self.window_size,
+            d ** -0.5,
+            dropout_p,
+        ).reshape(B, num_patches, C)  # (B, Np, C)
 
+        x = self.proj(out)
         if num_prefix > 0:
-            # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs
-            out = tokens[:, num_prefix:].transpose(1, 2)  # (B, h, Np, d)
-            q_prefix = q[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2)
-            prefix_out = F.scaled_dot_product_attention(
-                q_prefix, torch.cat([kv_prefix[0], out], dim=2), torch.cat([kv_prefix[1], out], dim=2))
-            tokens[:, :num_prefix] = prefix_out.transpose(1, 2)
-
-        x = self.proj(tokens.reshape(B, N, C))
+            # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs (the
+            # outputs serve as keys and values without a concatenated copy)
+            out_heads = out.reshape(B, num_patches, h, d).transpose(1, 2)  # (B, h, Np, d)
+            q_prefix = q[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2) * d ** -0.5
+            scores = torch.cat([q_prefix @ kv_prefix[0].transpose(-1, -2), q_prefix @ out_heads.transpose(-1, -2)], -1)
+            attn = scores.float().softmax(dim=-1).to(q.dtype) if scores.dtype in (
+                torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
+            prefix_out = attn[..., :num_prefix] @ kv_prefix[1] + attn[..., num_prefix:] @ out_heads
+            x = torch.cat([self.proj(prefix_out.transpose(1, 2).reshape(B, num_prefix, C)), x], dim=1)
         x = self.proj_drop(x)
         return x

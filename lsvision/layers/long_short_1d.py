@@ -16,7 +16,8 @@ first), with relative segment positions. Beyond the official code: queries are b
 chunks, so a query only scores the segments it may see and memory stays bounded (`query_chunk_size`); any length;
 an optional masked (not yet filled) cache.
 
-The window/projection core (`window_span`, `projection_weights`, `segment_attention`) is shared with the 2D layer.
+The window core (`span_attention`: joint softmax over [global | window span] keys, a backward that gathers the
+spans again) and `projection_weights` are shared with the 2D layer.
 
 Written for lsvision, Apache-2.0.
 """
@@ -28,7 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .long_short import projection_weights, segment_attention, window_span
+from .long_short import projection_weights
+from .span_attention import span_attention, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
 
@@ -157,36 +159,21 @@ class LongShortAttention1d(nn.Module):
             kv_bar = self._heads(self.norm_global(self._merge(kv_bar)))  # (2, B, h, g, d)
         else:
             kv_bar = kv.new_zeros(2, B, h, 0, d)
-        g = kv_bar.shape[3]
         dropout_p = self.attn_drop if self.training else 0.
         qh = self._heads(q)  # (B, h, n, d)
 
         if w > 0:
             pad, span = window_span(w)
             num_seg = (n + w - 1) // w
-            np_ = num_seg * w
-            q_tiles = (qh if np_ == n else F.pad(qh, (0, 0, 0, np_ - n))).unflatten(2, (num_seg, w))  # (B,h,G,w,d)
-            padded = F.pad(kv, (0, 0, pad, np_ - n + pad))  # (2, B, h, np + 2e, d), zeros outside [0, n)
-            tiles = padded.unfold(3, span, w).transpose(-1, -2)  # (2, B, h, G, T, d)
             # which window keys exist: inside [0, n) and real
-            key_ok = torch.zeros(B if valid is not None else 1, np_ + 2 * pad, dtype=torch.bool, device=x.device)
+            key_ok = torch.zeros(
+                B if valid is not None else 1, num_seg * w + 2 * pad, dtype=torch.bool, device=x.device)
             key_ok[:, pad:pad + n] = True if valid is None else valid
             key_ok = key_ok.unfold(1, span, w)  # (B or 1, G, T)
             win_mask = torch.zeros(key_ok.shape, dtype=q.dtype, device=x.device).masked_fill(
                 ~key_ok, _mask_value(q.dtype))
-            if w <= _SMALL_WINDOW:
-                out = _global_window_attention(q_tiles, kv_bar, tiles, win_mask[:, None, :, None, :], dropout_p)
-            else:
-                # per segment: [global | window] keys gathered into one buffer, attention through SDPA
-                keys = kv.new_empty(2, B, h, num_seg, g + span, d)
-                keys[:, :, :, :, :g] = kv_bar[:, :, :, None]
-                keys[:, :, :, :, g:] = tiles
-                attn_mask = torch.cat([win_mask.new_zeros(win_mask.shape[:2] + (g,)), win_mask], dim=-1)
-                attn_mask = attn_mask[:, None, :, None, :].expand(-1, h, -1, -1, -1)  # (B, h, G, 1, g + T)
-                out = segment_attention(
-                    q_tiles.flatten(1, 2), keys[0].flatten(1, 2), keys[1].flatten(1, 2),
-                    attn_mask.flatten(1, 2), dropout_p, scale=1., small=False)
-            out = out.reshape(B, h, np_, d)[:, :, :n]
+            # one joint softmax over [global | window span] keys; the backward gathers the spans again
+            out = span_attention(qh, kv, kv_bar, win_mask[:, None, :, None, :], w, 1., dropout_p).transpose(1, 2)
         else:
             out = F.scaled_dot_product_attention(qh, kv_bar[0], kv_bar[1], dropout_p=dropout_p, scale=1.)
         if valid is not None:
@@ -206,39 +193,6 @@ class LongShortAttention1d(nn.Module):
             out = torch.cat([cls_out, out], dim=2)
         x = self.proj(self._merge(out))
         return self.proj_drop(x)
-
-
-# Windows of at most this many queries score the global keys once for all queries (one matmul) instead of
-# gathering them into every segment's key buffer: with w = 8 and r = 32, 2/3 of that buffer would be copies of K_bar.
-_SMALL_WINDOW = 16
-
-
-def _global_window_attention(
-        q_tiles: torch.Tensor,
-        kv_bar: torch.Tensor,
-        tiles: torch.Tensor,
-        win_mask: torch.Tensor,
-        dropout_p: float,
-) -> torch.Tensor:
-    """One joint softmax over [global keys | window keys] without copying the global keys per segment.
-
-    Args:
-        q_tiles: Scaled queries (B, h, G, w, d).
-        kv_bar: Global keys and values (2, B, h, g, d).
-        tiles: Window keys and values of each segment (2, B, h, G, T, d) (a strided view).
-        win_mask: Additive mask of the window keys, broadcastable to (B, h, G, w, T).
-
-    Returns:
-        (B, h, G * w, d).
-    """
-    B, h, G, w, d = q_tiles.shape
-    g = kv_bar.shape[3]
-    scores_g = (q_tiles.flatten(2, 3) @ kv_bar[0].transpose(-1, -2)).unflatten(2, (G, w))  # (B, h, G, w, g)
-    scores_w = q_tiles @ tiles[0].transpose(-1, -2) + win_mask  # (B, h, G, w, T)
-    attn = _softmax_fp32(torch.cat([scores_g, scores_w], dim=-1), -1)
-    attn = F.dropout(attn, p=dropout_p, training=dropout_p > 0)
-    out = attn[..., :g].flatten(2, 3) @ kv_bar[1]
-    return out + (attn[..., g:] @ tiles[1]).flatten(2, 3)
 
 
 class FullAttention1d(nn.Module):

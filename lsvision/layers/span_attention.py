@@ -1,0 +1,307 @@
+"""Segment-wise window attention over overlapping key spans: the core of the 1D and 2D long-short layers.
+
+Queries are cut into segments of w positions per axis (w in 1D, w x w in 2D, the map zero-padded to whole segments).
+Each segment attends, in one joint softmax, to
+
+  * S shared keys (the dynamic projection, prefix or global tokens), the same for every segment, and
+  * the keys of its span: K = w + 2s positions per axis around it (s = max(w // 2, 1)), zero-padded at the border;
+    the additive `window_mask` (-inf on padded keys, a relative-position bias) acts on these.
+
+Autograd through a gather of the spans keeps the gathered copy for the backward pass: (K / w)^2 ~ 4 copies of every
+key and value in 2D, more activation memory than full attention. `span_attention` keeps only what it is given (q, k
+and v in their own layout, views of tensors the layer keeps anyway) and, where dropout is on, the dropout mask; its
+backward gathers the spans again and runs the attention backward as batched matmuls over the whole batch (P is
+recomputed from the scores, as flash attention does), then folds the span gradients back onto the map with a few
+strided adds. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
+
+Written for lsvision, Apache-2.0.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['window_span', 'span_attention', 'span_window_key_mask']
+
+
+def window_span(window_size: int) -> Tuple[int, int]:
+    """Key padding s and key span K = w + 2s of a segment of size w (s = max(w // 2, 1))."""
+    pad = max(window_size // 2, 1)
+    return pad, window_size + 2 * pad
+
+
+def span_window_key_mask(
+        spatial: List[int],
+        window_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+) -> torch.Tensor:
+    """Additive mask of the span keys of every segment: -inf on keys outside the map, 0 elsewhere.
+
+    Args:
+        spatial: Map size per axis ([n] or [H, W]).
+
+    Returns:
+        (num_segments, K^ndim) mask, segments in row-major order.
+    """
+    pad, span = window_span(window_size)
+    grid = [(n + window_size - 1) // window_size for n in spatial]
+    valid = torch.zeros([g * window_size + 2 * pad for g in grid], dtype=torch.bool, device=device)
+    if len(spatial) == 1:
+        valid[pad:pad + spatial[0]] = True
+        valid = valid.unfold(0, span, window_size)
+    else:
+        valid[pad:pad + spatial[0], pad:pad + spatial[1]] = True
+        valid = valid.unfold(0, span, window_size).unfold(1, span, window_size)
+    num_segments = 1
+    for g in grid:
+        num_segments *= g
+    valid = valid.reshape(num_segments, -1)
+    return torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill(~valid, float('-inf'))
+
+
+def _grid(spatial: List[int], window_size: int) -> List[int]:
+    return [(n + window_size - 1) // window_size for n in spatial]
+
+
+def _tile_queries(t: torch.Tensor, window_size: int) -> torch.Tensor:
+    """(B, h, *spatial, d) map -> (B, h, num_segments, w^ndim, d) segments (zero-padded to whole segments)."""
+    B, h, d = t.shape[0], t.shape[1], t.shape[-1]
+    spatial = list(t.shape[2:-1])
+    ws = window_size
+    grid = _grid(spatial, ws)
+    if len(spatial) == 1:
+        if grid[0] * ws != spatial[0]:
+            t = F.pad(t, (0, 0, 0, grid[0] * ws - spatial[0]))
+        return t.reshape(B, h, grid[0], ws, d)
+    if grid[0] * ws != spatial[0] or grid[1] * ws != spatial[1]:
+        t = F.pad(t, (0, 0, 0, grid[1] * ws - spatial[1], 0, grid[0] * ws - spatial[0]))
+    t = t.reshape(B, h, grid[0], ws, grid[1], ws, d).permute(0, 1, 2, 4, 3, 5, 6)
+    return t.reshape(B, h, grid[0] * grid[1], ws * ws, d)
+
+
+def _untile(t: torch.Tensor, spatial: List[int], window_size: int) -> torch.Tensor:
+    """(B, h, num_segments, w^ndim, d) segments -> (B, *spatial, h, d) tokens (cropped to the map)."""
+    B, h, d = t.shape[0], t.shape[1], t.shape[-1]
+    ws = window_size
+    grid = _grid(spatial, ws)
+    if len(spatial) == 1:
+        out = t.reshape(B, h, grid[0] * ws, d).transpose(1, 2)
+        return out[:, :spatial[0]] if grid[0] * ws != spatial[0] else out
+    out = t.reshape(B, h, grid[0], grid[1], ws, ws, d).permute(0, 2, 4, 3, 5, 1, 6)
+    out = out.reshape(B, grid[0] * ws, grid[1] * ws, h, d)
+    if grid[0] * ws != spatial[0] or grid[1] * ws != spatial[1]:
+        out = out[:, :spatial[0], :spatial[1]]
+    return out
+
+
+def _tokens_to_segments(t: torch.Tensor, window_size: int) -> torch.Tensor:
+    """(B, *spatial, h, d) tokens -> (B, h, num_segments, w^ndim, d): the inverse layout of `_untile`."""
+    return _tile_queries(t.movedim(-2, 1), window_size)
+
+
+def _gather_keys(kv: torch.Tensor, kv_shared: torch.Tensor, window_size: int) -> torch.Tensor:
+    """Keys and values of every segment, [shared (S) | span (K^ndim)], each part written once into one buffer.
+
+    Args:
+        kv: (2, B, h, *spatial, d) keys and values of the map.
+        kv_shared: (2, B, h, S, d).
+
+    Returns:
+        (2, B, h, num_segments, S + K^ndim, d).
+    """
+    _, B, h = kv.shape[:3]
+    d = kv.shape[-1]
+    spatial = list(kv.shape[3:-1])
+    ws = window_size
+    pad, span = window_span(ws)
+    grid = _grid(spatial, ws)
+    S = kv_shared.shape[3]
+    if len(spatial) == 1:
+        padded = F.pad(kv, (0, 0, pad, grid[0] * ws + pad - spatial[0]))
+        num_segments, num_span = grid[0], span
+        tiles = padded.unfold(3, span, ws).transpose(-1, -2)  # (2, B, h, G, K, d)
+    else:
+        padded = F.pad(kv, (0, 0, pad, grid[1] * ws + pad - spatial[1], pad, grid[0] * ws + pad - spatial[0]))
+        num_segments, num_span = grid[0] * grid[1], span * span
+        tiles = padded.unfold(3, span, ws).unfold(4, span, ws).permute(0, 1, 2, 3, 4, 6, 7, 5)  # (2,B,h,gy,gx,K,K,d)
+    keys = kv.new_empty(2, B, h, num_segments, S + num_span, d)
+    if S > 0:
+        keys[:, :, :, :, :S] = kv_shared[:, :, :, None]
+    keys[:, :, :, :, S:].view(tiles.shape).copy_(tiles)
+    return keys
+
+
+def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: int) -> torch.Tensor:
+    """Sum the span gradients of one axis back onto it: dims (dim, dim + 1) = (segment, span offset) -> `length`.
+
+    Span offset k of segment i sits at padded position i * w + k, i.e. in block i + k // w; each w-wide piece of the
+    span is one strided add. The padding (s before, the rest after) is cropped.
+    """
+    G, K = t.shape[dim], t.shape[dim + 1]
+    pieces = (K + window_size - 1) // window_size
+    shape = list(t.shape)
+    shape[dim:dim + 2] = [G + pieces - 1, window_size]
+    out = t.new_zeros(shape)
+    for j in range(pieces):
+        n = min(window_size, K - j * window_size)
+        out.narrow(dim, j, G).narrow(dim + 1, 0, n).add_(t.narrow(dim + 1, j * window_size, n))
+    return out.flatten(dim, dim + 1).narrow(dim, pad, length)
+
+
+def _scatter_keys(grad_keys: torch.Tensor, spatial: List[int], window_size: int, num_shared: int
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The adjoint of `_gather_keys`: (2, B, h, num_segments, S + K^ndim, d) -> map (2, B, h, *spatial, d), shared
+    (2, B, h, S, d)."""
+    _, B, h, _, _, d = grad_keys.shape
+    ws = window_size
+    pad, span = window_span(ws)
+    grid = _grid(spatial, ws)
+    grad_shared = grad_keys[:, :, :, :, :num_shared].sum(3)
+    window = grad_keys[:, :, :, :, num_shared:]
+    if len(spatial) == 1:
+        return _fold_axis(window, 3, ws, spatial[0], pad), grad_shared
+    window = window.reshape(2, B, h, grid[0], grid[1], span, span, d).permute(0, 1, 2, 3, 5, 4, 6, 7)
+    window = _fold_axis(window, 5, ws, spatial[1], pad)  # (2, B, h, gy, K, W, d)
+    return _fold_axis(window, 3, ws, spatial[0], pad), grad_shared
+
+
+def _full_mask(window_mask: Optional[torch.Tensor], num_shared: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """[0 on the shared keys | window_mask] over all keys, (..., S + K^ndim)."""
+    if window_mask is None:
+        return None
+    return F.pad(window_mask.to(dtype), (num_shared, 0))
+
+
+def _scores_softmax(q_t: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) in fp32 (fp64 stays fp64): (B, h, n, L, S + K^ndim)."""
+    scores = torch.matmul(q_t, k.transpose(-1, -2))
+    if scores.dtype in (torch.float16, torch.bfloat16):
+        scores = scores.float()
+    scores.mul_(scale)
+    if mask is not None:
+        scores.add_(mask)
+    return scores.softmax(dim=-1)
+
+
+def _span_forward(
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_shared: torch.Tensor,
+        window_mask: Optional[torch.Tensor],
+        window_size: int,
+        scale: float,
+        dropout_p: float,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The attention itself (no autograd needed). Returns the output (B, *spatial, h, d) and the dropout keep-mask
+    (None without dropout)."""
+    spatial = list(q.shape[2:-1])
+    q_t = _tile_queries(q, window_size)
+    keys = _gather_keys(kv, kv_shared, window_size)
+    mask = _full_mask(window_mask, kv_shared.shape[3], q.dtype)
+    B, h, n, L, d = q_t.shape
+    keep: Optional[torch.Tensor] = None
+    # segments of at most 16 queries run as batched matmuls on CPU: SDPA's flash kernel costs a few microseconds per
+    # (batch x head x segment) block, which dominates when a block is 4 queries against ~20 keys (w = 2: 2.4 ms
+    # against 0.6 ms, CvT-LS stage 3 at 384 px on 2 cores); with dropout the matmul path keeps the dropout mask
+    if dropout_p == 0. and (q.device.type != 'cpu' or L > 16):
+        if mask is not None:
+            mask = mask.expand(mask.shape[0], h, n, mask.shape[-2], mask.shape[-1])
+            mask = mask.reshape(mask.shape[0], h * n, mask.shape[-2], mask.shape[-1])
+        out = F.scaled_dot_product_attention(
+            q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
+            attn_mask=mask, scale=scale).reshape(B, h, n, L, d)
+    else:
+        attn = _scores_softmax(q_t, keys[0], mask, scale)
+        if dropout_p > 0.:
+            keep = torch.rand_like(attn) >= dropout_p
+            attn = attn * keep / (1. - dropout_p)
+        out = torch.matmul(attn.to(q.dtype), keys[1])
+    return _untile(out, spatial, window_size), keep
+
+
+class _SpanAttention(torch.autograd.Function):
+    """`span_attention` with a backward that recomputes the gathered spans instead of keeping them."""
+
+    @staticmethod
+    def forward(ctx, q, kv, kv_shared, window_mask, window_size: int, scale: float, dropout_p: float):
+        out, keep = _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)
+        ctx.save_for_backward(q, kv, kv_shared, window_mask, keep)
+        ctx.window_size, ctx.scale, ctx.dropout_p = window_size, scale, dropout_p
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, kv, kv_shared, window_mask, keep = ctx.saved_tensors
+        ws, scale, dropout_p = ctx.window_size, ctx.scale, ctx.dropout_p
+        spatial = list(q.shape[2:-1])
+        dtype = q.dtype
+        q_t = _tile_queries(q, ws)
+        keys = _gather_keys(kv, kv_shared, ws)
+        num_shared = kv_shared.shape[3]
+        attn = _scores_softmax(q_t, keys[0], _full_mask(window_mask, num_shared, dtype), scale)  # P, fp32
+        go = _tokens_to_segments(grad_out, ws)  # (B, h, n, L, d)
+        attn_used = attn if keep is None else attn * keep / (1. - dropout_p)
+        grad_v = torch.matmul(attn_used.to(dtype).transpose(-1, -2), go)
+        del attn_used
+        # dS = P * (dP - rowsum(P * dP)), dP the gradient of the (pre-dropout) weights
+        grad_attn = torch.matmul(go, keys[1].transpose(-1, -2))
+        if grad_attn.dtype != attn.dtype:
+            grad_attn = grad_attn.to(attn.dtype)
+        if keep is not None:
+            grad_attn = grad_attn * keep / (1. - dropout_p)
+        grad_attn.sub_((grad_attn * attn).sum(-1, keepdim=True)).mul_(attn)
+        del attn
+        grad_mask = None
+        if window_mask is not None and ctx.needs_input_grad[3]:
+            grad_mask = grad_attn[..., num_shared:]
+            # sum over the dims the mask was broadcast along
+            lead = grad_mask.dim() - window_mask.dim()
+            if lead > 0:
+                grad_mask = grad_mask.sum(dim=list(range(lead)))
+            dims = [i for i in range(window_mask.dim()) if window_mask.shape[i] == 1 and grad_mask.shape[i] != 1]
+            if dims:
+                grad_mask = grad_mask.sum(dim=dims, keepdim=True)
+            grad_mask = grad_mask.to(window_mask.dtype)
+        grad_scores = grad_attn.mul_(scale).to(dtype)
+        grad_q = torch.matmul(grad_scores, keys[0])
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q_t)
+        del grad_scores, keys
+        grad_kv, grad_shared = _scatter_keys(torch.stack([grad_k, grad_v]), spatial, ws, num_shared)
+        grad_q = _untile(grad_q, spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
+        return grad_q, grad_kv, grad_shared, grad_mask, None, None, None
+
+
+def span_attention(
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_shared: torch.Tensor,
+        window_mask: Optional[torch.Tensor],
+        window_size: int,
+        scale: float,
+        dropout_p: float = 0.,
+) -> torch.Tensor:
+    """Segment-wise window attention of a 1D or 2D map to [shared keys | its key span], one joint softmax.
+
+    Args:
+        q: Queries (B, h, *spatial, d), spatial = (n,) or (H, W); any strides (views are not copied for backward).
+        kv: Keys and values of the map (2, B, h, *spatial, d).
+        kv_shared: Keys and values every segment sees (2, B, h, S, d); S may be 0.
+        window_mask: Additive mask of the span keys, broadcastable to (B, h, num_segments, w^ndim, K^ndim) with
+            the segments in row-major order (-inf on padded keys, a bias; it may require grad), or None.
+        window_size: Segment size w per axis.
+        scale: Score scale.
+        dropout_p: Dropout on the joint attention weights (pass 0 in eval).
+
+    Returns:
+        Outputs (B, *spatial, h, d) (token order with the heads last, ready for the output projection).
+        Softmax in fp32 for fp16/bf16 inputs.
+    """
+    if torch.jit.is_scripting():
+        return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)[0]
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or kv.requires_grad or kv_shared.requires_grad
+        or (window_mask is not None and window_mask.requires_grad))
+    if not needs_grad:
+        return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)[0]
+    return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)

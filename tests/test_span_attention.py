@@ -1,0 +1,182 @@
+"""Training path of long-short attention: gradients against the dense references, the recomputing backward of the
+shared span core, its saved tensors, and torch.compile."""
+import pytest
+import torch
+from reference_attention import (
+    dense_causal_long_short_attention,
+    dense_long_short_attention_1d,
+    dense_long_short_attention_2d,
+)
+
+import timm
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
+from lsvision.layers.span_attention import _span_forward, span_attention, window_span
+
+
+def _perturb(module: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():  # move off the init so that every branch matters
+            p.add_(torch.randn_like(p) * std)
+    return module
+
+
+def _grads(module: torch.nn.Module, x: torch.Tensor, fn, weight: torch.Tensor):
+    """Input and parameter gradients of (fn(x) * weight).sum()."""
+    module.zero_grad(set_to_none=True)
+    xg = x.clone().requires_grad_()
+    (fn(xg) * weight).sum().backward()
+    return [xg.grad] + [p.grad for p in module.parameters()]
+
+
+def _assert_grads_equal(fast, dense, names):
+    for name, a, b in zip(names, fast, dense):
+        assert a is not None and b is not None, name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f'{name}: {m}')
+
+
+# (H, W), w, r, heads, prefix tokens, qkv/dp layer, window RPE
+GRAD_CASES = [
+    ((8, 8), 4, 3, 2, 0, 'linear', True),  # square, divisible, no prefix
+    ((9, 13), 4, 2, 2, 1, 'conv', False),  # non-square, not divisible by w
+    ((5, 11), 3, 5, 2, 2, 'linear', True),  # odd window, two prefix tokens
+    ((6, 10), 2, 2, 2, 1, 'conv', True),  # the CvT-LS stage-3 window (small segments)
+    ((7, 5), 1, 1, 1, 1, 'linear', False),  # w = 1: span 3 crosses two neighbours
+    ((3, 3), 8, 4, 1, 2, 'conv', False),  # map smaller than one window
+    ((14, 14), 7, 8, 3, 1, 'linear', True),  # the ViL-LS setting (SDPA forward)
+]
+
+
+@pytest.mark.parametrize('feat_size,w,r,heads,g,layer,rpe', GRAD_CASES)
+def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, layer, rpe):
+    torch.manual_seed(0)
+    C = heads * 8
+    attn = LongShortAttention2d(C, heads, w, r, qkv_layer=layer, dp_layer=layer, rel_pos_bias=rpe)
+    attn = _perturb(attn).double().train()
+    x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64)
+    weight = torch.randn_like(x)
+    fast = _grads(attn, x, lambda t: attn(t, feat_size), weight)
+    dense = _grads(attn, x, lambda t: dense_long_short_attention_2d(attn, t, feat_size), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+
+
+@pytest.mark.parametrize('n,w,r,pads,with_cls', [(40, 8, 4, 5, False), (37, 3, 2, 4, True), (21, 1, 1, 3, True),
+                                                 (30, 16, 2, 0, False)])
+def test_1d_bidirectional_gradients_match_dense_reference_fp64(n, w, r, pads, with_cls):
+    torch.manual_seed(0)
+    attn = _perturb(LongShortAttention1d(32, 2, w, r), 0.1).double().train()
+    x = torch.randn(3, n, 32, dtype=torch.float64)
+    mask = torch.ones(3, n, dtype=torch.bool)
+    if pads:
+        mask[0, n - pads:] = False
+        mask[2, n - pads // 2:] = False
+    cls = torch.randn(3, 1, 32, dtype=torch.float64) if with_cls else None
+    weight = torch.randn(3, n + with_cls, 32, dtype=torch.float64)
+    fast = _grads(attn, x, lambda t: attn(t, mask, cls), weight)
+    dense = _grads(attn, x, lambda t: dense_long_short_attention_1d(attn, t, mask, cls), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+
+
+@pytest.mark.parametrize('chunk', [None, 16])
+def test_causal_gradients_match_dense_reference_fp64(chunk):
+    torch.manual_seed(0)
+    attn = _perturb(CausalLongShortAttention(32, 2, 8, 4, 2, query_chunk_size=chunk), 0.1).double().train()
+    x = torch.randn(2, 32, 32, dtype=torch.float64)
+    cache = torch.randn(2, 16, 32, dtype=torch.float64)
+    weight = torch.randn_like(x)
+    fast = _grads(attn, x, lambda t: attn(t, cache), weight)
+    dense = _grads(attn, x, lambda t: dense_causal_long_short_attention(attn, t, cache), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+
+
+@pytest.mark.parametrize('spatial,w,dropout', [((7,), 3, 0.), ((9,), 2, 0.3), ((3, 5), 2, 0.), ((4, 3), 1, 0.3)])
+def test_span_attention_gradcheck(spatial, w, dropout):
+    """The recomputing backward against finite differences, every input including the mask and, with dropout, the
+    same dropout mask (the RNG is seeded before each call)."""
+    torch.manual_seed(0)
+    B, h, d, S = 2, 1, 2, 2
+    _, span = window_span(w)
+    grid = 1
+    for n in spatial:
+        grid *= -(-n // w)
+    q = torch.randn(B, h, *spatial, d, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, B, h, *spatial, d, dtype=torch.float64, requires_grad=True)
+    shared = torch.randn(2, B, h, S, d, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(1, h, 1, w ** len(spatial), span ** len(spatial), dtype=torch.float64, requires_grad=True)
+
+    def fn(q, kv, shared, bias):
+        torch.manual_seed(1)
+        return span_attention(q, kv, shared, bias.expand(1, h, grid, -1, -1), w, 0.7, dropout)
+
+    assert torch.autograd.gradcheck(fn, (q, kv, shared, bias), eps=1e-6, atol=1e-6)
+
+
+def test_dropout_drops_the_same_weights_in_forward_and_backward():
+    """With dropout, the training output equals the plain forward drawn with the same seed, and some weights drop."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 6, 4, requires_grad=True)
+    kv = torch.randn(2, 1, 2, 6, 6, 4, requires_grad=True)
+    shared = torch.randn(2, 1, 2, 3, 4)
+    torch.manual_seed(5)
+    out = span_attention(q, kv, shared, None, 3, 0.5, 0.5)
+    torch.manual_seed(5)
+    plain, keep = _span_forward(q.detach(), kv.detach(), shared, None, 3, 0.5, 0.5)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    assert keep is not None and 0.3 < keep.float().mean() < 0.7
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+
+
+def _saved_storages(fn):
+    """Bytes of every distinct storage autograd saves while `fn` runs, largest first."""
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sorted(seen.values(), reverse=True)
+
+
+def test_backward_keeps_no_gathered_spans():
+    """The layer's saved tensors in training: nothing of the size of the gathered spans (about 4 copies of every key
+    and value); the window attention keeps only its inputs, where autograd through the gather keeps the spans."""
+    torch.manual_seed(0)
+    B, C, h, w, r, H, W, g = 2, 32, 2, 4, 4, 16, 16, 1
+    attn = LongShortAttention2d(C, h, w, r, qkv_layer='conv', dp_layer='conv').train()
+    x = torch.randn(B, g + H * W, C, requires_grad=True)
+    _, saved = _saved_storages(lambda: attn(x, (H, W)))
+    pad, span = window_span(w)
+    gathered = 2 * B * h * (H // w) * (W // w) * (r + g + span * span) * (C // h) * 4  # bytes, fp32
+    assert saved[0] < gathered / 2, (saved[:4], gathered)
+    # what autograd keeps for the window attention when it differentiates the gather itself
+    q = torch.randn(B, h, H, W, C // h, requires_grad=True)
+    kv = torch.randn(2, B, h, H, W, C // h, requires_grad=True)
+    shared = torch.randn(2, B, h, r + g, C // h, requires_grad=True)
+    _, via_gather = _saved_storages(lambda: _span_forward(q, kv, shared, None, w, 0.5, 0.)[0])
+    assert sum(via_gather) > gathered
+    # the window attention itself keeps only its inputs: q and kv are views of what the layer keeps anyway
+    _, core = _saved_storages(lambda: span_attention(q, kv, shared, None, w, 0.5, 0.))
+    assert sum(core) == q.numel() * 4 + kv.numel() * 4 + shared.numel() * 4
+
+
+def test_torch_compile_fullgraph_forward_and_backward_equal_eager():
+    torch.manual_seed(0)
+    tiny = dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1), window_sizes=(4, 2, 2),
+                dp_ranks=(4, 2, 2))
+    model = timm.create_model('cvt_ls_13', img_size=64, num_classes=5, **tiny).train()
+    x = torch.randn(2, 3, 64, 72)
+    compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
+    eager_out = model(x)
+    eager_out.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    for (name, p), ref in zip(model.named_parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f'{name}: {m}')
