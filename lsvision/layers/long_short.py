@@ -497,7 +497,8 @@ class LongShortAttention2d(FoldableModule):
         kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
-        kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3)  # (2, B, h, Np, d)
+        # heads-first copy of the patch keys and values, kept once for backward by the projection and the windows
+        kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3).contiguous()  # (2,B,h,Np,d)
         proj = projection_weights(logits, h)  # (B, h, r, Np)
         kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
         kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
