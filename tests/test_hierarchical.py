@@ -116,3 +116,8 @@ def test_cvt_ls_convs_fuse_through_their_own_hook():
     qkv.k.bn = bn
     fused = qkv.fuse_projections(ConvDynamicProjection(8, 4).eval())
     assert fused is not None and fused.reparameterized
+
+
+def test_cvt_names_an_unknown_attention():
+    with pytest.raises(ValueError, match=r"attn_type must be one of \('conv', 'long_short'\), got 'full'"):
+        timm.create_model('cvt_13', attn_type='full', device='meta')
