@@ -3,7 +3,19 @@ import pytest
 import torch
 from reference_attention import dense_long_short_attention_2d
 
-from lsvision.layers import LongShortAttention2d, window_rel_pos_index, window_rel_pos_table_size, window_span
+from lsvision.layers import (
+    LinearDynamicProjection,
+    LongShortAttention2d,
+    window_rel_pos_index,
+    window_rel_pos_table_size,
+    window_span,
+)
+from lsvision.models.cvt import ConvDynamicProjection, SepConvQkv
+
+# the q, k, v and projection-logit modules of ViL-LS ('linear', the layer's defaults) and CvT-LS ('conv')
+QKV_LAYERS = {'linear': None, 'conv': SepConvQkv}
+DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
+CVT_LS = dict(qkv_layer=SepConvQkv, dp_layer=ConvDynamicProjection)
 
 # (H, W), w, r, heads, prefix tokens, batch, qkv layer, dp layer, window RPE
 SWEEP = [
@@ -32,7 +44,8 @@ def _randomize_batchnorm(module: torch.nn.Module) -> None:
 def test_fast_path_matches_dense_reference(feat_size, w, r, heads, g, batch, qkv, dp, rpe):
     torch.manual_seed(0)
     C = heads * 8
-    attn = LongShortAttention2d(C, heads, w, r, qkv_layer=qkv, dp_layer=dp, rel_pos_bias=rpe).eval()
+    attn = LongShortAttention2d(
+        C, heads, w, r, qkv_layer=QKV_LAYERS[qkv], dp_layer=DP_LAYERS[dp], rel_pos_bias=rpe).eval()
     _randomize_batchnorm(attn)
     with torch.no_grad():
         for p in attn.parameters():  # move off the init so that every branch matters
@@ -92,7 +105,7 @@ def test_rel_pos_index_matches_official_buffer(golden_dir):
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_pure_half_precision(dtype):
     torch.manual_seed(0)
-    attn = LongShortAttention2d(32, 2, 4, 4, qkv_layer='conv', dp_layer='conv', rel_pos_bias=True).eval()
+    attn = LongShortAttention2d(32, 2, 4, 4, **CVT_LS, rel_pos_bias=True).eval()
     x = torch.randn(2, 1 + 10 * 7, 32)
     with torch.no_grad():
         ref = attn(x, (10, 7))
@@ -104,7 +117,7 @@ def test_pure_half_precision(dtype):
 
 def test_gradients_reach_every_parameter():
     torch.manual_seed(0)
-    attn = LongShortAttention2d(16, 2, 3, 2, qkv_layer='conv', dp_layer='conv', rel_pos_bias=True)
+    attn = LongShortAttention2d(16, 2, 3, 2, **CVT_LS, rel_pos_bias=True)
     x = torch.randn(2, 1 + 5 * 4, 16, requires_grad=True)
     attn(x, (5, 4)).square().mean().backward()
     for name, p in attn.named_parameters():
@@ -113,15 +126,17 @@ def test_gradients_reach_every_parameter():
 
 
 def test_bad_arguments_are_explained():
-    with pytest.raises(ValueError, match='qkv_layer must be one of'):
-        LongShortAttention2d(16, 2, qkv_layer='fused')
+    with pytest.raises(TypeError, match="qkv_layer must be a module class or callable.*got 'conv'"):
+        LongShortAttention2d(16, 2, qkv_layer='conv')
+    with pytest.raises(ValueError, match='qkv_bias=False applies to the default LinearQkv only'):
+        LongShortAttention2d(16, 2, qkv_bias=False, **CVT_LS)
     attn = LongShortAttention2d(16, 2, 4, 2)
     with pytest.raises(AssertionError, match='fewer tokens than H'):
         attn(torch.randn(1, 10, 16), (4, 4))
 
 
 def test_scriptable():
-    attn = LongShortAttention2d(16, 2, 3, 2, qkv_layer='conv', dp_layer='conv', rel_pos_bias=True).eval()
+    attn = LongShortAttention2d(16, 2, 3, 2, **CVT_LS, rel_pos_bias=True).eval()
     scripted = torch.jit.script(attn)
     x = torch.randn(1, 1 + 5 * 7, 16)
     with torch.no_grad():

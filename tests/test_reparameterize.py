@@ -15,7 +15,7 @@ from timm.utils import ModelEmaV3
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.flops import count_flops
 from lsvision.layers import GatedRecurrentCache, GrcMemoryAttention, LongShortAttention2d
-from lsvision.layers.long_short import FusedConvProjections
+from lsvision.models.cvt import ConvDynamicProjection, FusedConvProjections, SepConvQkv
 
 ROOT = Path(__file__).resolve().parents[1]
 SWIN_T = 'swin_tiny_patch4_window7_224_grc'
@@ -209,7 +209,8 @@ def test_fused_conv_projections_one_conv_equals_four():
     # the reparameterized CvT-LS layer runs its four depthwise convs as one on small maps and one by one on large
     # ones (`max_fused_positions`): the same outputs
     torch.manual_seed(0)
-    attn = LongShortAttention2d(16, num_heads=2, window_size=2, dp_rank=2, qkv_layer='conv', dp_layer='conv').eval()
+    attn = LongShortAttention2d(
+        16, num_heads=2, window_size=2, dp_rank=2, qkv_layer=SepConvQkv, dp_layer=ConvDynamicProjection).eval()
     _randomize_state(attn, 0)
     x = torch.randn(2, 1 + 5 * 6, 16)
     with torch.no_grad():

@@ -13,6 +13,9 @@ import timm
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
 from lsvision.layers.span_attention import _span_forward, span_attention, window_span
+from lsvision.models.cvt import ConvDynamicProjection, SepConvQkv
+
+LAYERS = {'linear': {}, 'conv': dict(qkv_layer=SepConvQkv, dp_layer=ConvDynamicProjection)}
 
 
 def _perturb(module: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
@@ -52,7 +55,7 @@ GRAD_CASES = [
 def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, layer, rpe):
     torch.manual_seed(0)
     C = heads * 8
-    attn = LongShortAttention2d(C, heads, w, r, qkv_layer=layer, dp_layer=layer, rel_pos_bias=rpe)
+    attn = LongShortAttention2d(C, heads, w, r, rel_pos_bias=rpe, **LAYERS[layer])
     attn = _perturb(attn).double().train()
     x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64)
     weight = torch.randn_like(x)
@@ -147,7 +150,7 @@ def test_backward_keeps_no_gathered_spans():
     and value); the window attention keeps only its inputs, where autograd through the gather keeps the spans."""
     torch.manual_seed(0)
     B, C, h, w, r, H, W, g = 2, 32, 2, 4, 4, 16, 16, 1
-    attn = LongShortAttention2d(C, h, w, r, qkv_layer='conv', dp_layer='conv').train()
+    attn = LongShortAttention2d(C, h, w, r, **LAYERS['conv']).train()
     x = torch.randn(B, g + H * W, C, requires_grad=True)
     _, saved = _saved_storages(lambda: attn(x, (H, W)))
     pad, span = window_span(w)

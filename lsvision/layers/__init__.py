@@ -1,11 +1,9 @@
 """Attention math shared by the lsvision models. Layers know no model."""
 from .grc import GatedRecurrentCache, GrcAttention, GrcMemoryAttention, grc_dims
 from .long_short import (
-    ConvDynamicProjection,
     LinearDynamicProjection,
     LinearQkv,
     LongShortAttention2d,
-    SepConvQkv,
     dynamic_projection,
     projection_weights,
     resize_window_rel_pos_table,

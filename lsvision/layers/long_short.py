@@ -15,21 +15,20 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from timm.layers import StdConv2d, register_notrace_module, trunc_normal_
+from timm.layers import register_notrace_module, trunc_normal_
 
 from .export import refuse_legacy_onnx_export
 from .reparam import FoldableModule
 from .span_attention import span_attention, span_window_key_mask, window_span
 
 __all__ = [
-    'LongShortAttention2d', 'LinearQkv', 'SepConvQkv', 'LinearDynamicProjection', 'ConvDynamicProjection',
-    'FusedConvProjections',
+    'LongShortAttention2d', 'LinearQkv', 'LinearDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
     'resize_window_rel_pos_table', 'projection_weights', 'dynamic_projection',
 ]
@@ -109,11 +108,6 @@ def resize_window_rel_pos_table(table: torch.Tensor, window_size: int) -> torch.
     return out
 
 
-def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-    """(B, H*W, C) -> (B, C, H, W) as a channels-last view: no copy, and the layout oneDNN convs prefer."""
-    return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
-
-
 class LinearQkv(nn.Linear):
     """Fused q, k, v Linear over all tokens (ViL-LS). Output rows [0:C] = q, [C:2C] = k, [2C:3C] = v."""
 
@@ -126,80 +120,6 @@ class LinearQkv(nn.Linear):
         return F.linear(x, self.weight, self.bias).reshape(B, N, 3, C).permute(2, 0, 1, 3)
 
 
-class SepConv2d(FoldableModule):
-    """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base.
-
-    `reparameterize()` folds the BatchNorm (running statistics) into the depthwise conv, for inference.
-    """
-
-    def __init__(self, dim: int, device=None, dtype=None):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, **dd)
-        self.bn = nn.BatchNorm2d(dim, **dd)
-        self.pw = nn.Conv2d(dim, dim, 1, **dd)
-
-    def foldable(self) -> bool:
-        """Whether the BatchNorm is (or can be) folded: it has running statistics."""
-        return self.reparameterized or (isinstance(self.bn, nn.BatchNorm2d) and self.bn.running_var is not None)
-
-    @torch.no_grad()
-    def reparameterize(self) -> None:
-        """Fold the BatchNorm into the depthwise conv (`bn` becomes Identity); afterwards the layer is inference-only.
-
-        Called by `timm.models.reparameterize_model`. A BatchNorm without running statistics is kept (nothing folds).
-        """
-        if self.reparameterized or not self.foldable():
-            return
-        bn, dw = self.bn, self.dw
-        scale = bn.weight.float() * torch.rsqrt(bn.running_var.float() + bn.eps)  # fp32 fold, stored in dw's dtype
-        folded = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, padding=dw.padding, groups=dw.groups,
-                           device=dw.weight.device, dtype=dw.weight.dtype)
-        folded.weight.copy_(dw.weight.float() * scale[:, None, None, None])
-        dw_bias = dw.bias.float() if dw.bias is not None else torch.zeros_like(scale)
-        folded.bias.copy_((dw_bias - bn.running_mean.float()) * scale + bn.bias.float())
-        self.dw = folded.requires_grad_(False)
-        self.bn = nn.Identity()
-        self._set_reparameterized()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
-        x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
-        # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
-        return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
-
-
-def _qkv_buffer(x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
-    """An empty (3, B, N, C) q, k, v buffer whose prefix rows already hold the prefix tokens, which are their own q,
-    k and v (they get no conv projection)."""
-    qkv = x.new_empty((3,) + x.shape)
-    qkv[:, :, :num_prefix_tokens] = x[:, :num_prefix_tokens]
-    return qkv
-
-
-class SepConvQkv(nn.Module):
-    """q, k, v from three depthwise-separable convs over the patch map (CvT-LS).
-
-    Prefix tokens have no conv projection: their q, k and v are the input tokens themselves.
-    """
-
-    def __init__(self, dim: int, device=None, dtype=None):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.q = SepConv2d(dim, **dd)
-        self.k = SepConv2d(dim, **dd)
-        self.v = SepConv2d(dim, **dd)
-
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
-        """Returns q, k, v stacked: (3, B, N, C)."""
-        feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
-        qkv = _qkv_buffer(x, num_prefix_tokens)
-        qkv[0, :, num_prefix_tokens:] = self.q(feat_map)
-        qkv[1, :, num_prefix_tokens:] = self.k(feat_map)
-        qkv[2, :, num_prefix_tokens:] = self.v(feat_map)
-        return qkv
-
-
 class LinearDynamicProjection(nn.Linear):
     """Dynamic-projection logits from a Linear over the patch tokens (ViL-LS `to_dynamic_projection`)."""
 
@@ -208,111 +128,6 @@ class LinearDynamicProjection(nn.Linear):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class ConvDynamicProjection(FoldableModule):
-    """Dynamic-projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (CvT-LS).
-
-    `reparameterize()` standardizes the depthwise weight once (`dw` becomes a plain conv), for inference.
-    """
-
-    def __init__(self, dim: int, num_proj: int, device=None, dtype=None):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
-        self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
-
-    @torch.no_grad()
-    def reparameterize(self) -> None:
-        """Replace the weight-standardized conv by a plain conv holding the standardized weight (inference-only).
-
-        Called by `timm.models.reparameterize_model`.
-        """
-        dw = self.dw
-        if self.reparameterized or not isinstance(dw, StdConv2d):
-            return
-        # StdConv2d's own standardization (batch_norm over each filter, biased variance), in fp32
-        w = dw.weight.float()
-        std = F.batch_norm(w.reshape(1, dw.out_channels, -1), None, None, training=True, momentum=0., eps=dw.eps)
-        plain = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, stride=dw.stride, padding=dw.padding,
-                          dilation=dw.dilation, groups=dw.groups, bias=dw.bias is not None,
-                          device=dw.weight.device, dtype=dw.weight.dtype)
-        plain.weight.copy_(std.reshape_as(w))
-        if dw.bias is not None:
-            plain.bias.copy_(dw.bias)
-        self.dw = plain.requires_grad_(False)
-        self._set_reparameterized()
-
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
-        return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
-
-
-# A reparameterized CvT-LS layer runs its four depthwise convs as one conv up to this many map positions
-# (batch x H x W): measured in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at
-# batch 8 as well, stage 3 (1568 positions) was no faster and stage 1 slower.
-_FUSE_CONVS_MAX_POSITIONS = 1024
-
-
-class FusedConvProjections(FoldableModule):
-    """The CvT-LS q, k, v convs and projection-logit conv of a reparameterized `LongShortAttention2d`, for inference.
-
-    The four depthwise convs (q, k, v with BatchNorm folded in, the projection's standardized conv) read the same
-    patch map; their filters are stored concatenated, so on small maps one depthwise conv over four copies of the map
-    gives all four outputs (oneDNN spends a fixed ~50-100 us per depthwise conv call on CPU, which dominates on small
-    maps); on larger maps (more than `_FUSE_CONVS_MAX_POSITIONS` positions, batch included) each filter set runs as
-    its own conv, which was faster there. The same math either way (tested). The pointwise convs read their channel
-    slice. Built by `LongShortAttention2d.reparameterize`; inference-only.
-    """
-
-    def __init__(self, qkv: SepConvQkv, dynamic_proj: ConvDynamicProjection):
-        super().__init__()
-        convs = (qkv.q, qkv.k, qkv.v)
-        for c in convs:
-            c.reparameterize()
-        dynamic_proj.reparameterize()
-        if not all(c.reparameterized for c in convs):
-            raise ValueError('FusedConvProjections needs q, k, v convs whose BatchNorms have running statistics')
-        dws = [c.dw for c in convs] + [dynamic_proj.dw]
-        with torch.no_grad():
-            self.register_buffer('dw_weight', torch.cat([dw.weight for dw in dws]))  # (4C, 1, 3, 3)
-            self.register_buffer('dw_bias', torch.cat([dw.bias for dw in dws]))  # (4C,)
-            self.register_buffer('qkv_weight', torch.stack([c.pw.weight.flatten(1) for c in convs]))  # (3, C, C)
-            self.register_buffer('qkv_bias', torch.stack([c.pw.bias for c in convs]))  # (3, C)
-            self.register_buffer('proj_weight', dynamic_proj.pw.weight.flatten(1).clone())  # (h * r, C)
-            self.register_buffer('proj_bias', dynamic_proj.pw.bias.clone())
-        self.max_fused_positions = _FUSE_CONVS_MAX_POSITIONS
-        self._set_reparameterized()
-
-    def forward(
-            self,
-            x: torch.Tensor,
-            feat_size: Tuple[int, int],
-            num_prefix_tokens: int,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns q, k, v stacked (3, B, N, C) and the projection logits (B, H * W, h * r)."""
-        C = x.shape[2]
-        patches = x[:, num_prefix_tokens:]
-        qkv = _qkv_buffer(x, num_prefix_tokens)
-        if x.shape[0] * feat_size[0] * feat_size[1] <= self.max_fused_positions:
-            maps = F.conv2d(_tokens_to_map(torch.cat([patches, patches, patches, patches], dim=2), feat_size),
-                            self.dw_weight, self.dw_bias, padding=1, groups=4 * C)
-            maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
-            for i in range(3):
-                qkv[i, :, num_prefix_tokens:] = F.linear(
-                    maps[..., i * C:(i + 1) * C], self.qkv_weight[i], self.qkv_bias[i])
-            return qkv, F.linear(maps[..., 3 * C:], self.proj_weight, self.proj_bias)
-        feat_map = _tokens_to_map(patches, feat_size)
-        for i in range(3):
-            qkv[i, :, num_prefix_tokens:] = F.linear(
-                self._depthwise(feat_map, i, C), self.qkv_weight[i], self.qkv_bias[i])
-        return qkv, F.linear(self._depthwise(feat_map, 3, C), self.proj_weight, self.proj_bias)
-
-    def _depthwise(self, feat_map: torch.Tensor, i: int, C: int) -> torch.Tensor:
-        """The i-th depthwise conv (q, k, v, projection) alone, as tokens (B, H * W, C)."""
-        out = F.conv2d(feat_map, self.dw_weight[i * C:(i + 1) * C], self.dw_bias[i * C:(i + 1) * C], padding=1,
-                       groups=C)
-        return out.flatten(2).transpose(1, 2)
 
 
 def projection_weights(
@@ -369,16 +184,18 @@ def dynamic_projection(
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
-_QKV_LAYERS = {'linear': LinearQkv, 'conv': SepConvQkv}
-_DP_LAYERS = {'linear': LinearDynamicProjection, 'conv': ConvDynamicProjection}
-
-
 @register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
 class LongShortAttention2d(FoldableModule):
     """Long-short attention over a 2D token map with optional prefix (cls) tokens.
 
     Input tokens are (B, g + H * W, C): g prefix tokens first, then the map in row-major order. g is inferred
     from the token count and `feat_size`, so any g >= 0 works.
+
+    The q, k, v and projection-logit modules are arguments (the layer knows no model), called as
+    `qkv(x, feat_size, num_prefix_tokens) -> (3, B, N, C)` on all tokens and `dynamic_proj(patches, feat_size) ->
+    (B, H * W, h * r)` on the patch tokens. For inference a qkv module may fuse itself with the projection-logit
+    module: if it has `fuse_projections(dynamic_proj)` and that returns a module, `reparameterize` puts it in
+    their place as `fused_proj`, called as `fused_proj(x, feat_size, num_prefix_tokens) -> (qkv, logits)`.
     """
 
     def __init__(
@@ -388,8 +205,8 @@ class LongShortAttention2d(FoldableModule):
             window_size: int = 7,
             dp_rank: int = 8,
             qkv_bias: bool = True,
-            qkv_layer: str = 'linear',
-            dp_layer: str = 'linear',
+            qkv_layer: Optional[Callable[..., nn.Module]] = None,
+            dp_layer: Callable[..., nn.Module] = LinearDynamicProjection,
             rel_pos_bias: bool = False,
             attn_drop: float = 0.,
             proj_drop: float = 0.,
@@ -403,9 +220,11 @@ class LongShortAttention2d(FoldableModule):
             num_heads: Attention heads h; head dim is C / h.
             window_size: Segment size w; each w x w block of queries sees a (w + 2 * (w // 2))^2 key span.
             dp_rank: Dynamic projections r per head.
-            qkv_bias: Bias in the fused qkv Linear (`qkv_layer='linear'` only).
-            qkv_layer: 'linear' (fused Linear, ViL-LS) or 'conv' (depthwise-separable convs, CvT-LS).
-            dp_layer: Projection-logit module: 'linear' (ViL-LS) or 'conv' (WS depthwise 3x3 + pointwise, CvT-LS).
+            qkv_bias: Bias in the default fused qkv Linear (`LinearQkv`); a `qkv_layer` builds its own biases.
+            qkv_layer: The q, k, v module, built as `qkv_layer(dim, device=, dtype=)`; None for the fused Linear
+                `LinearQkv` (ViL-LS). CvT-LS passes its depthwise-separable convs.
+            dp_layer: The projection-logit module, built as `dp_layer(dim, num_heads * dp_rank, device=, dtype=)`:
+                a Linear (`LinearDynamicProjection`, ViL-LS) by default. CvT-LS passes its conv projection.
             rel_pos_bias: Add the official window relative-position bias to the window scores.
             attn_drop: Dropout on the joint attention weights of the patch queries.
             proj_drop: Dropout after the output projection.
@@ -414,21 +233,25 @@ class LongShortAttention2d(FoldableModule):
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
         assert dim % num_heads == 0, f'dim {dim} must be divisible by num_heads {num_heads}'
-        if qkv_layer not in _QKV_LAYERS or dp_layer not in _DP_LAYERS:
-            raise ValueError(
-                f'qkv_layer must be one of {sorted(_QKV_LAYERS)} and dp_layer one of {sorted(_DP_LAYERS)}, '
-                f'got {qkv_layer!r} and {dp_layer!r}')
+        for name, layer in (('qkv_layer', qkv_layer), ('dp_layer', dp_layer)):
+            if layer is not None and not callable(layer):
+                raise TypeError(
+                    f'{name} must be a module class or callable that builds the module, got {layer!r}; the CvT-LS '
+                    'convs are lsvision.models.cvt.SepConvQkv and ConvDynamicProjection')
+        if qkv_layer is not None and not qkv_bias:
+            raise ValueError('qkv_bias=False applies to the default LinearQkv only; pass a qkv_layer that builds '
+                             'the biases it wants (e.g. a functools.partial) instead')
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.window_size = window_size
         self.dp_rank = dp_rank
         self.attn_drop = attn_drop
 
-        if qkv_layer == 'linear':
+        if qkv_layer is None:
             self.qkv = LinearQkv(dim, bias=qkv_bias, **dd)
         else:
-            self.qkv = SepConvQkv(dim, **dd)
-        self.dynamic_proj = _DP_LAYERS[dp_layer](dim, num_heads * dp_rank, **dd)
+            self.qkv = qkv_layer(dim, **dd)
+        self.dynamic_proj = dp_layer(dim, num_heads * dp_rank, **dd)
         self.norm_local = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)  # LN_L on k and v
         self.norm_global = nn.LayerNorm(dim, eps=dual_ln_eps, **dd)  # LN_G on the projected k and v
         if rel_pos_bias:
@@ -438,21 +261,21 @@ class LongShortAttention2d(FoldableModule):
             self.rel_pos_table = None
         self.proj = nn.Linear(dim, dim, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
-        self.fused_proj: Optional[FusedConvProjections] = None  # set by `reparameterize` (CvT-LS convs)
+        self.fused_proj: Optional[nn.Module] = None  # qkv and dynamic_proj fused by `reparameterize`, if they fuse
 
     @torch.no_grad()
     def reparameterize(self) -> None:
-        """Fold the CvT-LS q, k, v convs (BatchNorm folded in) and the projection conv (standardized weight) into one
-        `FusedConvProjections` (`qkv` and `dynamic_proj` become None); other layers are left to their children.
+        """Put the fusion of `qkv` and `dynamic_proj` in their place, where the qkv module offers one
+        (`qkv.fuse_projections(dynamic_proj)` returns a module: `fused_proj`; `qkv` and `dynamic_proj` become None).
+        Layers without one are left to their children.
 
-        Called by `timm.models.reparameterize_model`; afterwards the layer is inference-only.
+        Called by `timm.models.reparameterize_model`; afterwards a fused layer is inference-only.
         """
-        qkv, dp = self.qkv, self.dynamic_proj
-        if not (isinstance(qkv, SepConvQkv) and isinstance(dp, ConvDynamicProjection)):
+        fuse = getattr(self.qkv, 'fuse_projections', None)
+        fused = fuse(self.dynamic_proj) if fuse is not None else None
+        if fused is None:
             return
-        if not all(c.foldable() for c in (qkv.q, qkv.k, qkv.v)):
-            return  # BatchNorm without running statistics: the children fold what they can
-        self.fused_proj = FusedConvProjections(qkv, dp)
+        self.fused_proj = fused
         self.qkv = None
         self.dynamic_proj = None
         self._set_reparameterized()

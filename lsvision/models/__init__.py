@@ -13,7 +13,6 @@ from ._helpers import (  # noqa: F401  (checkpoint checks shared by tools/train.
     state_dict_mismatch,
 )
 from .cvt import *  # noqa: F401,F403
-from .cvt_ls import *  # noqa: F401,F403
 from .pvt import *  # noqa: F401,F403
 from .pvt_v2_grc import *  # noqa: F401,F403
 from .swin_grc import *  # noqa: F401,F403

@@ -1,9 +1,10 @@
-"""The timm model API shared by lsvision's hierarchical transformers (CvT, CvT-LS, PVT, ViL-LS).
+"""The timm model API shared by lsvision's hierarchical transformers (CvT, CvT-LS, PVT, ViL-LS), and the pre-norm
+block and stage CvT, CvT-LS and ViL-LS share.
 
-Such a model holds `stages` (an nn.Sequential of stages: NCHW in, NCHW out, each with `forward_with_prefix`
-returning the map and its prefix tokens, and a `grad_checkpointing` flag), a final `norm` over channels, `head_drop`
-and `head`, and sets `in_chans`, `min_input_size`, `global_pool`, `num_features`, `head_hidden_size`, `num_classes`
-and `feature_info`.
+A model builds its stages (NCHW in, NCHW out, each with `forward_with_prefix` returning the map and its prefix
+tokens, and a `grad_checkpointing` flag) and their `feature_info`, and passes them with the rest of its contract
+(`in_chans`, `num_classes`, `global_pool`, `img_size`, `min_input_size`, ...) to `HierarchicalTransformer.__init__`,
+which adds the final `norm` over channels, `head_drop` and `head` and initializes the weights.
 
 Two output layouts, chosen by the class attribute `token_features`:
     * False: `forward_features` returns the normed last-stage map (timm's standard NCHW contract); the head averages
@@ -12,18 +13,92 @@ Two output layouts, chosen by the class attribute `token_features`:
       first, as timm's ViT does; the head takes the cls token ('token') or averages the patch tokens ('avg'), and
       `forward == forward_head(forward_features)` for every pooling. '' returns the tokens.
 """
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from timm.layers import _assert, get_device_dtype, to_2tuple, trunc_normal_
+from timm.layers import DropPath, Mlp, _assert, get_device_dtype, to_2tuple, trunc_normal_
 from timm.models import checkpoint
 from timm.models._features import feature_take_indices
 
 from ._helpers import check_image_input
 
-__all__ = ['HierarchicalStage', 'HierarchicalTransformer']
+__all__ = ['ConvEmbed', 'PreNormBlock', 'HierarchicalStage', 'TransformerStage', 'HierarchicalTransformer']
+
+
+class ConvEmbed(nn.Module):
+    """Conv token embedding: Conv2d (bias) then LayerNorm over channels. NCHW in and out.
+
+    Overlapping as in CvT (kernel > stride, padded) or non-overlapping as in ViL-LS (the defaults: stride = kernel,
+    no padding).
+    """
+
+    def __init__(
+            self,
+            in_chs: int,
+            dim: int,
+            patch_size: int,
+            stride: Optional[int] = None,
+            padding: int = 0,
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        stride = patch_size if stride is None else stride
+        self.proj = nn.Conv2d(in_chs, dim, patch_size, stride=stride, padding=padding, **dd)
+        self.norm = nn.LayerNorm(dim, eps=norm_eps, **dd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm transformer block on (B, g + H*W, C) tokens: x + DropPath(attn(LN(x), feat_size)), then
+    x + DropPath(MLP(LN(x))), both with the same drop-path rate.
+
+    The attention is an argument: `attn_layer(dim, device=, dtype=)` builds a module called as
+    `attn(x, feat_size)` (a class, or a `functools.partial` holding its other settings).
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            attn_layer: Callable[..., nn.Module],
+            mlp_ratio: float = 4.,
+            act_layer: Callable[..., nn.Module] = nn.GELU,
+            proj_drop: float = 0.,
+            drop_path: float = 0.,
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            dim: Channels C.
+            attn_layer: Builds the attention (see the class docstring).
+            mlp_ratio: MLP hidden width over C.
+            act_layer: MLP activation.
+            proj_drop: Dropout in the MLP.
+            drop_path: Stochastic depth rate of both residual branches.
+            norm_eps: Epsilon of the two LayerNorms (CvT 1e-5, ViL-LS 1e-6).
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **dd)
+        self.attn = attn_layer(dim, **dd)
+        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **dd)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
+        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        return x
 
 
 class HierarchicalStage(nn.Module):
@@ -54,26 +129,103 @@ class HierarchicalStage(nn.Module):
         return self.forward_with_prefix(x)[0]
 
 
+class TransformerStage(HierarchicalStage):
+    """A patch embedding, optional cls tokens of the stage's own, then `PreNormBlock`s. NCHW in, NCHW out.
+
+    The stage of CvT, CvT-LS and ViL-LS; the attention of its blocks is the `attn_layer` argument.
+    """
+
+    def __init__(
+            self,
+            patch_embed: nn.Module,
+            dim: int,
+            depth: int,
+            attn_layer: Callable[..., nn.Module],
+            num_prefix_tokens: int = 0,
+            drop_path: Sequence[float] = (),
+            device=None,
+            dtype=None,
+            **block_kwargs: Any,
+    ):
+        """
+        Args:
+            patch_embed: NCHW map in, (B, dim, H, W) map out (e.g. `ConvEmbed`).
+            dim: Channels of the stage.
+            depth: Blocks.
+            attn_layer: Builds each block's attention (`PreNormBlock`).
+            num_prefix_tokens: cls tokens g prepended to the patch tokens (learned, (1, g, dim)); 0 for none.
+            drop_path: Drop-path rate of each block; empty for none.
+            **block_kwargs: The other `PreNormBlock` arguments (mlp_ratio, act_layer, proj_drop, norm_eps).
+        """
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.grad_checkpointing = False
+        self.patch_embed = patch_embed
+        self.num_prefix_tokens = num_prefix_tokens
+        if num_prefix_tokens > 0:
+            self.cls_token = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim, **dd))
+        else:
+            self.cls_token = None
+        drop_path = list(drop_path) or [0.] * depth
+        self.blocks = nn.ModuleList([
+            PreNormBlock(dim, attn_layer, drop_path=drop_path[i], **block_kwargs, **dd)
+            for i in range(depth)
+        ])
+
+
 class HierarchicalTransformer(nn.Module):
-    """Base of the stage-wise lsvision models: everything of the timm API that does not depend on the family."""
+    """Base of the stage-wise lsvision models: everything of the timm API that does not depend on the family.
+
+    A subclass builds its stages and passes them, with its whole contract, to `__init__` (call it once the stages
+    are built, before setting any attribute of its own).
+    """
 
     global_pools: Tuple[str, ...] = ('avg', 'token', '')
     token_features: bool = False  # forward_features returns tokens (with the cls token) instead of the NCHW map
 
-    def _build_head_and_init(
+    def __init__(
             self,
+            stages: Sequence[nn.Module],
+            feature_info: Sequence[Dict[str, Any]],
+            in_chans: int,
             num_classes: int,
-            drop_rate: float,
-            norm_eps: float,
+            global_pool: str,
+            img_size: Union[int, Tuple[int, int]],
+            min_input_size: int,
+            drop_rate: float = 0.,
+            norm_eps: float = 1e-5,
             device=None,
             dtype=None,
-    ) -> None:
-        """Final norm, head dropout and classifier after `stages`; then the weight init of every family.
+    ):
+        """Takes the stages; adds the final norm, head dropout and classifier; then the weight init of every family.
 
         Linear weights trunc_normal(.02) with zero bias, per-stage `pos_embed` and `cls_token` trunc_normal(.02);
         the rest keeps PyTorch's defaults.
+
+        Args:
+            stages: The stages, in order (stored as the nn.Sequential `stages`).
+            feature_info: timm's feature info, one dict per stage (`num_chs`, `reduction`, `module`); the last
+                stage's `num_chs` is `num_features`, the width of the norm and classifier.
+            in_chans: Input image channels (checked by forward).
+            num_classes: Classifier outputs (0 for no classifier).
+            global_pool: One of the class's `global_pools`; 'token' needs a cls token in the last stage.
+            img_size: Native input size, as (H, W) in `img_size`.
+            min_input_size: The smallest input side the model takes (checked by forward and `set_input_size`).
+            drop_rate: Dropout before the classifier.
+            norm_eps: Epsilon of the final LayerNorm.
         """
         dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.stages = nn.Sequential(*stages)
+        self.feature_info = [dict(f) for f in feature_info]
+        self._check_global_pool(global_pool)
+        self.num_classes = num_classes
+        self.in_chans = in_chans
+        self.global_pool = global_pool
+        self.img_size = to_2tuple(img_size)
+        self.min_input_size = min_input_size
+        self.num_features = self.head_hidden_size = self.feature_info[-1]['num_chs']
+        self.drop_rate = drop_rate
         self.num_prefix_tokens = self.stages[-1].num_prefix_tokens  # of the last stage, in the token features
         self.token_features = type(self).token_features  # an instance attribute: TorchScript sees only those
         self.norm = nn.LayerNorm(self.num_features, eps=norm_eps, **dd)
@@ -104,7 +256,8 @@ class HierarchicalTransformer(nn.Module):
     def _check_global_pool(self, global_pool: str) -> None:
         assert global_pool in self.global_pools, f'global_pool must be one of {self.global_pools}, got {global_pool!r}'
         if global_pool == 'token':
-            assert self.stages[-1].cls_token is not None, "global_pool='token' needs a cls token in the last stage"
+            assert self.stages[-1].cls_token is not None, (
+                "global_pool='token' needs a cls token in the last stage; pass global_pool='avg' to average the map")
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

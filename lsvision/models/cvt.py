@@ -1,4 +1,4 @@
-"""CvT: Convolutional vision Transformer, and the model class CvT-LS builds on.
+"""CvT and CvT-LS: the Convolutional vision Transformer, with Microsoft's conv attention or 2D long-short attention.
 
 Papers:
     * `CvT: Introducing Convolutions to Vision Transformers` - https://arxiv.org/abs/2103.15808
@@ -8,7 +8,15 @@ Three stages, each a convolutional token embedding (Conv2d + LayerNorm) followed
 a cls token joins the last stage only; no position embedding. The attention is pluggable:
     * 'conv': Microsoft's official CvT attention (`cvt_13`, `cvt_21`): q, k, v from depthwise 3x3 conv + BN
       (keys/values at stride 2) and a Linear each, scale C^-0.5 over the full stage width, QuickGELU MLPs.
-    * 'long_short': the 2D long-short attention of Transformer-LS (`cvt_ls_*`, registered in cvt_ls.py).
+    * 'long_short': the 2D long-short attention of Transformer-LS (`cvt_ls_*`) with CvT-LS's conv projections.
+
+CvT-LS has no official code. The design follows the paper (Table 12, App. E) on the CvT re-implementation it names as
+its base: each of q, k, v comes from a depthwise-separable conv (dw 3x3 + BN + pw 1x1, `SepConvQkv`), the dynamic
+projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (h * r outputs, r per head,
+`ConvDynamicProjection`), DualLN, segment-wise windows, a post-cls update for the stage-3 cls token, no position
+embedding, GELU MLPs. Windows and ranks per stage: 224 and 384 use r = (64, 16, 4) with w = (8, 4, 2) and
+(12, 6, 3); 448 uses r = (128, 32, 8), w = (16, 8, 4), so every stage has 7 or 8 segments per side at its native
+size. Any input size works (maps are padded to whole segments and masked).
 
 Microsoft's CvT and the CvT-LS paper classify the normed stage-3 cls token: that is the default head
 (`global_pool='token'`). As in timm's ViT, `forward_features` returns the normed stage-3 tokens (B, 1 + H*W, C), cls
@@ -19,52 +27,222 @@ Adapted from microsoft/CvT (MIT). Written for lsvision, Apache-2.0.
 """
 import re
 from functools import partial
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import (
-    DropPath,
-    Mlp,
-    QuickGELU,
-    register_notrace_module,
-    to_2tuple,
-)
+from timm.layers import QuickGELU, StdConv2d, register_notrace_module
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d
+from lsvision.layers.reparam import FoldableModule
 
 from ._checkpoint import check_filtered_keys
-from ._hierarchical import HierarchicalStage, HierarchicalTransformer
+from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
 
-__all__ = ['ConvVisionTransformer']
+__all__ = ['ConvVisionTransformer', 'SepConvQkv', 'ConvDynamicProjection', 'FusedConvProjections']
+
+ATTN_TYPES = ('conv', 'long_short')
 
 
-class ConvEmbed(nn.Module):
-    """Overlapping conv token embedding: Conv2d (bias) then LayerNorm over channels. NCHW in and out."""
+def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(B, H*W, C) -> (B, C, H, W) as a channels-last view: no copy, and the layout oneDNN convs prefer."""
+    return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
 
-    def __init__(
-            self,
-            in_chs: int,
-            dim: int,
-            patch_size: int,
-            stride: int,
-            padding: int,
-            norm_eps: float = 1e-5,
-            device=None,
-            dtype=None,
-    ):
+
+class SepConv2d(FoldableModule):
+    """Depthwise 3x3 conv (bias) -> BatchNorm -> pointwise 1x1 conv (bias), as in the CvT-LS base.
+
+    `reparameterize()` folds the BatchNorm (running statistics) into the depthwise conv, for inference.
+    """
+
+    def __init__(self, dim: int, device=None, dtype=None):
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
-        self.proj = nn.Conv2d(in_chs, dim, patch_size, stride=stride, padding=padding, **dd)
-        self.norm = nn.LayerNorm(dim, eps=norm_eps, **dd)
+        self.dw = nn.Conv2d(dim, dim, 3, padding=1, groups=dim, **dd)
+        self.bn = nn.BatchNorm2d(dim, **dd)
+        self.pw = nn.Conv2d(dim, dim, 1, **dd)
+
+    def foldable(self) -> bool:
+        """Whether the BatchNorm is (or can be) folded: it has running statistics."""
+        return self.reparameterized or (isinstance(self.bn, nn.BatchNorm2d) and self.bn.running_var is not None)
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Fold the BatchNorm into the depthwise conv (`bn` becomes Identity); afterwards the layer is inference-only.
+
+        Called by `timm.models.reparameterize_model`. A BatchNorm without running statistics is kept (nothing folds).
+        """
+        if self.reparameterized or not self.foldable():
+            return
+        bn, dw = self.bn, self.dw
+        scale = bn.weight.float() * torch.rsqrt(bn.running_var.float() + bn.eps)  # fp32 fold, stored in dw's dtype
+        folded = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, padding=dw.padding, groups=dw.groups,
+                           device=dw.weight.device, dtype=dw.weight.dtype)
+        folded.weight.copy_(dw.weight.float() * scale[:, None, None, None])
+        dw_bias = dw.bias.float() if dw.bias is not None else torch.zeros_like(scale)
+        folded.bias.copy_((dw_bias - bn.running_mean.float()) * scale + bn.bias.float())
+        self.dw = folded.requires_grad_(False)
+        self.bn = nn.Identity()
+        self._set_reparameterized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
+        x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
+        # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
+        return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
+
+
+def _qkv_buffer(x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
+    """An empty (3, B, N, C) q, k, v buffer whose prefix rows already hold the prefix tokens, which are their own q,
+    k and v (they get no conv projection)."""
+    qkv = x.new_empty((3,) + x.shape)
+    qkv[:, :, :num_prefix_tokens] = x[:, :num_prefix_tokens]
+    return qkv
+
+
+class SepConvQkv(nn.Module):
+    """q, k, v from three depthwise-separable convs over the patch map (CvT-LS).
+
+    Prefix tokens have no conv projection: their q, k and v are the input tokens themselves.
+    """
+
+    def __init__(self, dim: int, device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.q = SepConv2d(dim, **dd)
+        self.k = SepConv2d(dim, **dd)
+        self.v = SepConv2d(dim, **dd)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
+        """Returns q, k, v stacked: (3, B, N, C)."""
+        feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
+        qkv = _qkv_buffer(x, num_prefix_tokens)
+        qkv[0, :, num_prefix_tokens:] = self.q(feat_map)
+        qkv[1, :, num_prefix_tokens:] = self.k(feat_map)
+        qkv[2, :, num_prefix_tokens:] = self.v(feat_map)
+        return qkv
+
+    def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
+        """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
+
+        The fusion hook `LongShortAttention2d.reparameterize` calls. None (nothing fuses: the children fold what they
+        can) when `dynamic_proj` is not a `ConvDynamicProjection` or a BatchNorm has no running statistics.
+        """
+        if not isinstance(dynamic_proj, ConvDynamicProjection):
+            return None
+        if not all(c.foldable() for c in (self.q, self.k, self.v)):
+            return None
+        return FusedConvProjections(self, dynamic_proj)
+
+
+class ConvDynamicProjection(FoldableModule):
+    """Dynamic-projection logits from a weight-standardized depthwise 3x3 conv and a pointwise conv (CvT-LS).
+
+    `reparameterize()` standardizes the depthwise weight once (`dw` becomes a plain conv), for inference.
+    """
+
+    def __init__(self, dim: int, num_proj: int, device=None, dtype=None):
+        dd = {'device': device, 'dtype': dtype}
+        super().__init__()
+        self.dw = StdConv2d(dim, dim, 3, padding=1, groups=dim, bias=True, eps=1e-5, **dd)
+        self.pw = nn.Conv2d(dim, num_proj, 1, **dd)
+
+    @torch.no_grad()
+    def reparameterize(self) -> None:
+        """Replace the weight-standardized conv by a plain conv holding the standardized weight (inference-only).
+
+        Called by `timm.models.reparameterize_model`.
+        """
+        dw = self.dw
+        if self.reparameterized or not isinstance(dw, StdConv2d):
+            return
+        # StdConv2d's own standardization (batch_norm over each filter, biased variance), in fp32
+        w = dw.weight.float()
+        std = F.batch_norm(w.reshape(1, dw.out_channels, -1), None, None, training=True, momentum=0., eps=dw.eps)
+        plain = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, stride=dw.stride, padding=dw.padding,
+                          dilation=dw.dilation, groups=dw.groups, bias=dw.bias is not None,
+                          device=dw.weight.device, dtype=dw.weight.dtype)
+        plain.weight.copy_(std.reshape_as(w))
+        if dw.bias is not None:
+            plain.bias.copy_(dw.bias)
+        self.dw = plain.requires_grad_(False)
+        self._set_reparameterized()
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
+        return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
+
+
+# A reparameterized CvT-LS layer runs its four depthwise convs as one conv up to this many map positions
+# (batch x H x W): measured in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at
+# batch 8 as well, stage 3 (1568 positions) was no faster and stage 1 slower.
+_FUSE_CONVS_MAX_POSITIONS = 1024
+
+
+class FusedConvProjections(FoldableModule):
+    """The CvT-LS q, k, v convs and projection-logit conv of a reparameterized `LongShortAttention2d`, for inference.
+
+    The four depthwise convs (q, k, v with BatchNorm folded in, the projection's standardized conv) read the same
+    patch map; their filters are stored concatenated, so on small maps one depthwise conv over four copies of the map
+    gives all four outputs (oneDNN spends a fixed ~50-100 us per depthwise conv call on CPU, which dominates on small
+    maps); on larger maps (more than `_FUSE_CONVS_MAX_POSITIONS` positions, batch included) each filter set runs as
+    its own conv, which was faster there. The same math either way (tested). The pointwise convs read their channel
+    slice. Built by `SepConvQkv.fuse_projections` (when `LongShortAttention2d.reparameterize`
+    calls it); inference-only.
+    """
+
+    def __init__(self, qkv: SepConvQkv, dynamic_proj: ConvDynamicProjection):
+        super().__init__()
+        convs = (qkv.q, qkv.k, qkv.v)
+        for c in convs:
+            c.reparameterize()
+        dynamic_proj.reparameterize()
+        if not all(c.reparameterized for c in convs):
+            raise ValueError('FusedConvProjections needs q, k, v convs whose BatchNorms have running statistics')
+        dws = [c.dw for c in convs] + [dynamic_proj.dw]
+        with torch.no_grad():
+            self.register_buffer('dw_weight', torch.cat([dw.weight for dw in dws]))  # (4C, 1, 3, 3)
+            self.register_buffer('dw_bias', torch.cat([dw.bias for dw in dws]))  # (4C,)
+            self.register_buffer('qkv_weight', torch.stack([c.pw.weight.flatten(1) for c in convs]))  # (3, C, C)
+            self.register_buffer('qkv_bias', torch.stack([c.pw.bias for c in convs]))  # (3, C)
+            self.register_buffer('proj_weight', dynamic_proj.pw.weight.flatten(1).clone())  # (h * r, C)
+            self.register_buffer('proj_bias', dynamic_proj.pw.bias.clone())
+        self.max_fused_positions = _FUSE_CONVS_MAX_POSITIONS
+        self._set_reparameterized()
+
+    def forward(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix_tokens: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns q, k, v stacked (3, B, N, C) and the projection logits (B, H * W, h * r)."""
+        C = x.shape[2]
+        patches = x[:, num_prefix_tokens:]
+        qkv = _qkv_buffer(x, num_prefix_tokens)
+        if x.shape[0] * feat_size[0] * feat_size[1] <= self.max_fused_positions:
+            maps = F.conv2d(_tokens_to_map(torch.cat([patches, patches, patches, patches], dim=2), feat_size),
+                            self.dw_weight, self.dw_bias, padding=1, groups=4 * C)
+            maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
+            for i in range(3):
+                qkv[i, :, num_prefix_tokens:] = F.linear(
+                    maps[..., i * C:(i + 1) * C], self.qkv_weight[i], self.qkv_bias[i])
+            return qkv, F.linear(maps[..., 3 * C:], self.proj_weight, self.proj_bias)
+        feat_map = _tokens_to_map(patches, feat_size)
+        for i in range(3):
+            qkv[i, :, num_prefix_tokens:] = F.linear(
+                self._depthwise(feat_map, i, C), self.qkv_weight[i], self.qkv_bias[i])
+        return qkv, F.linear(self._depthwise(feat_map, 3, C), self.proj_weight, self.proj_bias)
+
+    def _depthwise(self, feat_map: torch.Tensor, i: int, C: int) -> torch.Tensor:
+        """The i-th depthwise conv (q, k, v, projection) alone, as tokens (B, H * W, C)."""
+        out = F.conv2d(feat_map, self.dw_weight[i * C:(i + 1) * C], self.dw_bias[i * C:(i + 1) * C], padding=1,
+                       groups=C)
+        return out.flatten(2).transpose(1, 2)
 
 
 class ConvProjection(nn.Sequential):
@@ -117,7 +295,7 @@ class ConvAttention(nn.Module):
         B, N, C = x.shape
         num_prefix = N - feat_size[0] * feat_size[1]
         prefix = x[:, :num_prefix]
-        feat_map = x[:, num_prefix:].reshape(B, feat_size[0], feat_size[1], C).permute(0, 3, 1, 2)  # channels-last
+        feat_map = _tokens_to_map(x[:, num_prefix:], feat_size)
 
         q = torch.cat([prefix, self.conv_proj_q(feat_map).flatten(2).transpose(1, 2)], dim=1)
         k = torch.cat([prefix, self.conv_proj_k(feat_map).flatten(2).transpose(1, 2)], dim=1)
@@ -131,88 +309,28 @@ class ConvAttention(nn.Module):
         return self.proj_drop(x)
 
 
-class CvtBlock(nn.Module):
-    """Pre-norm transformer block on (B, g + H*W, C) tokens: attention and MLP, each with its own residual."""
-
-    def __init__(
-            self,
-            dim: int,
-            num_heads: int,
-            mlp_ratio: float = 4.,
-            qkv_bias: bool = True,
-            attn_type: str = 'conv',
-            window_size: int = 8,
-            dp_rank: int = 16,
-            proj_drop: float = 0.,
-            attn_drop: float = 0.,
-            drop_path: float = 0.,
-            act_layer: type = nn.GELU,
-            norm_eps: float = 1e-5,
-            device=None,
-            dtype=None,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **dd)
-        if attn_type == 'long_short':
-            self.attn = LongShortAttention2d(
-                dim,
-                num_heads=num_heads,
-                window_size=window_size,
-                dp_rank=dp_rank,
-                qkv_layer='conv',
-                dp_layer='conv',
-                attn_drop=attn_drop,
-                proj_drop=proj_drop,
-                **dd,
-            )
-        elif attn_type == 'conv':
-            self.attn = ConvAttention(
-                dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        else:
-            raise ValueError(f"attn_type must be 'conv' or 'long_short', got {attn_type!r}")
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **dd)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=act_layer, drop=proj_drop, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
-        return x
-
-
-class CvtStage(HierarchicalStage):
-    """Conv token embedding, optional cls token, then transformer blocks. NCHW in, NCHW out."""
-
-    def __init__(
-            self,
-            in_chs: int,
-            dim: int,
-            depth: int,
-            num_heads: int,
-            patch_size: int,
-            patch_stride: int,
-            patch_padding: int,
-            cls_token: bool = False,
-            drop_path: Sequence[float] = (),
-            norm_eps: float = 1e-5,
-            device=None,
-            dtype=None,
-            **block_kwargs: Any,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.grad_checkpointing = False
-        self.patch_embed = ConvEmbed(in_chs, dim, patch_size, patch_stride, patch_padding, norm_eps=norm_eps, **dd)
-        self.num_prefix_tokens = 1 if cls_token else 0
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim, **dd)) if cls_token else None
-        drop_path = list(drop_path) or [0.] * depth
-        self.blocks = nn.ModuleList([
-            CvtBlock(dim, num_heads, drop_path=drop_path[i], norm_eps=norm_eps, **block_kwargs, **dd)
-            for i in range(depth)
-        ])
-
+def _attn_layer(
+        attn_type: str,
+        num_heads: int,
+        qkv_bias: bool,
+        window_size: int,
+        dp_rank: int,
+        attn_drop: float,
+        proj_drop: float,
+) -> Callable[..., nn.Module]:
+    """The attention of a CvT ('conv') or CvT-LS ('long_short') stage, as a `PreNormBlock` `attn_layer`."""
+    if attn_type == 'long_short':
+        return partial(
+            LongShortAttention2d,
+            num_heads=num_heads,
+            window_size=window_size,
+            dp_rank=dp_rank,
+            qkv_layer=SepConvQkv,
+            dp_layer=ConvDynamicProjection,
+            attn_drop=attn_drop,
+            proj_drop=proj_drop,
+        )
+    return partial(ConvAttention, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
 
 
 class ConvVisionTransformer(HierarchicalTransformer):
@@ -276,53 +394,49 @@ class ConvVisionTransformer(HierarchicalTransformer):
                 recipe; the other stages have none).
         """
         dd = {'device': device, 'dtype': dtype}
-        super().__init__()
+        if attn_type not in ATTN_TYPES:
+            raise ValueError(f'attn_type must be one of {ATTN_TYPES}, got {attn_type!r}')
         num_stages = len(depths)
-        assert global_pool in self.global_pools, f'global_pool must be one of {self.global_pools}, got {global_pool!r}'
-        assert global_pool != 'token' or cls_token_stages[-1], (
-            "global_pool='token' needs a cls token in the last stage; pass global_pool='avg' to average the map")
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = embed_dims[-1]
-        self.drop_rate = drop_rate
-        self.min_input_size = 2 ** (num_stages + 1)  # one token in the last stage
-        self.img_size = to_2tuple(img_size)
         act = {'quick_gelu': QuickGELU, 'gelu': nn.GELU}[act_layer]
 
         last_dpr = [x.item() for x in torch.linspace(0, drop_path_rate, depths[-1], device='cpu')]
         stages = []
+        feature_info = []
         in_chs = in_chans
-        self.feature_info = []
         reduction = 1
         for i in range(num_stages):
             reduction *= patch_strides[i]
-            stages.append(CvtStage(
-                in_chs,
+            patch_embed = ConvEmbed(
+                in_chs, embed_dims[i], patch_sizes[i], patch_strides[i], patch_paddings[i], norm_eps=norm_eps, **dd)
+            stages.append(TransformerStage(
+                patch_embed,
                 embed_dims[i],
                 depth=depths[i],
-                num_heads=num_heads[i],
-                patch_size=patch_sizes[i],
-                patch_stride=patch_strides[i],
-                patch_padding=patch_paddings[i],
-                cls_token=cls_token_stages[i],
+                attn_layer=_attn_layer(
+                    attn_type, num_heads[i], qkv_bias, window_sizes[i], dp_ranks[i], attn_drop_rate, proj_drop_rate),
+                num_prefix_tokens=1 if cls_token_stages[i] else 0,
                 drop_path=last_dpr if i == num_stages - 1 else (),
-                norm_eps=norm_eps,
                 mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
-                attn_type=attn_type,
-                window_size=window_sizes[i],
-                dp_rank=dp_ranks[i],
-                proj_drop=proj_drop_rate,
-                attn_drop=attn_drop_rate,
                 act_layer=act,
+                proj_drop=proj_drop_rate,
+                norm_eps=norm_eps,
                 **dd,
             ))
             in_chs = embed_dims[i]
-            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
-        self.stages = nn.Sequential(*stages)
+            feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
 
-        self._build_head_and_init(num_classes, drop_rate, norm_eps, **dd)
+        super().__init__(
+            stages,
+            feature_info,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            img_size=img_size,
+            min_input_size=2 ** (num_stages + 1),  # one token in the last stage
+            drop_rate=drop_rate,
+            norm_eps=norm_eps,
+            **dd,
+        )
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
@@ -381,6 +495,17 @@ MICROSOFT_CHECKPOINTS = {
     'cvt_21_384': 'CvT-21-384x384-IN-1k.pth',
 }
 
+
+def _cfg_ls(**kwargs: Any) -> Dict[str, Any]:
+    return _cfg(
+        license='apache-2.0',
+        paper_ids='arXiv:2107.02192',
+        paper_name='Long-Short Transformer: Efficient Transformers for Language and Vision',
+        origin_url='https://github.com/NVIDIA/transformer-ls',
+        **kwargs,
+    )
+
+
 _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)  # Microsoft's 384 evaluation
 
 default_cfgs = generate_default_cfgs({
@@ -388,11 +513,56 @@ default_cfgs = generate_default_cfgs({
     'cvt_21.untrained': _cfg(),
     'cvt_13_384.untrained': _cfg_384(),
     'cvt_21_384.untrained': _cfg_384(),
+    'cvt_ls_13.untrained': _cfg_ls(),
+    'cvt_ls_17.untrained': _cfg_ls(),
+    'cvt_ls_21.untrained': _cfg_ls(),
+    'cvt_ls_21s.untrained': _cfg_ls(),
+    'cvt_ls_13_384.untrained': _cfg_ls(input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0),
+    'cvt_ls_17_384.untrained': _cfg_ls(input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0),
+    'cvt_ls_21_384.untrained': _cfg_ls(input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0),
+    'cvt_ls_21s_384.untrained': _cfg_ls(input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0),
+    'cvt_ls_13_448.untrained': _cfg_ls(input_size=(3, 448, 448), pool_size=(28, 28), crop_pct=1.0),
+    'cvt_ls_17_448.untrained': _cfg_ls(input_size=(3, 448, 448), pool_size=(28, 28), crop_pct=1.0),
+    'cvt_ls_21_448.untrained': _cfg_ls(input_size=(3, 448, 448), pool_size=(28, 28), crop_pct=1.0),
+    'cvt_ls_21s_448.untrained': _cfg_ls(input_size=(3, 448, 448), pool_size=(28, 28), crop_pct=1.0),
 })
 
 _cvt_ms = partial(dict, attn_type='conv', act_layer='quick_gelu')
 _CVT_13 = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 2, 10))
 _CVT_21 = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 4, 16))
+
+# (embed_dims, num_heads, depths) of each size; head dim is 64 everywhere
+_SIZES = {
+    '13': ((64, 192, 384), (1, 3, 6), (1, 2, 10)),
+    '17': ((128, 256, 384), (2, 4, 6), (3, 4, 10)),
+    '21': ((64, 192, 384), (1, 3, 6), (1, 4, 16)),
+    '21s': ((128, 256, 384), (2, 4, 6), (3, 4, 14)),
+}
+# (window_sizes, dp_ranks) of each native resolution
+_RESOLUTIONS = {
+    224: ((8, 4, 2), (64, 16, 4)),
+    384: ((12, 6, 3), (64, 16, 4)),
+    448: ((16, 8, 4), (128, 32, 8)),
+}
+
+
+def _cvt_ls(size: str, resolution: int, pretrained: bool, **kwargs: Any) -> ConvVisionTransformer:
+    """A CvT-LS model of `size` with the window sizes and ranks of its `resolution` variant; `img_size` in kwargs
+    only sets the native input size, as for any CvT."""
+    embed_dims, num_heads, depths = _SIZES[size]
+    window_sizes, dp_ranks = _RESOLUTIONS[resolution]
+    model_args = dict(
+        img_size=resolution,
+        embed_dims=embed_dims,
+        num_heads=num_heads,
+        depths=depths,
+        attn_type='long_short',
+        window_sizes=window_sizes,
+        dp_ranks=dp_ranks,
+        act_layer='gelu',
+    )
+    variant = f'cvt_ls_{size}' + ('' if resolution == 224 else f'_{resolution}')
+    return _create_cvt(variant, pretrained=pretrained, **dict(model_args, **kwargs))
 
 
 @register_model
@@ -417,3 +587,63 @@ def cvt_13_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer
 def cvt_21_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     """CvT-21 evaluated at 384 as Microsoft's CvT-21-384x384 (same weights layout as cvt_21, crop_pct 1.0)."""
     return _create_cvt('cvt_21_384', pretrained=pretrained, **{**_CVT_21, 'img_size': 384, **kwargs})
+
+
+@register_model
+def cvt_ls_13(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('13', 224, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_17(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('17', 224, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_21(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('21', 224, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_21s(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('21s', 224, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_13_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('13', 384, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_17_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('17', 384, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_21_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('21', 384, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_21s_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('21s', 384, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_13_448(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('13', 448, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_17_448(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('17', 448, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_21_448(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('21', 448, pretrained, **kwargs)
+
+
+@register_model
+def cvt_ls_21s_448(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    return _cvt_ls('21s', 448, pretrained, **kwargs)

@@ -312,26 +312,15 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
             grc_sync_cache: All-reduce the stored cache update over the process group (DDP).
         """
         dd = {'device': device, 'dtype': dtype}
-        super().__init__()
         num_stages = len(depths)
-        assert global_pool in ('avg', 'token', ''), f"global_pool must be 'avg', 'token' or '', got {global_pool!r}"
         img_size = to_2tuple(img_size)
-        self.img_size = img_size
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = embed_dims[-1]
-        self.drop_rate = drop_rate
-        self.grc = grc
-        self.min_input_size = patch_size * 2 ** (num_stages - 1) * max(1, max(
-            sr // 2 ** (num_stages - 1 - i) for i, sr in enumerate(sr_ratios)))
         grc_cfg = grc_layer_kwargs(
             grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache) if grc else None
 
         dpr = calculate_drop_path_rates(drop_path_rate, depths, stagewise=True)
         stages = []
         in_chs = in_chans
-        self.feature_info = []
+        feature_info = []
         reduction = patch_size
         grid = (img_size[0] // patch_size, img_size[1] // patch_size)
         for i in range(num_stages):
@@ -358,10 +347,22 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
                 **dd,
             ))
             in_chs = embed_dims[i]
-            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
-        self.stages = nn.Sequential(*stages)
+            feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
 
-        self._build_head_and_init(num_classes, drop_rate, norm_eps, **dd)
+        super().__init__(
+            stages,
+            feature_info,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            img_size=img_size,
+            min_input_size=patch_size * 2 ** (num_stages - 1) * max(1, max(
+                sr // 2 ** (num_stages - 1 - i) for i, sr in enumerate(sr_ratios))),
+            drop_rate=drop_rate,
+            norm_eps=norm_eps,
+            **dd,
+        )
+        self.grc = grc
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:

@@ -20,7 +20,8 @@ Follows the math of NVIDIA/transformer-ls (built on microsoft/vision-longformer)
 verified spec, no upstream code copied. Apache-2.0.
 """
 import re
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -28,8 +29,6 @@ import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import (
-    DropPath,
-    Mlp,
     calculate_drop_path_rates,
     register_notrace_module,
     to_2tuple,
@@ -40,7 +39,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from lsvision.layers import LongShortAttention2d, resize_window_rel_pos_table, window_rel_pos_table_size
 
 from ._checkpoint import check_filtered_keys
-from ._hierarchical import HierarchicalStage, HierarchicalTransformer
+from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
 
 __all__ = ['VisionLongShortTransformer']
 
@@ -98,28 +97,6 @@ def _grid_of_table(num_rows: int) -> Tuple[int, int]:
     if side * side != num_rows or side % 2 == 0:
         raise ValueError(f'a full-attention relative-position table of {num_rows} rows is not (2H - 1)^2 for any H')
     return (side + 1) // 2, (side + 1) // 2
-
-
-class PatchEmbed(nn.Module):
-    """Non-overlapping conv patch embedding (Conv2d k = s = p, bias) then LayerNorm over channels. NCHW in and out."""
-
-    def __init__(
-            self,
-            in_chs: int,
-            dim: int,
-            patch_size: int,
-            norm_eps: float = 1e-6,
-            device=None,
-            dtype=None,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.proj = nn.Conv2d(in_chs, dim, patch_size, stride=patch_size, **dd)
-        self.norm = nn.LayerNorm(dim, eps=norm_eps, **dd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.proj(x)
-        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 @register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
@@ -248,110 +225,41 @@ class RelPosAttention(nn.Module):
         return x
 
 
-class VilBlock(nn.Module):
-    """One transformer layer: x + DropPath(attn(LN(x))), then x + DropPath(MLP(LN(x))), same drop-path rate."""
-
-    def __init__(
-            self,
-            dim: int,
-            num_heads: int,
-            attn_type: str = 'long_short',
-            feat_size: Tuple[int, int] = (14, 14),
-            num_prefix_tokens: int = 1,
-            window_size: int = 7,
-            dp_rank: int = 8,
-            mlp_ratio: float = 4.,
-            qkv_bias: bool = True,
-            proj_drop: float = 0.,
-            attn_drop: float = 0.,
-            drop_path: float = 0.,
-            norm_eps: float = 1e-6,
-            dual_ln_eps: float = 1e-5,
-            device=None,
-            dtype=None,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.norm1 = nn.LayerNorm(dim, eps=norm_eps, **dd)
-        if attn_type == 'long_short':
-            self.attn = LongShortAttention2d(
-                dim,
-                num_heads=num_heads,
-                window_size=window_size,
-                dp_rank=dp_rank,
-                qkv_bias=qkv_bias,
-                qkv_layer='linear',
-                dp_layer='linear',
-                rel_pos_bias=True,
-                attn_drop=attn_drop,
-                proj_drop=proj_drop,
-                dual_ln_eps=dual_ln_eps,
-                **dd,
-            )
-        elif attn_type == 'full':
-            self.attn = RelPosAttention(
-                dim,
-                num_heads=num_heads,
-                feat_size=feat_size,
-                num_prefix_tokens=num_prefix_tokens,
-                qkv_bias=qkv_bias,
-                attn_drop=attn_drop,
-                proj_drop=proj_drop,
-                **dd,
-            )
-        else:
-            raise ValueError(f'attn_type must be one of {ATTN_TYPES}, got {attn_type!r}')
-        self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-        self.norm2 = nn.LayerNorm(dim, eps=norm_eps, **dd)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=proj_drop, **dd)
-        self.drop_path2 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
-
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x), feat_size))
-        x = x + self.drop_path2(self.mlp(self.norm2(x)))
-        return x
-
-
-class VilStage(HierarchicalStage):
-    """Patch embedding, optional cls tokens of the stage's own, then transformer layers. NCHW in, NCHW out."""
-
-    def __init__(
-            self,
-            in_chs: int,
-            dim: int,
-            depth: int,
-            num_heads: int,
-            patch_size: int,
-            num_prefix_tokens: int = 1,
-            drop_path: Sequence[float] = (),
-            norm_eps: float = 1e-6,
-            device=None,
-            dtype=None,
-            **block_kwargs: Any,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__()
-        self.grad_checkpointing = False
-        self.patch_embed = PatchEmbed(in_chs, dim, patch_size, norm_eps=norm_eps, **dd)
-        self.num_prefix_tokens = num_prefix_tokens
-        if num_prefix_tokens > 0:
-            self.cls_token = nn.Parameter(torch.zeros(1, num_prefix_tokens, dim, **dd))
-        else:
-            self.cls_token = None
-        drop_path = list(drop_path) or [0.] * depth
-        self.blocks = nn.ModuleList([
-            VilBlock(
-                dim,
-                num_heads,
-                num_prefix_tokens=num_prefix_tokens,
-                drop_path=drop_path[i],
-                norm_eps=norm_eps,
-                **block_kwargs,
-                **dd,
-            )
-            for i in range(depth)
-        ])
-
+def _attn_layer(
+        attn_type: str,
+        num_heads: int,
+        feat_size: Tuple[int, int],
+        num_prefix_tokens: int,
+        window_size: int,
+        dp_rank: int,
+        qkv_bias: bool,
+        attn_drop: float,
+        proj_drop: float,
+        dual_ln_eps: float,
+) -> Callable[..., nn.Module]:
+    """The attention of a ViL-LS stage as a `PreNormBlock` `attn_layer`: long-short with the window
+    relative-position bias, or full attention with the relative-position bias of the native map size `feat_size`."""
+    if attn_type == 'long_short':
+        return partial(
+            LongShortAttention2d,
+            num_heads=num_heads,
+            window_size=window_size,
+            dp_rank=dp_rank,
+            qkv_bias=qkv_bias,
+            rel_pos_bias=True,
+            attn_drop=attn_drop,
+            proj_drop=proj_drop,
+            dual_ln_eps=dual_ln_eps,
+        )
+    return partial(
+        RelPosAttention,
+        num_heads=num_heads,
+        feat_size=feat_size,
+        num_prefix_tokens=num_prefix_tokens,
+        qkv_bias=qkv_bias,
+        attn_drop=attn_drop,
+        proj_drop=proj_drop,
+    )
 
 
 class VisionLongShortTransformer(HierarchicalTransformer):
@@ -411,56 +319,60 @@ class VisionLongShortTransformer(HierarchicalTransformer):
                 of one layer share a rate.
         """
         dd = {'device': device, 'dtype': dtype}
-        super().__init__()
         num_stages = len(depths)
         settings = (embed_dims, num_heads, patch_sizes, attn_types, num_cls_tokens, window_sizes, dp_ranks)
         assert all(len(s) == num_stages for s in settings), 'every per-stage setting needs one entry per stage'
         assert all(t in ATTN_TYPES for t in attn_types), f'attn_types must be from {ATTN_TYPES}, got {attn_types}'
-        assert global_pool in ('avg', ''), f"global_pool must be 'avg' or '', got {global_pool!r}"
-        self.num_classes = num_classes
-        self.in_chans = in_chans
-        self.global_pool = global_pool
-        self.num_features = self.head_hidden_size = embed_dims[-1]
-        self.drop_rate = drop_rate
-        self.img_size = to_2tuple(img_size)
-        self.patch_sizes = tuple(patch_sizes)
-        reduction = 1
-        for p in patch_sizes:
-            reduction *= p
-        self.min_input_size = reduction  # one token in the last stage
+        img_size = to_2tuple(img_size)
 
         dpr = calculate_drop_path_rates(drop_path_rate, list(depths), stagewise=True)
         stages = []
+        feature_info = []
         in_chs = in_chans
-        self.feature_info = []
         reduction = 1
         for i in range(num_stages):
             reduction *= patch_sizes[i]
-            stages.append(VilStage(
-                in_chs,
+            patch_embed = ConvEmbed(in_chs, embed_dims[i], patch_sizes[i], norm_eps=norm_eps, **dd)
+            feat_size = (max(img_size[0] // reduction, 1), max(img_size[1] // reduction, 1))
+            stages.append(TransformerStage(
+                patch_embed,
                 embed_dims[i],
                 depth=depths[i],
-                num_heads=num_heads[i],
-                patch_size=patch_sizes[i],
+                attn_layer=_attn_layer(
+                    attn_types[i],
+                    num_heads[i],
+                    feat_size,
+                    num_cls_tokens[i],
+                    window_sizes[i],
+                    dp_ranks[i],
+                    qkv_bias,
+                    attn_drop_rate,
+                    proj_drop_rate,
+                    dual_ln_eps,
+                ),
                 num_prefix_tokens=num_cls_tokens[i],
                 drop_path=dpr[i],
-                norm_eps=norm_eps,
-                attn_type=attn_types[i],
-                feat_size=(max(self.img_size[0] // reduction, 1), max(self.img_size[1] // reduction, 1)),
-                window_size=window_sizes[i],
-                dp_rank=dp_ranks[i],
                 mlp_ratio=mlp_ratio,
-                qkv_bias=qkv_bias,
                 proj_drop=proj_drop_rate,
-                attn_drop=attn_drop_rate,
-                dual_ln_eps=dual_ln_eps,
+                norm_eps=norm_eps,
                 **dd,
             ))
             in_chs = embed_dims[i]
-            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
-        self.stages = nn.Sequential(*stages)
+            feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
 
-        self._build_head_and_init(num_classes, drop_rate, norm_eps, **dd)
+        super().__init__(
+            stages,
+            feature_info,
+            in_chans=in_chans,
+            num_classes=num_classes,
+            global_pool=global_pool,
+            img_size=img_size,
+            min_input_size=reduction,  # one token in the last stage
+            drop_rate=drop_rate,
+            norm_eps=norm_eps,
+            **dd,
+        )
+        self.patch_sizes = tuple(patch_sizes)
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
