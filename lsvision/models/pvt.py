@@ -349,17 +349,11 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
             for stage in self.stages:
                 for blk in stage.blocks:
                     attn = blk.attn
-                    wrap_attention_with_grc(
-                        attn,
-                        PvtGrcAttention,
-                        attn.q.in_features,
-                        attn.num_heads,
-                        cache_hw=stage.grid_size,
-                        config=grc_config,
-                        num_prefix_tokens=stage.num_prefix_tokens,
-                        mem_attn_kwargs=dict(
-                            qkv_bias=attn.q.bias is not None, sr_ratio=1 if attn.sr is None else attn.sr.stride[0]),
-                    )  # initialized with the rest below
+                    sr_ratio = 1 if attn.sr is None else attn.sr.stride[0]
+                    wrap_attention_with_grc(  # initialized with the rest of the model below
+                        attn, PvtGrcAttention, attn.q.in_features, attn.num_heads, cache_hw=stage.grid_size,
+                        config=grc_config, num_prefix_tokens=stage.num_prefix_tokens,
+                        mem_attn_kwargs=dict(qkv_bias=attn.q.bias is not None, sr_ratio=sr_ratio))
 
         self._build_head_and_init(num_classes, drop_rate, norm_eps, **dd)
 

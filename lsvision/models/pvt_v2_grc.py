@@ -116,20 +116,11 @@ class PyramidVisionTransformerV2Grc(GrcModelMixin, PyramidVisionTransformerV2):
             for blk in stage.blocks:
                 attn = blk.attn
                 linear_attn = attn.pool is not None
+                sr_ratio = attn.sr.stride[0] if attn.sr is not None and not linear_attn else 1
                 wrap_attention_with_grc(
-                    attn,
-                    PvtV2GrcAttention,
-                    dim,
-                    attn.num_heads,
-                    cache_hw=grid,
-                    config=grc_config,
-                    mem_attn_kwargs=dict(
-                        qkv_bias=attn.q.bias is not None,
-                        sr_ratio=attn.sr.stride[0] if attn.sr is not None and not linear_attn else 1,
-                        linear_attn=linear_attn,
-                    ),
-                    init_fn=self._init_weights,
-                )
+                    attn, PvtV2GrcAttention, dim, attn.num_heads, cache_hw=grid, config=grc_config,
+                    mem_attn_kwargs=dict(qkv_bias=attn.q.bias is not None, sr_ratio=sr_ratio, linear_attn=linear_attn),
+                    init_fn=self._init_weights)
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:

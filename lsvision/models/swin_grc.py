@@ -92,15 +92,10 @@ class SwinTransformerGrc(GrcModelMixin, SwinTransformer):
             for blk in layer.blocks:
                 attn = blk.attn
                 wrap_attention_with_grc(
-                    attn,
-                    SwinGrcWindowAttention,
-                    attn.dim,
-                    attn.num_heads,
-                    cache_hw=attn.window_size,
+                    attn, SwinGrcWindowAttention, attn.dim, attn.num_heads, cache_hw=attn.window_size,
                     config=grc_config,
                     mem_attn_kwargs=dict(qkv_bias=attn.qkv.bias is not None, window_size=attn.window_size),
-                    init_fn=init_linear_trunc_normal,
-                )
+                    init_fn=init_linear_trunc_normal)
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -72,16 +72,10 @@ class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
         for blk in self.blocks:
             attn = blk.attn
             wrap_attention_with_grc(
-                attn,
-                VitGrcAttention,
-                attn.qkv.in_features,
-                attn.num_heads,
-                cache_hw=tuple(self.patch_embed.grid_size),
-                config=grc_config,
-                num_prefix_tokens=self.num_prefix_tokens,
-                mem_attn_kwargs=dict(qkv_bias=attn.qkv.bias is not None),
-                init_fn=init_linear_trunc_normal,
-            )
+                attn, VitGrcAttention, attn.qkv.in_features, attn.num_heads,
+                cache_hw=tuple(self.patch_embed.grid_size), config=grc_config,
+                num_prefix_tokens=self.num_prefix_tokens, mem_attn_kwargs=dict(qkv_bias=attn.qkv.bias is not None),
+                init_fn=init_linear_trunc_normal)
 
     def forward_features(
             self,
