@@ -21,8 +21,9 @@ from timm.models.swin_transformer import WindowAttention as TimmWindowAttention
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.flops import count_flops
-from lsvision.layers import GatedRecurrentCache, GrcAttention
+from lsvision.layers import GatedRecurrentCache, GrcAttention, GrcConfig, wrap_attention_with_grc
 from lsvision.models import CheckpointMismatchError
+from lsvision.models.pvt import PvtGrcAttention
 from lsvision.models.pvt_v2_grc import PvtV2GrcAttention
 from lsvision.models.swin_grc import SwinGrcWindowAttention
 from lsvision.models.vit_grc import VitGrcAttention
@@ -223,7 +224,8 @@ def test_state_dict_round_trip(name, tmp_path):
 
 def test_reduction_to_wrapped_attention_pvt_v2():
     torch.manual_seed(0)
-    attn = PvtV2GrcAttention(64, num_heads=2, sr_ratio=2, cache_hw=(8, 8)).train()
+    attn = wrap_attention_with_grc(TimmPvtV2Attention(64, num_heads=2, sr_ratio=2), PvtV2GrcAttention, 64, 2,
+                                   cache_hw=(8, 8), mem_attn_kwargs=dict(sr_ratio=2)).train()
     with torch.no_grad():
         attn.grc.cache.normal_()
         attn.grc.lam.fill_(float('-inf'))
@@ -238,7 +240,8 @@ def test_reduction_to_wrapped_attention_pvt_v2():
 
 def test_reduction_to_wrapped_attention_swin():
     torch.manual_seed(0)
-    attn = SwinGrcWindowAttention(32, 2, window_size=(7, 7)).train()
+    attn = wrap_attention_with_grc(TimmWindowAttention(32, 2, window_size=7), SwinGrcWindowAttention, 32, 2,
+                                   cache_hw=(7, 7), mem_attn_kwargs=dict(window_size=(7, 7))).train()
     with torch.no_grad():
         attn.grc.cache.normal_()
         attn.grc.lam.fill_(float('-inf'))
@@ -255,7 +258,8 @@ def test_reduction_to_wrapped_attention_swin():
 
 def test_reduction_to_wrapped_attention_vit():
     torch.manual_seed(0)
-    attn = VitGrcAttention(64, 2, qkv_bias=True, cache_hw=(4, 4), num_prefix_tokens=1).train()
+    attn = wrap_attention_with_grc(TimmAttention(64, 2, qkv_bias=True), VitGrcAttention, 64, 2, cache_hw=(4, 4),
+                                   num_prefix_tokens=1).train()
     with torch.no_grad():
         attn.grc.cache.normal_()
         attn.grc.lam.fill_(float('-inf'))
@@ -272,7 +276,7 @@ def test_reduction_to_wrapped_attention_pvt_v1():
     model = _tiny('pvt_tiny_grc').train()
     n = 0
     for m in model.modules():
-        if hasattr(m, 'forward_self'):
+        if isinstance(m, PvtGrcAttention):
             with torch.no_grad():
                 m.grc.cache.normal_()
                 m.grc.lam.fill_(float('-inf'))
@@ -280,7 +284,7 @@ def test_reduction_to_wrapped_attention_pvt_v1():
                 m.grc.pe.bias.zero_()
             h, w = m.grc.cache_hw
             x = torch.randn(2, m.num_prefix_tokens + h * w, m.q.in_features)
-            assert torch.equal(m(x, [h, w]), m.forward_self(x, [h, w]))
+            assert torch.equal(m(x, [h, w]), m.self_attention(x, [h, w]))
             n += 1
     assert n == 4
 
@@ -392,14 +396,21 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match='cache width'):
         timm.create_model('pvt_v2_b0_grc', grc_ratio=0.3, device='meta')
     with pytest.raises(ValueError, match='summary_src'):
-        GatedRecurrentCache(32, 2, 16, summary_src='x')
+        GrcConfig(summary_src='x')
+    with pytest.raises(ValueError, match='summary_src'):
+        timm.create_model(SWIN_T, grc_summary_src='x', device='meta')
     grc = GatedRecurrentCache(32, 2, 16, cache_hw=(4, 4))
     with pytest.raises(ValueError, match='width'):
         grc(torch.randn(1, 16, 16), torch.randn(1, 16, 16), [4, 4])
     with pytest.raises(ValueError, match='patches'):
         grc(torch.randn(1, 16, 32), torch.randn(1, 16, 32), [3, 3])
-    with pytest.raises(TypeError):
-        timm.create_model('pvt_tiny_grc', not_an_arg=1, device='meta')
+    for name in ('pvt_tiny_grc', 'pvt_v2_b0_grc', SWIN_T, VIT_S):
+        with pytest.raises(TypeError):
+            timm.create_model(name, not_an_arg=1, device='meta')
+        with pytest.raises(TypeError, match='grc_ratoi.*the GRC options are grc_ratio'):
+            timm.create_model(name, grc_ratoi=0.25, device='meta')
+        with pytest.raises(TypeError, match='either grc_config or grc_ratio'):
+            timm.create_model(name, grc_config=GrcConfig(), grc_ratio=0.25, device='meta')
 
 
 def test_options_frozen_eval_input_summary_2d():
@@ -472,7 +483,7 @@ def test_ddp_sync_cache_equals_global_batch(tmp_path):
 @pytest.mark.parametrize('batch,hw', [(1, (14, 14)), (3, (11, 13)), (16, (7, 7)), (2, (3, 5))])
 def test_positional_conv_fast_paths_equal_grouped_conv(batch, hw):
     # the PE conv runs as 2 depthwise convs on channels-last views (own channel, pair partner): same sum as self.pe
-    grc = GatedRecurrentCache(dim=32, num_heads=2, cache_len=hw[0] * hw[1], ratio=0.5)
+    grc = GatedRecurrentCache(dim=32, num_heads=2, cache_len=hw[0] * hw[1], config=GrcConfig(ratio=0.5))
     torch.nn.init.normal_(grc.pe.bias)
     x = torch.randn(batch, hw[0] * hw[1], 32)
     want = grc.pe(x.transpose(1, 2).reshape(batch, 32, *hw)).flatten(2).transpose(1, 2)
@@ -508,7 +519,7 @@ def test_matmul_floor_is_between_base_and_grc(name):
         grc_matmul_floor(base)
 
 
-@pytest.mark.parametrize('name', ['pvt_v2_b0_grc', SWIN_T, VIT_S])
+@pytest.mark.parametrize('name', ['pvt_tiny_grc', 'pvt_v2_b0_grc', SWIN_T, VIT_S])
 def test_baseline_weights_missing_a_non_grc_key_is_an_error(name, tmp_path):
     # pretrained loading is not strict (GRC keys stay fresh), so each filter checks that nothing else is missing
     kwargs = dict(num_classes=10, **({} if name == 'pvt_v2_b0_grc' else TINY[name]))
@@ -522,7 +533,7 @@ def test_baseline_weights_missing_a_non_grc_key_is_an_error(name, tmp_path):
                           **kwargs)
 
 
-@pytest.mark.parametrize('name', ['pvt_v2_b0_grc', SWIN_T, VIT_S])
+@pytest.mark.parametrize('name', ['pvt_tiny_grc', 'pvt_v2_b0_grc', SWIN_T, VIT_S])
 def test_another_architectures_checkpoint_is_not_blamed_on_grc(name, tmp_path):
     # a CvT checkpoint holds none of the model's tensors: the error says so, with both names and sample keys
     other = timm.create_model('cvt_13', embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1))
@@ -544,3 +555,58 @@ def test_documented_cache_sync_keyword_works(doc):
     for name in ('pvt_v2_b0_grc', SWIN_T, VIT_S, 'pvt_tiny_grc'):
         grcs = _grcs(_tiny(name, **{keyword: True}))
         assert grcs and all(m.sync_cache for m in grcs)
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_grc_config_object_equals_grc_keyword_arguments(name):
+    # one GrcConfig or the grc_* keywords (create_model, configs/*.yaml) build the same model
+    options = dict(ratio=0.25, lam_init=-1.0, summary_src='input', eval_update=False, interp_mode='2d',
+                   sync_cache=True)
+    if name == SWIN_T:
+        options['ratio'] = 0.5  # heads (2, 2, 4, 4) of 32 * 2^i channels: r = 0.25 leaves 8 channels for 4 heads
+    by_keywords = _tiny(name, **{f'grc_{k}': v for k, v in options.items()})
+    by_config = _tiny(name, grc_config=GrcConfig(**options))
+    assert by_keywords.state_dict().keys() == by_config.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(by_keywords.state_dict().values(), by_config.state_dict().values()))
+    for m in _grcs(by_config):
+        assert m.cache_dim == int(options['ratio'] * m.dim)
+        assert (m.summary_src, m.eval_update, m.interp_mode, m.sync_cache) == ('input', False, '2d', True)
+        assert torch.equal(m.lam, torch.full_like(m.lam, -1.0))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(by_keywords.eval()(x), by_config.eval()(x))
+
+
+def test_grc_keeps_the_options_of_the_base_attention(tmp_path):
+    # the GRC attention is timm's attention as built (here with qk_norm), not a copy rebuilt from a few of its options
+    kwargs = dict(TINY[VIT_S], num_classes=10, qk_norm=True)
+    base = timm.create_model(VIT_S[:-4], **kwargs)
+    model = timm.create_model(VIT_S, **kwargs)
+    assert all(isinstance(blk.attn.q_norm, nn.LayerNorm) for blk in model.blocks)
+    missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
+    assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
+    with torch.no_grad():
+        for m in _grcs(model):
+            m.lam.fill_(float('-inf'))
+            m.pe.weight.zero_()
+            m.pe.bias.zero_()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), base.eval()(x), atol=1e-6, rtol=0)  # GRC off: the base model
+
+
+def test_wrap_attention_with_grc_checks_the_class():
+    with pytest.raises(TypeError, match='not a GRC subclass of Attention'):
+        wrap_attention_with_grc(TimmAttention(32, 2), SwinGrcWindowAttention, 32, 2, cache_hw=(4, 4))
+    attn = wrap_attention_with_grc(TimmAttention(32, 2), VitGrcAttention, 32, 2, cache_hw=(4, 4))
+    with pytest.raises(TypeError, match='wrapped once'):
+        wrap_attention_with_grc(attn, VitGrcAttention, 32, 2, cache_hw=(4, 4))
+
+
+@pytest.mark.parametrize('name', list(TINY))
+def test_torchscript_matches_eager(name):
+    # the self branch is timm's own forward (`self_attention_of`), which TorchScript must compile as a method
+    model = _tiny(name).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert torch.equal(torch.jit.script(model)(x), model(x))

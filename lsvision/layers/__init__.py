@@ -1,5 +1,13 @@
 """Attention math shared by the lsvision models. Layers know no model."""
-from .grc import GatedRecurrentCache, GrcAttention, GrcMemoryAttention, grc_dims
+from .grc import (
+    GatedRecurrentCache,
+    GrcAttention,
+    GrcConfig,
+    GrcMemoryAttention,
+    grc_dims,
+    self_attention_of,
+    wrap_attention_with_grc,
+)
 from .long_short import (
     LinearDynamicProjection,
     LinearQkv,

@@ -16,15 +16,21 @@ attention input and o_self = SelfAttn(X) (run unchanged, projection included):
     O  += PE(X)                              (grouped 3x3 conv on the patch tokens, groups = D_m)
 
 `GatedRecurrentCache` is everything after the self branch: it takes (X, o_self) and so wraps any self-attention.
-Backbone attention classes keep their own parameter names and hold one `grc` child (`attn.grc.*`), so baseline
-weights load with only GRC keys missing. `GrcAttention` is a generic wrapper for user code (self branch under
-`attn.attn`). `GrcMemoryAttention` is the memory branch (plain MHSA, PVT spatial reduction or linear SRA on the
-cache grid, Swin relative position bias over the window slots).
+Its options are one `GrcConfig`. The backbones (PVT v1, PVT v2, Swin, ViT) are wired one way: the model is built
+with its own attention, then `wrap_attention_with_grc` turns each block's attention into a GRC attention in place.
+The module keeps its parameters and their names and gains one `grc` child (`attn.grc.*`), so baseline weights load
+with only GRC keys missing. Its class becomes a subclass that adds only a forward: the unchanged self-attention
+(`self_attention_of`: the base class's own forward) followed by `grc`. `GrcAttention` is a generic wrapper for user
+code (self branch under `attn.attn`). `GrcMemoryAttention` is the memory branch (plain MHSA, PVT spatial reduction
+or linear SRA on the cache grid, Swin relative position bias over the window slots).
 
 Written for lsvision, Apache-2.0.
 """
+import dataclasses
+import functools
 import math
-from typing import Callable, List, Optional, Tuple
+import types
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -37,7 +43,10 @@ from .export import refuse_legacy_onnx_export
 from .matmul_attention import matmul_attention
 from .reparam import FoldableModule
 
-__all__ = ['GatedRecurrentCache', 'GrcAttention', 'GrcMemoryAttention', 'grc_dims']
+__all__ = [
+    'GatedRecurrentCache', 'GrcAttention', 'GrcConfig', 'GrcMemoryAttention', 'grc_dims', 'self_attention_of',
+    'wrap_attention_with_grc',
+]
 
 
 def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
@@ -49,6 +58,58 @@ def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
             f'and divide dim={dim}; pick another grc_ratio')
     return cache_dim
 
+
+@dataclasses.dataclass(frozen=True)
+class GrcConfig:
+    """The options of a GRC-Attention layer, the same for every block of a model (spec §1.3).
+
+    The models take it as `grc_config`, or as the `grc_*` keyword arguments (`grc_ratio`, `grc_lam_init`, ...:
+    the field names with a `grc_` prefix), which `timm.create_model` and the training configs pass.
+
+    Args:
+        ratio: Caching ratio r: the cache width D_m = int(r * D).
+        lam_init: Initial mixing logits (paper 0.0 -> sigmoid 0.5; the authors' code -1.0).
+        summary_src: Source of the cache update, 'self' (self-attention output, authors' code) or 'input'
+            (the attention input, the paper's text).
+        eval_update: In eval, compute the per-sample update from the frozen cache (authors' code); False
+            attends to the frozen cache as is (the paper's "used directly").
+        interp_mode: How the summary is resized when T != T_m: 'nearest1d' (authors' code: nearest over the
+            flattened token sequence) or '2d' (bilinear on the patch grid, prefix tokens kept).
+        sync_cache: All-reduce (mean) the stored update over the default process group at every forward, so every
+            rank stores the global-batch mean. False keeps DDP's default buffer broadcast from rank 0.
+    """
+
+    ratio: float = 0.5
+    lam_init: float = 0.0
+    summary_src: str = 'self'
+    eval_update: bool = True
+    interp_mode: str = 'nearest1d'
+    sync_cache: bool = False
+
+    def __post_init__(self) -> None:
+        if self.summary_src not in ('self', 'input'):
+            raise ValueError(f"GRC summary_src must be 'self' or 'input', got {self.summary_src!r}")
+        if self.interp_mode not in ('nearest1d', '2d'):
+            raise ValueError(f"GRC interp_mode must be 'nearest1d' or '2d', got {self.interp_mode!r}")
+
+    @classmethod
+    def from_kwargs(cls, config: Optional['GrcConfig'], kwargs: Dict[str, Any], prefix: str = 'grc_') -> 'GrcConfig':
+        """`config`, or the config made of the `prefix` + field entries of a model's `kwargs` (`grc_ratio`, ...).
+
+        The `prefix` entries are taken out of `kwargs`; the others stay for the backbone.
+
+        Raises:
+            TypeError: A `prefix` entry that names no field, or both `config` and `prefix` entries.
+        """
+        fields = {prefix + f.name: f.name for f in dataclasses.fields(cls)}
+        given = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith(prefix)]}
+        unknown = sorted(set(given) - set(fields))
+        if unknown:
+            raise TypeError(f'unexpected keyword argument(s) {", ".join(unknown)}; the GRC options are '
+                            f'{", ".join(fields)}')
+        if config is not None and given:
+            raise TypeError(f'pass either grc_config or {", ".join(sorted(given))}, not both')
+        return config if config is not None else cls(**{fields[k]: v for k, v in given.items()})
 
 # Window memory attention with at most this many scores per (window, head) runs as batched matmuls on CPU (see
 # `GrcMemoryAttention.attend`); Swin's 7x7 windows have 49 x 49.
@@ -284,12 +345,7 @@ class GatedRecurrentCache(FoldableModule):
             cache_len: int,
             cache_hw: Optional[Tuple[int, int]] = None,
             num_prefix_tokens: int = 0,
-            ratio: float = 0.5,
-            lam_init: float = 0.0,
-            summary_src: str = 'self',
-            eval_update: bool = True,
-            interp_mode: str = 'nearest1d',
-            sync_cache: bool = False,
+            config: Optional[GrcConfig] = None,
             mem_attn_layer: Optional[Callable[..., nn.Module]] = None,
             mem_attn_kwargs: Optional[dict] = None,
             norm_eps: float = 1e-5,
@@ -304,30 +360,18 @@ class GatedRecurrentCache(FoldableModule):
             cache_hw: Patch grid of the cache (T_m = num_prefix_tokens + h * w); needed by spatial reduction and the
                 '2d' interpolation.
             num_prefix_tokens: Prefix (cls) tokens at the front of the sequence and of the cache.
-            ratio: Caching ratio r, D_m = int(r * D).
-            lam_init: Initial mixing logits (paper 0.0 -> sigmoid 0.5; the authors' code -1.0).
-            summary_src: Source of the cache update, 'self' (self-attention output, authors' code) or 'input'
-                (the attention input, the paper's text).
-            eval_update: In eval, compute the per-sample update from the frozen cache (authors' code); False
-                attends to the frozen cache as is.
-            interp_mode: How the summary is resized when T != T_m: 'nearest1d' (authors' code: nearest over the
-                flattened token sequence) or '2d' (bilinear on the patch grid, prefix tokens kept).
-            sync_cache: All-reduce (mean) the stored update over the default process group, so every rank stores
-                the global-batch mean. False keeps DDP's default buffer broadcast from rank 0.
+            config: The GRC options (`GrcConfig`; its defaults when None).
             mem_attn_layer: Memory attention class (default GrcMemoryAttention), built with width D_m.
             mem_attn_kwargs: Extra kwargs for the memory attention (qkv_bias, sr_ratio, linear_attn, window_size...).
             norm_eps: Epsilon of the candidate LayerNorm.
         """
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
-        if summary_src not in ('self', 'input'):
-            raise ValueError(f"summary_src must be 'self' or 'input', got {summary_src!r}")
-        if interp_mode not in ('nearest1d', '2d'):
-            raise ValueError(f"interp_mode must be 'nearest1d' or '2d', got {interp_mode!r}")
-        cache_dim = grc_dims(dim, num_heads, ratio)
+        config = config or GrcConfig()
+        cache_dim = grc_dims(dim, num_heads, config.ratio)
         if cache_hw is not None and num_prefix_tokens + cache_hw[0] * cache_hw[1] != cache_len:
             raise ValueError(f'cache_len {cache_len} != num_prefix_tokens {num_prefix_tokens} + grid {cache_hw}')
-        if interp_mode == '2d' and cache_hw is None:
+        if config.interp_mode == '2d' and cache_hw is None:
             raise ValueError("interp_mode='2d' needs cache_hw")
         self.dim = dim
         self.num_heads = num_heads
@@ -335,10 +379,11 @@ class GatedRecurrentCache(FoldableModule):
         self.cache_len = cache_len
         self.cache_hw = tuple(cache_hw) if cache_hw is not None else None
         self.num_prefix_tokens = num_prefix_tokens
-        self.summary_src = summary_src
-        self.eval_update = eval_update
-        self.interp_mode = interp_mode
-        self.sync_cache = sync_cache
+        # plain attributes (TorchScript reads them; the training loop turns sync_cache off)
+        self.summary_src = config.summary_src
+        self.eval_update = config.eval_update
+        self.interp_mode = config.interp_mode
+        self.sync_cache = config.sync_cache
 
         self.linear_reset = nn.Linear(2 * cache_dim, cache_dim, **dd)
         self.linear_update = nn.Linear(2 * cache_dim, cache_dim, **dd)
@@ -354,7 +399,7 @@ class GatedRecurrentCache(FoldableModule):
             **(mem_attn_kwargs or {}),
             **dd,
         )
-        self.lam = nn.Parameter(torch.full((num_heads,), float(lam_init), **dd))
+        self.lam = nn.Parameter(torch.full((num_heads,), float(config.lam_init), **dd))
         self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
         # set by `reparameterize` (see there); None in a layer that trains
@@ -606,14 +651,84 @@ class GatedRecurrentCache(FoldableModule):
         return y.permute(0, 2, 3, 1).reshape(B, N, D)
 
 
-class GrcAttention(nn.Module):
-    """Generic GRC wrapper around any self-attention `attn(x, *args) -> (B, T, D)`.
+def self_attention_of(attn_cls: type) -> Callable[..., torch.Tensor]:
+    """`attn_cls.forward` as a method named `self_attention`, for the GRC subclass of a backbone's attention class.
 
-    The self branch lives under `attn`, so its keys gain an `attn.` prefix; the lsvision backbones instead
-    subclass their attention and keep the original keys (see `lsvision.models.pvt_v2_grc`).
+    The subclass's forward runs `self.self_attention(...)`, the base class's own forward, unchanged (the self branch),
+    then its `grc`. A copy of the function under another name instead of `super().forward(...)`: TorchScript cannot
+    call super(), and it would compile a plain alias under the name `forward`, which the subclass already defines.
+    """
+    fn = attn_cls.forward
+    method = types.FunctionType(fn.__code__, fn.__globals__, 'self_attention', fn.__defaults__, fn.__closure__)
+    functools.update_wrapper(method, fn, assigned=('__module__', '__doc__', '__annotations__'), updated=())
+    method.__kwdefaults__ = fn.__kwdefaults__
+    method.__qualname__ = f'{attn_cls.__qualname__}.self_attention'
+    return method
+
+
+def wrap_attention_with_grc(
+        attn: nn.Module,
+        grc_attn_cls: Type[nn.Module],
+        dim: int,
+        num_heads: int,
+        cache_hw: Tuple[int, int],
+        config: Optional[GrcConfig] = None,
+        num_prefix_tokens: int = 0,
+        mem_attn_kwargs: Optional[Dict[str, Any]] = None,
+        init_fn: Optional[Callable[[nn.Module], None]] = None,
+) -> nn.Module:
+    """Turn a block's self-attention into its GRC-Attention in place (spec §2), and return it.
+
+    The module keeps its parameters, buffers, their names and every option it was built with (timm's qk_norm, ...),
+    so the base model's weights load as they are, and gains a `GatedRecurrentCache` child `grc` whose cache covers
+    `num_prefix_tokens` + the `cache_hw` grid. Its class becomes `grc_attn_cls`: a subclass of its class that holds
+    no state of its own and only adds a forward, the unchanged self-attention (`self_attention_of`) followed by
+    `grc`. Build the model first; the GRC layer's parameters are then initialized by `init_fn` (the model's weight
+    init), or by the model's own init when it runs later.
+
+    Args:
+        attn: The block's attention module, as the backbone built it.
+        grc_attn_cls: The GRC subclass of its class.
+        dim: Width D of the attention's input and output.
+        num_heads: Heads of the attention (the memory branch has as many).
+        cache_hw: The patch grid the cache covers: the stage's grid at the training resolution (Swin: the window).
+        config: GRC options (`GrcConfig`); its defaults when None.
+        num_prefix_tokens: Prefix (cls) tokens in front of the patch tokens.
+        mem_attn_kwargs: Options of the memory attention that follow the self-attention (`GrcMemoryAttention`:
+            qkv_bias, sr_ratio, linear_attn, window_size).
+        init_fn: Applied to the new GRC layer's modules (e.g. the model's `_init_weights`).
+    """
+    if grc_attn_cls is type(attn) or not issubclass(grc_attn_cls, type(attn)):
+        raise TypeError(f'{grc_attn_cls.__name__} is not a GRC subclass of {type(attn).__name__}: pass the GRC class '
+                        'made for the attention class the backbone built (an attention is wrapped once)')
+    param = next(attn.parameters())
+    grc = GatedRecurrentCache(
+        dim,
+        num_heads,
+        cache_len=num_prefix_tokens + cache_hw[0] * cache_hw[1],
+        cache_hw=cache_hw,
+        num_prefix_tokens=num_prefix_tokens,
+        config=config,
+        mem_attn_kwargs=mem_attn_kwargs,
+        device=param.device,
+        dtype=param.dtype,
+    )
+    if init_fn is not None:
+        grc.apply(init_fn)
+    attn.__class__ = grc_attn_cls  # same object and state, plus the forward that runs `grc`
+    attn.grc = grc
+    return attn
+
+
+class GrcAttention(nn.Module):
+    """Generic GRC wrapper around any self-attention `attn(x, *args) -> (B, T, D)`, for user code.
+
+    The self branch lives under `attn`, so its keys gain an `attn.` prefix; the lsvision backbones instead keep their
+    attention's keys (`wrap_attention_with_grc`).
     """
 
-    def __init__(self, attn: nn.Module, dim: int, num_heads: int, cache_len: int, **grc_kwargs):
+    def __init__(self, attn: nn.Module, dim: int, num_heads: int, cache_len: int, **grc_kwargs: Any):
+        """`grc_kwargs` go to `GatedRecurrentCache` (cache_hw, num_prefix_tokens, config, ...)."""
         super().__init__()
         self.attn = attn
         self.grc = GatedRecurrentCache(dim, num_heads, cache_len, **grc_kwargs)

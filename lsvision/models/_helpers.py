@@ -11,7 +11,7 @@ from timm.models import load_state_dict as timm_load_state_dict
 from lsvision.layers import GatedRecurrentCache
 
 __all__ = [
-    'check_image_input', 'grc_layer_kwargs', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
+    'check_image_input', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
     'GRC_CHECKPOINT_ERROR', 'CheckpointMismatchError', 'state_dict_mismatch', 'check_state_dict_fits',
     'read_checked_state_dict', 'checkpoint_arch', 'explain_checkpoint_errors',
 ]
@@ -19,19 +19,6 @@ __all__ = [
 GRC_CHECKPOINT_ERROR = (
     'gradient checkpointing is not supported with GRC: the recompute in backward would update the cache a second '
     'time and use the new cache (wrong gradients)')
-
-
-def grc_layer_kwargs(
-        ratio: float,
-        lam_init: float,
-        summary_src: str,
-        eval_update: bool,
-        interp_mode: str,
-        sync_cache: bool,
-) -> Dict[str, Any]:
-    """The `GatedRecurrentCache` arguments a GRC model takes as its `grc_*` constructor arguments."""
-    return dict(ratio=ratio, lam_init=lam_init, summary_src=summary_src, eval_update=eval_update,
-                interp_mode=interp_mode, sync_cache=sync_cache)
 
 
 class CheckpointMismatchError(ValueError, KeyError):

@@ -37,10 +37,10 @@ from timm.layers import (
 )
 from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
 
-from lsvision.layers import GatedRecurrentCache
+from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
 
 from ._checkpoint import check_filtered_keys
-from ._helpers import GRC_CHECKPOINT_ERROR, GrcModelMixin, grc_layer_kwargs
+from ._helpers import GRC_CHECKPOINT_ERROR, GrcModelMixin, require_non_grc_keys
 from ._hierarchical import HierarchicalStage, HierarchicalTransformer
 
 __all__ = ['PyramidVisionTransformer']
@@ -63,7 +63,7 @@ def resample_pos_embed(
 
 
 class PvtAttention(nn.Module):
-    """PVT v1 spatial-reduction attention, optionally with a GRC cache (`grc_cfg`) under `grc`.
+    """PVT v1 spatial-reduction attention (SRA).
 
     Keys/values come from the patch grid reduced by a conv (kernel = stride = sr_ratio) and LayerNorm; prefix
     tokens skip the reduction.
@@ -78,7 +78,6 @@ class PvtAttention(nn.Module):
             num_prefix_tokens: int = 0,
             attn_drop: float = 0.,
             proj_drop: float = 0.,
-            grc_cfg: Optional[Dict[str, Any]] = None,
             device=None,
             dtype=None,
     ):
@@ -99,14 +98,8 @@ class PvtAttention(nn.Module):
         else:
             self.sr = None
             self.norm = None
-        if grc_cfg is not None:
-            grc_cfg = dict(grc_cfg)
-            grc_cfg.setdefault('mem_attn_kwargs', {}).update(qkv_bias=qkv_bias, sr_ratio=sr_ratio)
-            self.grc = GatedRecurrentCache(dim, num_heads, num_prefix_tokens=num_prefix_tokens, **grc_cfg, **dd)
-        else:
-            self.grc = None
 
-    def forward_self(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
         B, N, C = x.shape
         q = self.q(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)
         if self.sr is not None:
@@ -122,11 +115,17 @@ class PvtAttention(nn.Module):
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
         return self.proj_drop(x)
 
+
+class PvtGrcAttention(PvtAttention):
+    """PVT v1 SRA, run as is, with a GRC cache over the stage's prefix tokens and patch grid under `grc`.
+
+    Made from a built `PvtAttention` by `wrap_attention_with_grc`.
+    """
+
+    self_attention = self_attention_of(PvtAttention)
+
     def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
-        o = self.forward_self(x, feat_size)
-        if self.grc is not None:
-            o = self.grc(x, o, feat_size)
-        return o
+        return self.grc(x, self.self_attention(x, feat_size), feat_size)
 
 
 class PvtBlock(nn.Module):
@@ -144,7 +143,6 @@ class PvtBlock(nn.Module):
             attn_drop: float = 0.,
             drop_path: float = 0.,
             norm_eps: float = 1e-6,
-            grc_cfg: Optional[Dict[str, Any]] = None,
             device=None,
             dtype=None,
     ):
@@ -159,7 +157,6 @@ class PvtBlock(nn.Module):
             num_prefix_tokens=num_prefix_tokens,
             attn_drop=attn_drop,
             proj_drop=proj_drop,
-            grc_cfg=grc_cfg,
             **dd,
         )
         self.drop_path1 = DropPath(drop_path) if drop_path > 0. else nn.Identity()
@@ -201,7 +198,6 @@ class PvtStage(HierarchicalStage):
             sr_ratio: int = 1,
             drop_path: Sequence[float] = (),
             pos_drop: float = 0.,
-            grc_cfg: Optional[Dict[str, Any]] = None,
             device=None,
             dtype=None,
             **block_kwargs: Any,
@@ -216,8 +212,6 @@ class PvtStage(HierarchicalStage):
         num_patches = grid_size[0] * grid_size[1]
         self.pos_embed = nn.Parameter(torch.zeros(1, self.num_prefix_tokens + num_patches, dim, **dd))
         self.pos_drop = nn.Dropout(pos_drop)
-        if grc_cfg is not None:
-            grc_cfg = dict(grc_cfg, cache_len=self.num_prefix_tokens + num_patches, cache_hw=self.grid_size)
         drop_path = list(drop_path) or [0.] * depth
         self.blocks = nn.ModuleList([
             PvtBlock(
@@ -226,7 +220,6 @@ class PvtStage(HierarchicalStage):
                 sr_ratio=sr_ratio,
                 num_prefix_tokens=self.num_prefix_tokens,
                 drop_path=drop_path[i],
-                grc_cfg=grc_cfg,
                 **block_kwargs,
                 **dd,
             )
@@ -275,14 +268,10 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             grc: bool = False,
-            grc_ratio: float = 0.5,
-            grc_lam_init: float = 0.0,
-            grc_summary_src: str = 'self',
-            grc_eval_update: bool = True,
-            grc_interp_mode: str = 'nearest1d',
-            grc_sync_cache: bool = False,
+            grc_config: Optional[GrcConfig] = None,
             device=None,
             dtype=None,
+            **grc_kwargs: Any,
     ):
         """
         Args:
@@ -304,18 +293,15 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
             attn_drop_rate: Dropout on the attention weights.
             drop_path_rate: Stochastic depth, rising linearly over all blocks.
             grc: Add a GRC cache to every attention block.
-            grc_ratio: Caching ratio r (cache width r * dim).
-            grc_lam_init: Initial mixing logit (0.0 paper, -1.0 authors' code).
-            grc_summary_src: Cache update from the self-attention output ('self') or the block input ('input').
-            grc_eval_update: In eval, compute the per-sample update from the frozen cache (not stored).
-            grc_interp_mode: Summary resizing when the token count differs from the cache: 'nearest1d' or '2d'.
-            grc_sync_cache: All-reduce the stored cache update over the process group (DDP).
+            grc_config: The GRC options (`lsvision.layers.GrcConfig`), or the same as `grc_*` keyword arguments
+                (`grc_ratio=0.25`, ...).
         """
         dd = {'device': device, 'dtype': dtype}
         num_stages = len(depths)
         img_size = to_2tuple(img_size)
-        grc_cfg = grc_layer_kwargs(
-            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache) if grc else None
+        grc_config = GrcConfig.from_kwargs(grc_config, grc_kwargs)
+        if grc_kwargs:
+            raise TypeError(f'unexpected keyword argument(s) {", ".join(grc_kwargs)}')
 
         dpr = calculate_drop_path_rates(drop_path_rate, depths, stagewise=True)
         stages = []
@@ -338,7 +324,6 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
                 sr_ratio=sr_ratios[i],
                 drop_path=dpr[i],
                 pos_drop=pos_drop_rate,
-                grc_cfg=grc_cfg,
                 mlp_ratio=mlp_ratios[i],
                 qkv_bias=qkv_bias,
                 norm_eps=norm_eps,
@@ -348,6 +333,15 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
             ))
             in_chs = embed_dims[i]
             feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f'stages.{i}'))
+        if grc:
+            for stage in stages:
+                for blk in stage.blocks:
+                    attn = blk.attn
+                    sr_ratio = 1 if attn.sr is None else attn.sr.stride[0]
+                    wrap_attention_with_grc(  # initialized with the rest of the model below
+                        attn, PvtGrcAttention, attn.q.in_features, attn.num_heads, cache_hw=stage.grid_size,
+                        config=grc_config, num_prefix_tokens=stage.num_prefix_tokens,
+                        mem_attn_kwargs=dict(qkv_bias=attn.q.bias is not None, sr_ratio=sr_ratio))
 
         super().__init__(
             stages,
@@ -385,7 +379,7 @@ class PyramidVisionTransformer(GrcModelMixin, HierarchicalTransformer):
             stage.pos_embed = nn.Parameter(pos_embed, requires_grad=stage.pos_embed.requires_grad)
             stage.grid_size = grid
             for blk in stage.blocks:
-                if blk.attn.grc is not None:
+                if isinstance(blk.attn, PvtGrcAttention):
                     blk.attn.grc.resize_cache(grid)
         self.img_size = img_size
 
@@ -420,6 +414,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
             k = re.sub(r'^cls_token$', f'stages.{last}.cls_token', k)
             out[k] = v
         state_dict = out
+    if model.grc:  # the check of the other GRC models first: a base checkpoint may lack only `.grc.` keys
+        require_non_grc_keys(state_dict, model)
     return check_filtered_keys(state_dict, model, source, optional=('.grc.',))
 
 

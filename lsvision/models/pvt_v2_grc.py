@@ -4,10 +4,10 @@ Papers:
     * `PVT v2: Improved Baselines with Pyramid Vision Transformer` - https://arxiv.org/abs/2106.13797
     * `Cached Transformers: Improving Transformers with Differentiable Memory Cache` - https://arxiv.org/abs/2312.12742
 
-timm's `PyramidVisionTransformerV2` is built unchanged, then every block's attention is replaced by
-`PvtV2GrcAttention`, a subclass of timm's `pvt_v2.Attention` that keeps its parameter names (`attn.q/kv/proj/sr/
-norm`) and adds one `grc` child (`attn.grc.*`: cache buffer, gates, memory SRA on the cache grid, mixing logits,
-PE conv). timm `pvt_v2_*` weights therefore load with only `attn.grc.*` keys missing:
+timm's `PyramidVisionTransformerV2` is built unchanged, then every block's attention becomes a
+`PvtV2GrcAttention` (`wrap_attention_with_grc`): timm's `pvt_v2.Attention` as built, with its parameter names
+(`attn.q/kv/proj/sr/norm`), plus one `grc` child (`attn.grc.*`: cache buffer, gates, memory SRA on the cache grid,
+mixing logits, PE conv). timm `pvt_v2_*` weights therefore load with only `attn.grc.*` keys missing:
 `timm.create_model('pvt_v2_b2_grc', pretrained=True, pretrained_cfg_overlay=dict(file='pvt_v2_b2.pth'))`.
 The authors published no PVT v2 integration; the memory branch reuses the stage's sr ratio (or linear SRA for
 `_li`) on the cache grid, as their PVT v1 code does. GRC models do not support gradient checkpointing.
@@ -18,7 +18,6 @@ from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import LayerNorm
@@ -27,74 +26,23 @@ from timm.models.pvt_v2 import Attention as PvtV2Attention
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.pvt_v2 import checkpoint_filter_fn as _pvt_v2_filter_fn
 
-from lsvision.layers import GatedRecurrentCache
+from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
 
-from ._helpers import GrcModelMixin, check_image_input, grc_layer_kwargs, require_non_grc_keys
+from ._helpers import GrcModelMixin, check_image_input, require_non_grc_keys
 
 __all__ = ['PvtV2GrcAttention', 'PyramidVisionTransformerV2Grc']
 
 
 class PvtV2GrcAttention(PvtV2Attention):
-    """timm PVT v2 (linear) SRA with a GRC cache over the stage's patch grid under `grc`."""
+    """timm PVT v2 (linear) SRA, run as is, with a GRC cache over the stage's patch grid under `grc`.
 
-    def __init__(
-            self,
-            dim: int,
-            num_heads: int = 8,
-            sr_ratio: int = 1,
-            linear_attn: bool = False,
-            qkv_bias: bool = True,
-            attn_drop: float = 0.,
-            proj_drop: float = 0.,
-            cache_hw: Tuple[int, int] = (56, 56),
-            grc_cfg: Optional[Dict[str, Any]] = None,
-            device=None,
-            dtype=None,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__(
-            dim,
-            num_heads=num_heads,
-            sr_ratio=sr_ratio,
-            linear_attn=linear_attn,
-            qkv_bias=qkv_bias,
-            attn_drop=attn_drop,
-            proj_drop=proj_drop,
-            **dd,
-        )
-        self.grc = GatedRecurrentCache(
-            dim,
-            num_heads,
-            cache_len=cache_hw[0] * cache_hw[1],
-            cache_hw=cache_hw,
-            mem_attn_kwargs=dict(qkv_bias=qkv_bias, sr_ratio=sr_ratio, linear_attn=linear_attn),
-            **(grc_cfg or {}),
-            **dd,
-        )
+    Made from a built `pvt_v2.Attention` by `wrap_attention_with_grc`.
+    """
 
-    def forward_self(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
-        """timm's `pvt_v2.Attention.forward`, restated because TorchScript can't call super()."""
-        B, N, C = x.shape
-        H, W = feat_size
-        q = self.q(x).reshape(B, N, self.num_heads, -1).permute(0, 2, 1, 3)
-        if self.pool is not None:
-            x = x.permute(0, 2, 1).reshape(B, C, H, W)
-            x = self.act(self.norm(self.sr(self.pool(x)).reshape(B, C, -1).permute(0, 2, 1)))
-        elif self.sr is not None:
-            x = x.permute(0, 2, 1).reshape(B, C, H, W)
-            x = self.norm(self.sr(x).reshape(B, C, -1).permute(0, 2, 1))
-        kv = self.kv(x).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        k, v = kv.unbind(0)
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.)
-        else:
-            attn = self.attn_drop(((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1))
-            x = attn @ v
-        x = x.transpose(1, 2).reshape(B, N, C)
-        return self.proj_drop(self.proj(x))
+    self_attention = self_attention_of(PvtV2Attention)
 
     def forward(self, x: torch.Tensor, feat_size: List[int]) -> torch.Tensor:
-        return self.grc(x, self.forward_self(x, feat_size), feat_size)
+        return self.grc(x, self.self_attention(x, feat_size), feat_size)
 
 
 def _grid_sizes(img_size: Tuple[int, int], num_stages: int) -> List[Tuple[int, int]]:
@@ -128,28 +76,21 @@ class PyramidVisionTransformerV2Grc(GrcModelMixin, PyramidVisionTransformerV2):
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
             norm_layer: Type[nn.Module] = LayerNorm,
-            grc_ratio: float = 0.5,
-            grc_lam_init: float = 0.0,
-            grc_summary_src: str = 'self',
-            grc_eval_update: bool = True,
-            grc_interp_mode: str = 'nearest1d',
-            grc_sync_cache: bool = False,
+            grc_config: Optional[GrcConfig] = None,
             device=None,
             dtype=None,
+            **kwargs: Any,
     ):
         """
         Args:
             img_size: Training resolution: sizes the GRC caches (stage grids 56/28/14/7 at 224).
-            grc_ratio: Caching ratio r (cache width r * dim).
-            grc_lam_init: Initial mixing logit (0.0 paper, -1.0 authors' code).
-            grc_summary_src: Cache update from the self-attention output ('self') or the block input ('input').
-            grc_eval_update: In eval, compute the per-sample update from the frozen cache (not stored).
-            grc_interp_mode: Summary resizing when the token count differs from the cache: 'nearest1d' or '2d'.
-            grc_sync_cache: All-reduce the stored cache update over the process group (DDP).
+            grc_config: The GRC options (`lsvision.layers.GrcConfig`), or the same as `grc_*` keyword arguments
+                (`grc_ratio=0.25`, ...).
 
         The other arguments are timm's `PyramidVisionTransformerV2`'s.
         """
         dd = {'device': device, 'dtype': dtype}
+        grc_config = GrcConfig.from_kwargs(grc_config, kwargs)
         super().__init__(
             in_chans=in_chans,
             num_classes=num_classes,
@@ -166,29 +107,20 @@ class PyramidVisionTransformerV2Grc(GrcModelMixin, PyramidVisionTransformerV2):
             attn_drop_rate=attn_drop_rate,
             drop_path_rate=drop_path_rate,
             norm_layer=norm_layer,
+            **kwargs,  # other timm arguments; unknown ones raise TypeError there
             **dd,
         )
         img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.min_input_size = 32
-        grc_cfg = grc_layer_kwargs(
-            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache)
-        grids = _grid_sizes(img_size, len(depths))
-        for i, stage in enumerate(self.stages):
+        for stage, dim, grid in zip(self.stages, embed_dims, _grid_sizes(img_size, len(depths))):
             for blk in stage.blocks:
-                old = blk.attn
-                blk.attn = PvtV2GrcAttention(
-                    embed_dims[i],
-                    num_heads=old.num_heads,
-                    sr_ratio=old.sr.stride[0] if old.sr is not None and old.pool is None else 1,
-                    linear_attn=old.pool is not None,
-                    qkv_bias=old.q.bias is not None,
-                    attn_drop=old.attn_drop.p,
-                    proj_drop=old.proj_drop.p,
-                    cache_hw=grids[i],
-                    grc_cfg=grc_cfg,
-                    **dd,
-                )
-                blk.attn.apply(self._init_weights)
+                attn = blk.attn
+                linear_attn = attn.pool is not None
+                sr_ratio = attn.sr.stride[0] if attn.sr is not None and not linear_attn else 1
+                wrap_attention_with_grc(
+                    attn, PvtV2GrcAttention, dim, attn.num_heads, cache_hw=grid, config=grc_config,
+                    mem_attn_kwargs=dict(qkv_bias=attn.q.bias is not None, sr_ratio=sr_ratio, linear_attn=linear_attn),
+                    init_fn=self._init_weights)
 
     @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:

@@ -5,9 +5,10 @@ Papers:
     * `Training data-efficient image transformers & distillation through attention` - https://arxiv.org/abs/2012.12877
     * `Cached Transformers: Improving Transformers with Differentiable Memory Cache` - https://arxiv.org/abs/2312.12742
 
-timm's `VisionTransformer` is built unchanged, then every block's `Attention` is replaced by `VitGrcAttention`, a
-subclass that keeps its keys (`attn.qkv/proj`) and adds one `grc` child. (timm calls `issubclass` on `attn_layer`,
-so a partial can't be passed; replacing after construction avoids that.) The cache covers the prefix tokens and the
+timm's `VisionTransformer` is built unchanged, then every block's `Attention` becomes a `VitGrcAttention`
+(`wrap_attention_with_grc`): timm's attention as built (qk_norm and the other options kept), with its keys
+(`attn.qkv/proj`), plus one `grc` child. (timm calls `issubclass` on `attn_layer`, so a partial can't be passed;
+wrapping after construction avoids that.) The cache covers the prefix tokens and the
 patch grid at the training resolution (1 x 197 x D_m for ViT-S/16 at 224); other token counts (`dynamic_img_size`)
 resize the summary to the cache (1-D nearest, or '2d'); `forward_features` passes the patch grid to the PE conv, so
 non-square grids work (`forward_intermediates`, timm's own, assumes a square one). No gradient checkpointing. The
@@ -16,86 +17,32 @@ forward features are tokens: these are timm "non-standard" models.
 Written for lsvision, Apache-2.0.
 """
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.layers import Attention
-from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_filter_fn
 
-from lsvision.layers import GatedRecurrentCache
+from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
 from lsvision.layers.export import refuse_legacy_onnx_export
 
-from ._helpers import GrcModelMixin, grc_layer_kwargs, init_linear_trunc_normal, require_non_grc_keys
+from ._helpers import GrcModelMixin, init_linear_trunc_normal, require_non_grc_keys
 
 __all__ = ['VitGrcAttention', 'VisionTransformerGrc']
 
 
 class VitGrcAttention(Attention):
-    """timm multi-head self-attention with a GRC cache (prefix tokens + patch grid) under `grc`."""
+    """timm multi-head self-attention, run as is, with a GRC cache (prefix tokens + patch grid) under `grc`.
 
-    def __init__(
-            self,
-            dim: int,
-            num_heads: int = 8,
-            qkv_bias: bool = False,
-            attn_drop: float = 0.,
-            proj_drop: float = 0.,
-            cache_hw: Tuple[int, int] = (14, 14),
-            num_prefix_tokens: int = 1,
-            grc_cfg: Optional[Dict[str, Any]] = None,
-            device=None,
-            dtype=None,
-    ):
-        dd = {'device': device, 'dtype': dtype}
-        super().__init__(
-            dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop, **dd)
-        self.grc = GatedRecurrentCache(
-            dim,
-            num_heads,
-            cache_len=num_prefix_tokens + cache_hw[0] * cache_hw[1],
-            cache_hw=cache_hw,
-            num_prefix_tokens=num_prefix_tokens,
-            mem_attn_kwargs=dict(qkv_bias=qkv_bias),
-            **(grc_cfg or {}),
-            **dd,
-        )
+    Made from a built `Attention` by `wrap_attention_with_grc`.
+    """
 
-    def forward_self(
-            self,
-            x: torch.Tensor,
-            attn_mask: Optional[torch.Tensor] = None,
-            is_causal: bool = False,
-    ) -> torch.Tensor:
-        """timm's `Attention.forward`, restated because TorchScript can't call super()."""
-        B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=attn_mask,
-                dropout_p=self.attn_drop.p if self.training else 0.,
-                is_causal=is_causal,
-            )
-        else:
-            q = q * self.scale
-            attn = q @ k.transpose(-2, -1)
-            attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
-            attn = self.attn_drop(attn.softmax(dim=-1))
-            x = attn @ v
-        x = self.norm(x.transpose(1, 2).reshape(B, N, self.attn_dim))
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
+    self_attention = self_attention_of(Attention)
 
     def forward(
             self,
@@ -107,51 +54,28 @@ class VitGrcAttention(Attention):
         """`feat_size` (H, W) of the patch grid; None: a square grid (timm's blocks pass none)."""
         refuse_legacy_onnx_export('VitGrcAttention')  # before timm's self branch, which that exporter cannot trace
         # masks apply to the self branch only; the memory branch attends to every cache slot
-        return self.grc(x, self.forward_self(x, attn_mask, is_causal), feat_size)
+        return self.grc(x, self.self_attention(x, attn_mask, is_causal), feat_size)
 
 
 class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
     """timm Vision Transformer with GRC-Attention in every block."""
 
-    def __init__(
-            self,
-            grc_ratio: float = 0.5,
-            grc_lam_init: float = 0.0,
-            grc_summary_src: str = 'self',
-            grc_eval_update: bool = True,
-            grc_interp_mode: str = 'nearest1d',
-            grc_sync_cache: bool = False,
-            **kwargs: Any,
-    ):
+    def __init__(self, grc_config: Optional[GrcConfig] = None, **kwargs: Any):
         """
         Args:
-            grc_ratio: Caching ratio r (cache width r * dim).
-            grc_lam_init: Initial mixing logit (0.0 paper, -1.0 authors' code).
-            grc_summary_src: Cache update from the self-attention output ('self') or the block input ('input').
-            grc_eval_update: In eval, compute the per-sample update from the frozen cache (not stored).
-            grc_interp_mode: Summary resizing when the token count differs from the cache: 'nearest1d' or '2d'.
-            grc_sync_cache: All-reduce the stored cache update over the process group (DDP).
+            grc_config: The GRC options (`lsvision.layers.GrcConfig`), or the same as `grc_*` keyword arguments
+                (`grc_ratio=0.25`, ...).
             **kwargs: timm `VisionTransformer` arguments (unknown ones raise TypeError there).
         """
+        grc_config = GrcConfig.from_kwargs(grc_config, kwargs)
         super().__init__(**kwargs)
-        dd = {'device': kwargs.get('device'), 'dtype': kwargs.get('dtype')}
-        grc_cfg = grc_layer_kwargs(
-            grc_ratio, grc_lam_init, grc_summary_src, grc_eval_update, grc_interp_mode, grc_sync_cache)
-        grid = tuple(self.patch_embed.grid_size)
         for blk in self.blocks:
-            old = blk.attn
-            blk.attn = VitGrcAttention(
-                old.qkv.in_features,
-                num_heads=old.num_heads,
-                qkv_bias=old.qkv.bias is not None,
-                attn_drop=old.attn_drop.p,
-                proj_drop=old.proj_drop.p,
-                cache_hw=grid,
-                num_prefix_tokens=self.num_prefix_tokens,
-                grc_cfg=grc_cfg,
-                **dd,
-            )
-            blk.attn.apply(init_linear_trunc_normal)
+            attn = blk.attn
+            wrap_attention_with_grc(
+                attn, VitGrcAttention, attn.qkv.in_features, attn.num_heads,
+                cache_hw=tuple(self.patch_embed.grid_size), config=grc_config,
+                num_prefix_tokens=self.num_prefix_tokens, mem_attn_kwargs=dict(qkv_bias=attn.qkv.bias is not None),
+                init_fn=init_linear_trunc_normal)
 
     def forward_features(
             self,
@@ -160,8 +84,9 @@ class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
             is_causal: bool = False,
     ) -> torch.Tensor:
         """timm's `VisionTransformer.forward_features`, with the patch grid passed to every GRC attention, so that
-        non-square grids (`dynamic_img_size=True`) work. The block's two residual steps are timm's `Block.forward`,
-        restated to pass the grid (TorchScript can't call super())."""
+        non-square grids (`dynamic_img_size=True`) work: the PE conv needs the grid, which the token count does not
+        give. timm's `Block.forward` has no argument that could carry it, so its two residual steps are restated
+        here (the one restated piece of timm in the GRC models)."""
         x = self.patch_embed(x)
         if self.dynamic_img_size:
             feat_size = [x.shape[1], x.shape[2]]  # (B, H, W, C) with a dynamic size
