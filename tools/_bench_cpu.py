@@ -4,6 +4,9 @@
   a drift of the machine's speed affects all of them alike.
 * :func:`run_alternating`: each measurement in a fresh process, the models in alternating order over repeats, so that
   no model is measured in a process that an earlier model warmed up (or fragmented).
+* :func:`measure_job`: what runs in each of those processes: one model at one point, one kind of bench
+  (:func:`lsvision.benchmark.benchmark_model`), with ``--reparam`` the plain and the folded model in alternating rounds
+  (:func:`reparam_fields`).
 * :func:`retry_smaller_batch`: a measurement that runs out of memory (CUDA, or a failed CPU allocation) is retried
   with a smaller batch, as timm's ``benchmark.py`` does.
 * :data:`REUSING_ALLOCATOR_ENV` and :func:`reexec_with_reusing_allocator`: glibc malloc settings under which freed
@@ -33,9 +36,8 @@ from lsvision.benchmark import (
     is_out_of_memory,
 )
 from lsvision.flops import count_flops
-from lsvision.measure import TimingResult, run_in_fresh_process, time_forward
+from lsvision.measure import InputSpec, TimingResult, run_in_fresh_process, time_forward
 
-InputSpec = Any  # a shape without the batch dimension, or a tensor with it (see lsvision.measure.time_forward)
 T = TypeVar('T')
 
 REUSING_ALLOCATOR_ENV = {'MALLOC_MMAP_MAX_': '0', 'MALLOC_TRIM_THRESHOLD_': str(1 << 40)}

@@ -280,7 +280,8 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
     for size, batch in points:
         specs = list(all_specs) + [name for name, sizes in (references or {}).items() if size in sizes]
         curves = [parse_curve(spec) for spec in specs]
-        log(f"Point {size or 'native'}x{size or 'native'}, batch {batch}: {', '.join(c.label for c in curves)}")
+        where = f'{size}x{size}' if size else "each model's own size"
+        log(f"Point {where}, batch {batch}: {', '.join(c.label for c in curves)}")
         results: Dict[str, List[List[Dict[str, Any]]]] = {}
         for kind in kinds:
             config = bench_config(args, size, batch, kind)
