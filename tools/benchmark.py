@@ -465,7 +465,8 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
         write_results_file(rows, stem.with_suffix(suffix), settings, device=args.device)
     baselines = sorted({b for _, b in groups if b})
     text = (f"## {suite['title']}\n\nProduced by `{command}`.\n\nMeasured on: {machine_description(args.device)}.\n\n"
-            f'Each model and point in {args.repeats} fresh processes, in alternating order; times are medians of the '
+            f"Each model and point in {args.repeats} fresh process{'es' if args.repeats > 1 else ''}, in alternating "
+            'order; times are medians of the '
             'pooled timed passes, memory the median over the processes (inference: peak of one forward pass; '
             'training: peak resident (CPU) or allocated (CUDA) memory of the steps above the memory once the model, '
             f"input and optimizer exist). Ratios to the baseline ({', '.join(baselines) or 'none'}) at the same "
