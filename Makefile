@@ -37,7 +37,7 @@ demo-hsw: install
 	$(PY) tools/demo_hsw.py
 
 bench-hsw: install
-	$(PY) tools/bench_hsw.py
+	$(PY) tools/benchmark.py --suite hsw
 
 test: lint unit contract
 

@@ -1,24 +1,23 @@
-"""Model benchmarks: parameters, FLOPs, activations, latency, throughput and train-step time; resolution sweeps.
+"""Model benchmarks: parameters, FLOPs, activations, latency, throughput, train-step time and training memory;
+resolution sweeps.
 
 Two kinds of measurement, both written as JSON, CSV or markdown (and a PNG plot for sweeps); ``tools/benchmark.py``
-is the command line.
+is the command line (it also runs each measurement in a fresh process and in alternating order, for comparisons on a
+shared machine).
 
 * :func:`benchmark_model` measures one model at one input size: parameters, FLOPs and activations per image
   (:mod:`lsvision.flops`, which counts attention), the inference latency (warm-up, then repeated timed passes: median,
-  p10-p90 and standard deviation, :func:`lsvision.measure.time_forward`), throughput, peak memory of a forward pass
-  and, optionally, the time of a training step; with a batch size, channels-last, autocast (AMP) and
-  ``torch.compile`` as options, on CPU or CUDA (synchronized after each pass).
+  p10-p90 and standard deviation, :func:`lsvision.measure.time_forward`), throughput and peak memory of a forward
+  pass, and the time and activation memory of a training step (:func:`lsvision.measure.time_train_step`); with a batch
+  size, channels-last, autocast (AMP) and ``torch.compile`` as options, on CPU or CUDA (synchronized after each pass).
 * :func:`resolution_sweep` measures time and peak memory against the input size for several models (curves), for
   instance long-short attention beside full attention, and continues each curve only while it stays within a
   :class:`SweepBudget`. Each point runs in a fresh process, so that its peak memory is its own and a point that runs
   away can be stopped (a time-out, or on CPU an address-space limit that turns an oversized allocation into an
   error). :func:`sweep_exponents` fits the scaling exponent of time and memory against the pixel count (the slope of a
   log-log least-squares line: 1 is linear, 2 quadratic) and :func:`plot_sweep` draws the curves.
-* :func:`grc_matmul_floor` turns a GRC model into the least work any implementation of its GRC layers must do on top of
-  torch's kernels (their matrix products and memory attention, nothing else), the floor of GRC's slowdown.
 """
 
-import copy
 import csv
 import gc
 import io
@@ -26,7 +25,6 @@ import json
 import math
 import os
 import resource
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,33 +34,33 @@ import torch
 import torch.nn as nn
 
 import timm
-from timm.models import reparameterize_model
 
 from lsvision.flops import count_activations, count_flops, parameter_count
-from lsvision.layers.grc import GatedRecurrentCache
 from lsvision.measure import (
-    TimingResult,
     _read_status_kb,
     machine_description,
     machine_info,
-    peak_memory_forward,
     run_in_fresh_process,
     time_forward,
-    time_forward_interleaved,
     time_train_step,
 )
 from lsvision.models import list_models
 
 __all__ = [
     'AMP_DTYPES',
+    'BENCH_KINDS',
     'BenchmarkConfig',
+    'REPORT_FORMATS',
     'SweepBudget',
     'SweepConfig',
     'SweepCurve',
     'benchmark_model',
     'benchmark_table',
+    'compiled',
+    'create_benchmark_model',
     'fit_exponent',
-    'grc_matmul_floor',
+    'input_size_of',
+    'is_out_of_memory',
     'markdown_table',
     'parse_curve',
     'plot_sweep',
@@ -72,16 +70,19 @@ __all__ = [
     'sweep_markdown',
     'write_benchmark_reports',
     'write_json',
+    'write_results_file',
 ]
 
 MIB = 2 ** 20
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 """Autocast dtypes by name, as the command line takes them."""
+BENCH_KINDS = ('inference', 'train', 'both')
+"""What :func:`benchmark_model` times (timm's ``benchmark.py --bench`` names)."""
 
 FULL_ATTENTION = '@full'
+"""Suffix of a model that runs it with full attention in every stage (see :func:`parse_curve`)."""
 TIME_KEYS = {'wall': 'time_per_image_s', 'cpu': 'cpu_time_per_image_s'}
 """The point field holding the time per image of each clock."""
-"""Suffix of a sweep curve that runs a model with full attention in every stage (see :func:`parse_curve`)."""
 
 _FULL_ATTENTION_KWARGS = {
     # ViL-LS: stages 1-2 become the ViL-style full attention with relative-position bias, as stages 3-4 already are
@@ -186,16 +187,16 @@ class BenchmarkConfig:
         device: Device to run on, e.g. ``'cpu'`` or ``'cuda'``.
         amp: Autocast dtype name (``'bfloat16'`` or ``'float16'``); None to run in the model's dtype.
         channels_last: Run model and input in the channels-last memory format.
-        compile: Time the model wrapped in ``torch.compile`` (compilation happens in the warm-up passes).
-        warmup: Warm-up passes before timing.
-        iters: Timed passes (fewer if ``max_time_s`` runs out; at least one always runs).
+        compile: ``torch.compile`` mode to time the model compiled with (``'default'``, ``'reduce-overhead'``,
+            ``'max-autotune'``...; compilation happens in the warm-up passes); None for eager.
+        warmup: Warm-up passes (or steps) before timing.
+        iters: Timed passes (or steps; fewer if ``max_time_s`` runs out; at least one always runs).
         max_time_s: Seconds for warm-up plus timing of one measurement; None for no limit.
         flops: Count FLOPs and activations (one traced forward pass each, on the uncompiled model).
-        memory: Measure the peak memory of one more forward pass.
-        train: Also time training steps (forward, backward, SGD step; :func:`lsvision.measure.time_train_step`).
-        reparam: Also time the model folded for inference (``timm.models.reparameterize_model``): plain and folded
-            passes alternate in the same rounds (:func:`lsvision.measure.time_forward_interleaved`), so their ratio
-            holds on a shared machine.
+        memory: Measure memory: the peak of one more forward pass (inference) and the activation memory of the
+            training steps (train).
+        bench: What to time: ``'inference'`` (forward passes), ``'train'`` (forward, backward, SGD step) or
+            ``'both'``.
     """
 
     img_size: Optional[int] = None
@@ -203,33 +204,41 @@ class BenchmarkConfig:
     device: str = 'cpu'
     amp: Optional[str] = None
     channels_last: bool = False
-    compile: bool = False
+    compile: Optional[str] = None
     warmup: int = 3
     iters: int = 10
     max_time_s: Optional[float] = 30.0
     flops: bool = True
     memory: bool = True
-    train: bool = False
-    reparam: bool = False
+    bench: str = 'inference'
 
     def __post_init__(self) -> None:
         if self.amp is not None and self.amp not in AMP_DTYPES:
             raise ValueError(f'amp must be one of {sorted(AMP_DTYPES)} or None, got {self.amp!r}.')
+        if self.bench not in BENCH_KINDS:
+            raise ValueError(f'bench must be one of {", ".join(BENCH_KINDS)}, got {self.bench!r}.')
         if self.batch_size < 1 or self.iters < 1 or self.warmup < 0:
             raise ValueError('batch_size and iters must be at least 1 and warmup at least 0.')
         if self.img_size is not None and self.img_size < 1:
             raise ValueError(f'img_size must be positive, got {self.img_size}.')
 
 
-def _create_model(name: str, device: str, model_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
+def create_benchmark_model(name: str, device: str, model_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
     """Creates a model without pretrained weights, in eval mode, on ``device``."""
     return timm.create_model(name, pretrained=False, **(model_kwargs or {})).to(device).eval()
 
 
-def _input_size(model: nn.Module, img_size: Optional[int]) -> Tuple[int, int, int]:
+def input_size_of(model: nn.Module, img_size: Optional[int]) -> Tuple[int, int, int]:
     """The (C, H, W) input of a model: its pretrained cfg's, resized to ``img_size`` if given."""
     channels, height, width = model.pretrained_cfg.get('input_size', (3, 224, 224))
     return (channels, height, width) if img_size is None else (channels, img_size, img_size)
+
+
+def compiled(model: nn.Module, mode: Optional[str]) -> nn.Module:
+    """``torch.compile(model)`` in ``mode`` (``'default'`` for torch's default), or the model itself for None."""
+    if mode is None:
+        return model
+    return torch.compile(model, mode=None if mode == 'default' else mode)
 
 
 def benchmark_model(
@@ -237,9 +246,12 @@ def benchmark_model(
         config: Optional[BenchmarkConfig] = None,
         model_kwargs: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
-    """Measures one model: parameters, FLOPs, activations, latency, throughput, peak memory and train-step time.
+    """Measures one model: parameters, FLOPs, activations, inference latency, throughput and peak memory, and the time
+    and activation memory of a training step.
 
-    The model is created without weights (``timm.create_model(name, pretrained=False, **model_kwargs)``).
+    The model is created without weights (``timm.create_model(name, pretrained=False, **model_kwargs)``). Training is
+    timed after inference when both are asked for, in the same process; ``tools/benchmark.py`` runs each in a fresh
+    process instead.
 
     Args:
         name: A timm model name (lsvision registers its models with timm).
@@ -250,12 +262,14 @@ def benchmark_model(
         A JSON-serializable row: ``model``, ``input_size``, ``batch_size``, ``params``, ``gflops`` (multiply-adds per
         image), ``mactivations`` (millions of activations per image), ``latency_ms`` (median time of a pass) with
         ``latency_p10_ms``, ``latency_p90_ms`` and ``latency_std_ms``, ``ms_per_image``, ``images_per_s``,
-        ``peak_mib``, ``train_step_ms`` and ``train_images_per_s`` (None where not measured), the settings, and the
-        raw ``timing`` / ``train_timing``.
+        ``peak_mib``, ``train_step_ms`` (median) with ``train_step_p10_ms`` and ``train_step_p90_ms``,
+        ``train_images_per_s`` and ``train_memory_mib`` (the activation memory of training, see
+        :func:`lsvision.measure.time_train_step`), the settings, and the raw ``timing`` / ``train_timing``; None where
+        not measured.
     """
     config = config or BenchmarkConfig()
-    model = _create_model(name, config.device, model_kwargs)
-    input_size = _input_size(model, config.img_size)
+    model = create_benchmark_model(name, config.device, model_kwargs)
+    input_size = input_size_of(model, config.img_size)
     row: Dict[str, Any] = {
         'model': name,
         'input_size': list(input_size),
@@ -268,6 +282,10 @@ def benchmark_model(
         'gflops': None,
         'mactivations': None,
         'unsupported_ops': {},
+        'latency_ms': None, 'latency_p10_ms': None, 'latency_p90_ms': None, 'latency_std_ms': None,
+        'ms_per_image': None, 'images_per_s': None, 'timed_passes': None, 'peak_mib': None, 'timing': None,
+        'train_step_ms': None, 'train_step_p10_ms': None, 'train_step_p90_ms': None, 'train_images_per_s': None,
+        'train_memory_mib': None, 'train_timing': None,
     }
     if config.flops:
         flops = count_flops(model, input_size, warn_unsupported=False)
@@ -275,73 +293,40 @@ def benchmark_model(
         row['unsupported_ops'] = flops.unsupported
         row['mactivations'] = count_activations(model, input_size) / 1e6
     amp_dtype = AMP_DTYPES.get(config.amp) if config.amp else None
-    runner = torch.compile(model) if config.compile else model
-    if config.reparam:
-        timing = _time_with_reparam(model, runner, input_size, config, amp_dtype, row)
-    else:
-        timing = time_forward(
-            runner, input_size, batch_size=config.batch_size, warmup=config.warmup, iters=config.iters,
-            max_time_s=config.max_time_s, amp_dtype=amp_dtype, channels_last=config.channels_last,
-            measure_memory=config.memory)
-    row.update(
-        latency_ms=timing.median_s * 1e3,
-        latency_p10_ms=timing.p10_s * 1e3,
-        latency_p90_ms=timing.p90_s * 1e3,
-        latency_std_ms=timing.std_s * 1e3,
-        ms_per_image=timing.per_image_s * 1e3,
-        images_per_s=timing.images_per_s,
-        timed_passes=timing.iters,
-        peak_mib=None if timing.peak_bytes is None else timing.peak_bytes / MIB,
-        train_step_ms=None,
-        train_images_per_s=None,
-        timing=timing.to_dict(),
-        train_timing=None,
-    )
-    if config.train:
-        train = time_train_step(
-            runner, input_size, batch_size=config.batch_size, warmup=config.warmup, iters=config.iters,
-            max_time_s=config.max_time_s, amp_dtype=amp_dtype, channels_last=config.channels_last)
+    runner = compiled(model, config.compile)
+    timing_args = dict(batch_size=config.batch_size, warmup=config.warmup, iters=config.iters,
+                       max_time_s=config.max_time_s, amp_dtype=amp_dtype, channels_last=config.channels_last,
+                       measure_memory=config.memory)
+    if config.bench in ('inference', 'both'):
+        timing = time_forward(runner, input_size, **timing_args)
         row.update(
-            train_step_ms=train.median_s * 1e3, train_images_per_s=train.images_per_s, train_timing=train.to_dict())
+            latency_ms=timing.median_s * 1e3,
+            latency_p10_ms=timing.p10_s * 1e3,
+            latency_p90_ms=timing.p90_s * 1e3,
+            latency_std_ms=timing.std_s * 1e3,
+            ms_per_image=timing.per_image_s * 1e3,
+            images_per_s=timing.images_per_s,
+            timed_passes=timing.iters,
+            peak_mib=None if timing.peak_bytes is None else timing.peak_bytes / MIB,
+            timing=timing.to_dict(),
+        )
+    if config.bench in ('train', 'both'):
+        train = time_train_step(runner, input_size, **timing_args)
+        row.update(
+            train_step_ms=train.median_s * 1e3,
+            train_step_p10_ms=train.p10_s * 1e3,
+            train_step_p90_ms=train.p90_s * 1e3,
+            train_images_per_s=train.images_per_s,
+            train_memory_mib=None if train.peak_bytes is None else train.peak_bytes / MIB,
+            train_timing=train.to_dict(),
+        )
     del model, runner
     gc.collect()
     return row
 
 
-def _time_with_reparam(
-        model: nn.Module,
-        runner: nn.Module,
-        input_size: Tuple[int, int, int],
-        config: BenchmarkConfig,
-        amp_dtype: Optional[torch.dtype],
-        row: Dict[str, Any],
-) -> TimingResult:
-    """Times `runner` (the plain model) and its `reparameterize_model` copy in alternating rounds; fills the
-    `reparam_*` fields of `row` and returns the plain model's timing (with its peak memory if asked for)."""
-    folded = reparameterize_model(model)
-    if config.flops:
-        row['reparam_gflops'] = count_flops(folded, input_size, warn_unsupported=False).gflops
-    folded_runner = torch.compile(folded) if config.compile else folded
-    x = torch.randn(config.batch_size, *input_size, device=config.device, dtype=next(model.parameters()).dtype)
-    if config.channels_last:
-        for m in (model, folded):
-            m.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
-    timing, folded_timing = time_forward_interleaved(
-        [runner, folded_runner], x, warmup=config.warmup, iters=config.iters, max_time_s=config.max_time_s,
-        amp_dtype=amp_dtype)
-    if config.memory:
-        timing.peak_bytes = peak_memory_forward(runner, x, warmup=0, amp_dtype=amp_dtype)
-    row.update(
-        reparam_latency_ms=folded_timing.median_s * 1e3,
-        reparam_latency_p10_ms=folded_timing.p10_s * 1e3,
-        reparam_latency_p90_ms=folded_timing.p90_s * 1e3,
-        reparam_images_per_s=folded_timing.images_per_s,
-        # median over rounds of the per-round ratio: both passes of a round met the same load
-        reparam_ratio=statistics.median(f / p for f, p in zip(folded_timing.times_s, timing.times_s)),
-        reparam_timing=folded_timing.to_dict(),
-    )
-    return timing
+def _ratio(v: float) -> str:
+    return f'{v:.2f}x'
 
 
 _TABLE_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
@@ -353,44 +338,92 @@ _TABLE_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
     ('MActs/img', 'mactivations', lambda v: f'{v:.1f}'),
     ('latency ms (p10-p90)', 'latency_ms', None),  # filled in by benchmark_table
     ('img/s', 'images_per_s', lambda v: f'{v:.1f}'),
-    ('peak MiB', 'peak_mib', lambda v: f'{v:.0f}'),
-    ('train step ms', 'train_step_ms', lambda v: f'{v:.1f}'),
-]
-# shown when any row timed the model folded for inference (`BenchmarkConfig.reparam`)
-_REPARAM_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
     ('reparam ms (p10-p90)', 'reparam_latency_ms', None),
     ('reparam / plain', 'reparam_ratio', lambda v: f'{v:.3f}'),
+    ('peak MiB', 'peak_mib', lambda v: f'{v:.0f}'),
+    ('latency / baseline', 'latency_ratio', _ratio),
+    ('peak / baseline', 'peak_ratio', _ratio),
+    ('train step ms (p10-p90)', 'train_step_ms', None),
+    ('train img/s', 'train_images_per_s', lambda v: f'{v:.1f}'),
+    ('train act. MiB', 'train_memory_mib', lambda v: f'{v:.0f}'),
+    ('train time / baseline', 'train_step_ratio', _ratio),
+    ('train mem. / baseline', 'train_memory_ratio', _ratio),
 ]
+_SPREAD_KEYS = {'latency_ms': 'latency', 'reparam_latency_ms': 'reparam_latency', 'train_step_ms': 'train_step'}
+_ALWAYS_SHOWN = 3  # model, input, batch
 
 
 def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
-    """Renders :func:`benchmark_model` rows as a markdown table ('-' where a number was not measured)."""
-    columns = list(_TABLE_COLUMNS)
-    if any(r.get('reparam_latency_ms') is not None for r in rows):
-        at = next(i for i, c in enumerate(columns) if c[1] == 'images_per_s') + 1
-        columns[at:at] = _REPARAM_COLUMNS
+    """Renders :func:`benchmark_model` rows as a markdown table ('-' where a number was not measured); a column that
+    no row measured (e.g. training in an inference benchmark, or the ratios without a baseline) is left out."""
+    columns = [c for i, c in enumerate(_TABLE_COLUMNS)
+               if i < _ALWAYS_SHOWN or any(r.get(c[1]) is not None for r in rows)]
     table = []
     for r in rows:
         cells = []
         for _, key, fmt in columns:
-            if key in ('latency_ms', 'reparam_latency_ms') and r.get(key) is not None:
-                p = key[:-3]
+            if key == 'model':  # a label such as 'vil_ls_medium (full attention)' says more than the timm name
+                cells.append(str(r.get('label') or r['model']))
+            elif r.get(key) is None:
+                cells.append('-')
+            elif key in _SPREAD_KEYS:
+                p = _SPREAD_KEYS[key]
                 cells.append(f"{r[key]:.1f} ({r[p + '_p10_ms']:.1f}-{r[p + '_p90_ms']:.1f})")
             else:
-                cells.append('-' if r.get(key) is None else fmt(r[key]))
+                cells.append(fmt(r[key]))
         table.append(cells)
     return markdown_table([c[0] for c in columns], table, left_columns=2)
 
 
 def _csv_text(rows: Sequence[Dict[str, Any]]) -> str:
     """The scalar fields of the rows as CSV (nested fields such as raw timings stay in the JSON)."""
-    keys = [k for k, v in rows[0].items() if not isinstance(v, (dict, list)) or k == 'input_size'] if rows else []
+    keys = list(dict.fromkeys(k for r in rows for k, v in r.items()
+                              if not isinstance(v, (dict, list)) or k == 'input_size'))
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator='\n')
     writer.writerow(keys)
     for r in rows:
-        writer.writerow(['x'.join(map(str, r[k])) if isinstance(r[k], list) else r[k] for k in keys])
+        writer.writerow(['x'.join(map(str, r[k])) if isinstance(r.get(k), list) else r.get(k) for k in keys])
     return buf.getvalue()
+
+
+REPORT_FORMATS = ('json', 'csv', 'md')
+"""The formats of benchmark reports, by file suffix."""
+
+
+def write_results_file(
+        rows: Sequence[Dict[str, Any]],
+        path: Path,
+        settings: Dict[str, Any],
+        device: str = 'cpu',
+) -> Path:
+    """Writes :func:`benchmark_model` rows to one file (atomically), in the format its suffix names.
+
+    Args:
+        rows: The measured rows.
+        path: ``*.json`` (rows, settings and the machine), ``*.csv`` (the scalar fields of the rows) or ``*.md`` (the
+            machine, the settings and :func:`benchmark_table`).
+        settings: The settings to record beside the rows (JSON and markdown).
+        device: The device measured on, for the machine description.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: If the suffix is not one of :data:`REPORT_FORMATS`.
+    """
+    path = Path(path)
+    fmt = path.suffix.lstrip('.').lower()
+    if fmt not in REPORT_FORMATS:
+        raise ValueError(f'{path}: a results file must end in .json, .csv or .md (the format it is written in).')
+    machine = machine_description(device)
+    if fmt == 'json':
+        return write_json(path, {
+            'machine': machine, 'machine_info': machine_info(device), 'settings': settings, 'rows': list(rows)})
+    if fmt == 'csv':
+        return _write_text(path, _csv_text(rows))
+    return _write_text(path, f'## Benchmark\n\nMeasured on: {machine}\n\nSettings: '
+                       + ', '.join(f'{k} {v}' for k, v in settings.items()) + '\n\n' + benchmark_table(rows) + '\n')
 
 
 def write_benchmark_reports(
@@ -398,9 +431,10 @@ def write_benchmark_reports(
         out_dir: Path,
         settings: Dict[str, Any],
         device: str = 'cpu',
-        formats: Sequence[str] = ('json', 'csv', 'md'),
+        formats: Sequence[str] = REPORT_FORMATS,
 ) -> Dict[str, Path]:
-    """Writes :func:`benchmark_model` rows as ``results.json``, ``results.csv`` and ``results.md`` in ``out_dir``.
+    """Writes :func:`benchmark_model` rows as ``results.json``, ``results.csv`` and ``results.md`` in ``out_dir``
+    (:func:`write_results_file`).
 
     Args:
         rows: The measured rows.
@@ -412,22 +446,10 @@ def write_benchmark_reports(
     Returns:
         The written paths by format.
     """
-    unknown = set(formats) - {'json', 'csv', 'md'}
+    unknown = set(formats) - set(REPORT_FORMATS)
     if unknown:
         raise ValueError(f'unknown report formats {sorted(unknown)}; choose from json, csv, md.')
-    out_dir = Path(out_dir)
-    machine = machine_description(device)
-    paths: Dict[str, Path] = {}
-    if 'json' in formats:
-        paths['json'] = write_json(out_dir / 'results.json', {
-            'machine': machine, 'machine_info': machine_info(device), 'settings': settings, 'rows': list(rows)})
-    if 'csv' in formats:
-        paths['csv'] = _write_text(out_dir / 'results.csv', _csv_text(rows))
-    if 'md' in formats:
-        text = (f'## Benchmark\n\nMeasured on: {machine}\n\nSettings: '
-                + ', '.join(f'{k} {v}' for k, v in settings.items()) + '\n\n' + benchmark_table(rows) + '\n')
-        paths['md'] = _write_text(out_dir / 'results.md', text)
-    return paths
+    return {fmt: write_results_file(rows, Path(out_dir) / f'results.{fmt}', settings, device) for fmt in formats}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -545,8 +567,8 @@ def _limit_address_space(extra_mib: float) -> bool:
     return True
 
 
-def _is_out_of_memory(error: BaseException) -> bool:
-    """Whether an error is a failed allocation (CPU or CUDA)."""
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether an error is a failed allocation (CPU or CUDA), or says so (a message passed on from another process)."""
     text = str(error).lower()
     return isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or 'out of memory' in text \
         or "can't allocate memory" in text
@@ -563,7 +585,7 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
         'time_per_image_s': None, 'cpu_time_per_image_s': None, 'peak_mib': None, 'gflops': None, 'exceeded': [],
         'error': None,
     }
-    model = _create_model(job['model'], config.device, job['model_kwargs'])
+    model = create_benchmark_model(job['model'], config.device, job['model_kwargs'])
     if config.memory_limit_mib is not None and config.device == 'cpu':
         _limit_address_space(config.memory_limit_mib)
     input_size = (3, size, size)
@@ -572,7 +594,7 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
             model, input_size, warmup=config.warmup, iters=config.iters, max_time_s=config.point_time_s,
             measure_memory=True)
     except (RuntimeError, MemoryError) as e:
-        if not _is_out_of_memory(e):
+        if not is_out_of_memory(e):
             raise
         point.update(status='out_of_memory', error=str(e).splitlines()[0][:300])
         point['exceeded'] = [f'allocation failed (memory limit {config.memory_limit_mib} MiB)']
@@ -829,66 +851,3 @@ def plot_sweep(result: Dict[str, Any], path: Path, title: Optional[str] = None) 
     plt.close(fig)
     os.replace(tmp, path)
     return path
-
-
-class GrcMatmulFloor(nn.Module):
-    """Stands in for a `GatedRecurrentCache` in eval: its matrix products, and optionally its memory attention, at the
-    shapes of an eval forward, and nothing else.
-
-    Kept from the reparameterized layer's eval forward (`grc_matmul_floor` reparameterizes it): the summary halves of
-    the three gates as one matmul (their cache halves act on the frozen cache and are stored), the candidate's matmul
-    on the reset cache, the memory branch's q and kv projections (after its spatial reduction, if any), its attention
-    (`attention=True`, through the layer's own `attend`: same kernel and bias) and its output projection. Left out:
-    the gate nonlinearities, LayerNorm, interpolation, the PE conv and the mixing (the projected memory output is
-    added to the self-attention output).
-    The result is wrong on purpose; its time is the least that an implementation of the layer on top of these
-    kernels can take.
-    """
-
-    def __init__(self, grc: GatedRecurrentCache, attention: bool = True):
-        super().__init__()
-        self.grc = grc
-        self.attention = attention
-
-    def forward(self, x: torch.Tensor, o_self: torch.Tensor, feat_size: Optional[List[int]] = None) -> torch.Tensor:
-        grc, mem = self.grc, self.grc.mem_attn
-        B, T, _ = x.shape
-        dm = grc.cache_dim
-        if T != grc.cache_len:
-            raise ValueError(f'the GRC floor runs at the token count of the cache ({grc.cache_len}), got {T} tokens: '
-                             'time it at the default input size of the model')
-        summary = o_self[..., :dm]
-        # the fused gate weights and the candidate's cache half, as the reparameterized layer stores them
-        assert grc.gate_weight is not None and grc.candidate_cache_weight is not None
-        gates = torch.mm(summary.reshape(-1, dm), grc.gate_weight.t())  # (B * T_m, 3 D_m)
-        cand = torch.mm(gates[:, :dm], grc.candidate_cache_weight.t()).view(B, -1, dm)
-        q = mem.q(x[..., :dm].reshape(B * T, dm)).reshape(B, T, mem.num_heads, mem.head_dim).transpose(1, 2)
-        kv = mem.kv(mem._reduce(cand))
-        if self.attention:
-            kv = kv.reshape(B, -1, 2, mem.num_heads, mem.head_dim).permute(2, 0, 3, 1, 4)
-            bias = None
-            if mem.rel_pos_bias is not None:
-                bias = mem.rel_pos_bias.to(q.dtype)
-            q = mem.attend(q, kv[0], kv[1], bias)
-        o_mem = mem.proj(q.transpose(1, 2).reshape(B, T, dm))
-        out = o_self.clone()
-        out[..., :dm] += o_mem
-        return out
-
-
-def grc_matmul_floor(model: nn.Module, attention: bool = True) -> nn.Module:
-    """A copy of a GRC model whose GRC layers do only their matrix products (and memory attention): see
-    :class:`GrcMatmulFloor`. Timed beside the base model, it gives the smallest slowdown that GRC can reach with
-    torch's matmul and attention kernels at its FLOPs. Raises ValueError if the model has no GRC layer."""
-    floor = copy.deepcopy(model)
-    replaced = 0
-    for parent in list(floor.modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, GatedRecurrentCache):
-                child.reparameterize()  # the terms of the frozen cache once, as timm.models.reparameterize_model
-                child.mem_attn.reparameterize()
-                setattr(parent, child_name, GrcMatmulFloor(child, attention))
-                replaced += 1
-    if not replaced:
-        raise ValueError(f'{type(model).__name__} has no GatedRecurrentCache layer to reduce')
-    return floor.eval()

@@ -2,10 +2,11 @@
 
 :func:`time_forward` times a model's inference forward pass (eval mode, ``torch.inference_mode``) after warm-up and
 returns a :class:`TimingResult` with robust statistics; with ``measure_memory=True`` it also measures the peak memory
-of one forward pass with :func:`peak_memory_forward`. :func:`time_forward_interleaved` times several models in
-alternating rounds, so that a load change on a shared machine biases none of them. :func:`time_train_step` times a
-training step (forward, backward, optimizer step). :func:`machine_description` says where a measurement was taken,
-and under what load.
+of one forward pass with :func:`peak_memory_forward`. :func:`time_train_step` times a training step (forward,
+backward, optimizer step) and, with ``measure_memory=True``, its activation memory. :func:`run_in_fresh_process` runs
+a measurement in a fresh process, so that nothing measured before disturbs it. :func:`machine_description` says where
+a measurement was taken, and under what load. Machinery for a noisy shared CPU (passes of several models in
+alternating rounds, glibc allocator settings) belongs to the benchmark tool (``tools/_bench_cpu.py``), not here.
 
 Peak memory is measured for real, not estimated:
 
@@ -33,7 +34,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,15 +46,9 @@ __all__ = [
     'TimingResult',
     'machine_description',
     'machine_info',
-    'load_average',
     'peak_memory_forward',
-    'REUSING_ALLOCATOR_ENV',
-    'allocator_reuses_memory',
-    'reexec_with_reusing_allocator',
     'run_in_fresh_process',
     'time_forward',
-    'time_forward_interleaved',
-    'time_forward_isolated',
     'time_train_step',
 ]
 
@@ -63,13 +57,6 @@ InputSpec = Union[Sequence[int], torch.Tensor]
 
 _PROC_STATUS = '/proc/self/status'
 
-REUSING_ALLOCATOR_ENV = {'MALLOC_MMAP_MAX_': '0', 'MALLOC_TRIM_THRESHOLD_': str(1 << 40)}
-"""glibc malloc settings under which freed memory is kept and reused: no block is mmapped (and so returned to the
-system on free, to be page-faulted and zeroed again by the next call) and the heap is never trimmed. glibc mmaps
-every block above 32 MiB, so by default a step whose tensors exceed that size pays for fresh pages on every call,
-and time grows faster than the work from one size to the next (measured: 1D long-short layer fwd+bwd 31x from 4k to
-64k tokens with glibc's defaults, 16x, exactly linear, with these). Caching allocators (PyTorch's on CUDA) reuse
-memory the same way. Peak resident memory then includes freed blocks the heap keeps (fragmentation)."""
 _PROC_STATM = '/proc/self/statm'
 _PROC_CLEAR_REFS = '/proc/self/clear_refs'
 
@@ -91,7 +78,8 @@ class TimingResult:
         max_s: Slowest pass.
         p10_s: 10th percentile (linear interpolation between passes).
         p90_s: 90th percentile.
-        peak_bytes: Peak memory of one forward pass in bytes (see :func:`peak_memory_forward`), or None if it was not
+        peak_bytes: Peak memory of one forward pass in bytes (see :func:`peak_memory_forward`; from
+            :func:`time_train_step`: the training activation memory), or None if it was not
             measured.
         cpu_times_s: The CPU time of this process during each timed pass (``time.process_time``: all its threads),
             in the order run; empty where not recorded. Unlike wall-clock time it hardly changes when other processes
@@ -313,78 +301,6 @@ def time_forward(
     return result
 
 
-def _abba_order(count: int, round_index: int) -> List[int]:
-    """Indices of `count` models in round `round_index`: in order in even rounds, reversed in odd ones (ABBA), so
-    that a steady drift of the machine's speed affects all models alike."""
-    indices = list(range(count))
-    return indices if round_index % 2 == 0 else indices[::-1]
-
-
-def time_forward_interleaved(
-        models: Sequence[nn.Module],
-        inputs: InputSpec = (3, 224, 224),
-        batch_size: int = 1,
-        warmup: int = 3,
-        iters: int = 10,
-        max_time_s: Optional[float] = None,
-        amp_dtype: Optional[torch.dtype] = None,
-) -> List[TimingResult]:
-    """Times several models' forward passes in alternating rounds, for comparisons on a shared machine.
-
-    Timed one after the other, models are compared under whatever load each happened to meet: a load change halfway
-    biases the ratio. Here each round runs one pass of every model, in the given order in even rounds and in reverse
-    in odd rounds (ABBA), so that a steady drift affects all alike; warm-up rounds are interleaved the same way. Each
-    pass is one :func:`time_forward` pass (eval mode, ``torch.inference_mode``, a fresh random input of the same
-    shape per model). Interleaving does not help against thread oversubscription (as many torch threads as cores
-    while another process keeps them busy), which penalizes the model with more ops.
-
-    Args:
-        models: The models, each on the device to time it on.
-        inputs: The input shape without the batch dimension, or a tensor with it (shared by all models).
-        batch_size: Batch size of generated inputs.
-        warmup: Warm-up rounds, not timed.
-        iters: Timed rounds.
-        max_time_s: Budget in seconds for warm-up plus timing of all models together: warm-up stops once it has
-            taken a quarter of it and timing once it is spent (checked after each round); one warm-up round (if
-            ``warmup > 0``) and one timed round always run. None for no budget.
-        amp_dtype: Run under ``torch.autocast`` with this dtype; None for each model's dtype.
-
-    Returns:
-        One :class:`TimingResult` per model, in the order given; ``times_s[i]`` of every model is from round ``i``.
-    """
-    if iters < 1:
-        raise ValueError(f'iters must be at least 1, got {iters}.')
-    if not models:
-        raise ValueError('time_forward_interleaved needs at least one model.')
-    start = time.perf_counter()
-
-    def spent(fraction: float = 1.0) -> bool:
-        return max_time_s is not None and time.perf_counter() - start >= fraction * max_time_s
-
-    def one_pass(model: nn.Module) -> TimingResult:
-        return time_forward(model, inputs, batch_size=batch_size, warmup=0, iters=1, amp_dtype=amp_dtype)
-
-    done_warmup = 0
-    while done_warmup < warmup and not (done_warmup > 0 and spent(0.25)):
-        for i in _abba_order(len(models), done_warmup):
-            one_pass(models[i])
-        done_warmup += 1
-    passes: List[List[TimingResult]] = [[] for _ in models]
-    rounds = 0
-    while True:
-        for i in _abba_order(len(models), rounds):
-            passes[i].append(one_pass(models[i]))
-        rounds += 1
-        if rounds >= iters or spent():
-            break
-    return [
-        TimingResult(
-            times_s=[p.times_s[0] for p in model_passes], batch_size=model_passes[0].batch_size, warmup=done_warmup,
-            device=model_passes[0].device, cpu_times_s=[p.cpu_times_s[0] for p in model_passes])
-        for model_passes in passes
-    ]
-
-
 def _fresh_process_main(fn: Callable[[Dict[str, Any]], Any], job: Dict[str, Any], conn: Any) -> None:
     """Child side of :func:`run_in_fresh_process`: sends back ('ok', fn(job)) or ('error', message)."""
     try:
@@ -436,80 +352,6 @@ def run_in_fresh_process(
     return kind, payload
 
 
-def _isolated_timing(job: Dict[str, Any]) -> Dict[str, Any]:
-    """Child job of :func:`time_forward_isolated`: creates one model, times it, returns its timing dict."""
-    import timm
-
-    import lsvision  # noqa: F401  (registers the lsvision models in the fresh process)
-    if job['threads']:
-        torch.set_num_threads(job['threads'])
-    model = timm.create_model(job['name'], **job['model_kwargs']).to(job['device']).eval()
-    timing = time_forward(model, tuple(job['input_size']), batch_size=job['batch_size'], warmup=job['warmup'],
-                          iters=job['iters'], max_time_s=job['max_time_s'])
-    return {'times_s': timing.times_s, 'cpu_times_s': timing.cpu_times_s, 'warmup': timing.warmup,
-            'device': timing.device}
-
-
-def time_forward_isolated(
-        model_names: Sequence[str],
-        input_size: Sequence[int] = (3, 224, 224),
-        batch_size: int = 1,
-        rounds: int = 3,
-        warmup: int = 5,
-        iters: int = 10,
-        max_time_s: Optional[float] = None,
-        threads: Optional[int] = None,
-        device: str = 'cpu',
-        model_kwargs: Optional[Dict[str, Any]] = None,
-        timeout_s: float = 900.0,
-) -> List[TimingResult]:
-    """Times timm models (lsvision's included) each in a fresh process, in rounds of alternating order.
-
-    In one process, models timed in turn disturb each other beyond the load: one model's freed buffers change glibc's
-    mmap threshold and so which of the next model's tensors are page-faulted afresh on every pass (pvt_v2_b2 ran 24
-    GFLOP/s alone against 34-37 between other models). Here each model runs as a user runs it, alone in its own
-    process: created, warmed up, then timed. Each round starts one process per model, in the given order in even
-    rounds and reversed in odd rounds (ABBA), so that a drift of the machine's speed affects all alike; the result of
-    a model holds its timed passes of all rounds.
-
-    Args:
-        model_names: timm model names.
-        input_size: Input shape without the batch dimension.
-        batch_size: Images per forward pass.
-        rounds: Processes per model.
-        warmup: Warm-up passes per process, not timed.
-        iters: Timed passes per process.
-        max_time_s: Budget per process for its warm-up plus timing (see :func:`time_forward`); None for none.
-        threads: torch threads in each process (None: torch's default).
-        device: Device of the models.
-        model_kwargs: Keyword arguments of every `timm.create_model` call.
-        timeout_s: A process that gives no result in this many seconds is stopped and raises RuntimeError.
-
-    Returns:
-        One :class:`TimingResult` per model, in the order given.
-    """
-    if rounds < 1 or iters < 1:
-        raise ValueError(f'rounds and iters must be at least 1, got {rounds} and {iters}.')
-    if not model_names:
-        raise ValueError('time_forward_isolated needs at least one model.')
-    collected: List[List[Dict[str, Any]]] = [[] for _ in model_names]
-    for r in range(rounds):
-        for i in _abba_order(len(model_names), r):
-            job = {'name': model_names[i], 'input_size': list(input_size), 'batch_size': batch_size,
-                   'warmup': warmup, 'iters': iters, 'max_time_s': max_time_s, 'threads': threads, 'device': device,
-                   'model_kwargs': dict(model_kwargs or {})}
-            kind, payload = run_in_fresh_process(_isolated_timing, job, timeout_s)
-            if kind != 'ok':
-                raise RuntimeError(f'timing {model_names[i]} in its own process failed: {payload}')
-            collected[i].append(payload)
-    return [
-        TimingResult(
-            times_s=[t for run in runs for t in run['times_s']], batch_size=batch_size, warmup=runs[0]['warmup'],
-            device=runs[0]['device'], cpu_times_s=[t for run in runs for t in run['cpu_times_s']])
-        for runs in collected
-    ]
-
-
 def time_train_step(
         model: nn.Module,
         inputs: InputSpec = (3, 224, 224),
@@ -520,6 +362,7 @@ def time_train_step(
         max_time_s: Optional[float] = None,
         amp_dtype: Optional[torch.dtype] = None,
         channels_last: bool = False,
+        measure_memory: bool = False,
 ) -> TimingResult:
     """Times a training step: forward in train mode, backward of a scalar loss, and an optimizer step.
 
@@ -540,6 +383,10 @@ def time_train_step(
         max_time_s: Budget in seconds for warm-up plus timing together (see :func:`time_forward`).
         amp_dtype: Run the forward pass under ``torch.autocast`` with this dtype; None for the model's dtype.
         channels_last: Convert the model (in place) and a 4D input to the channels-last memory format.
+        measure_memory: Also measure the training activation memory, stored in :attr:`TimingResult.peak_bytes`: the
+            peak memory of all warm-up and timed steps above the memory in use once the model, the input and the
+            optimizer exist (CPU: resident memory, CUDA: allocated; the module docstring describes how). It holds
+            the activations kept for backward, the gradients and the optimizer's workspace.
 
     Returns:
         The timing result (times per training step).
@@ -559,15 +406,19 @@ def time_train_step(
         optimizer.zero_grad(set_to_none=True)
         _sync(device)
 
+    def loop() -> Tuple[List[float], List[float], int]:
+        return _timed_loop(step, warmup, iters, min_time_s, max_time_s)
+
     modes = [(m, m.training) for m in model.modules()]
     model.train()
     try:
-        times, cpu_times, done_warmup = _timed_loop(step, warmup, iters, min_time_s, max_time_s)
+        peak, (times, cpu_times, done_warmup) = _peak_and_result(loop, device) if measure_memory else (None, loop())
     finally:
         for module, mode in modes:
             module.training = mode
     return TimingResult(
-        times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device), cpu_times_s=cpu_times)
+        times_s=times, batch_size=x.shape[0], warmup=done_warmup, device=str(device), cpu_times_s=cpu_times,
+        peak_bytes=peak)
 
 
 def peak_memory_forward(
@@ -603,23 +454,27 @@ def peak_memory_forward(
     with _inference(model, device, amp_dtype):
         for _ in range(warmup):
             step()
-        if device.type == 'cuda':
-            return _peak_cuda(step, device)
-        if device.type == 'cpu':
-            return _peak_cpu(step)
-    return None
+        return _peak_and_result(step, device)[0]
 
 
-def _peak_cuda(step: Callable[[], Any], device: torch.device) -> int:
-    """Peak CUDA memory allocated by ``step`` above what was allocated before it."""
+def _peak_and_result(step: Callable[[], Any], device: torch.device) -> Tuple[Optional[int], Any]:
+    """Runs ``step`` once; returns the peak memory it needed above the memory in use before it (None where it cannot
+    be measured: see :func:`peak_memory_forward`) and its result."""
+    if device.type == 'cuda':
+        return _peak_cuda(step, device)
+    if device.type == 'cpu':
+        return _peak_cpu(step)
+    return None, step()
+
+
+def _peak_cuda(step: Callable[[], Any], device: torch.device) -> Tuple[int, Any]:
+    """Peak CUDA memory allocated by ``step`` above what was allocated before it, and the result of ``step``."""
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
     out = step()
-    peak = torch.cuda.max_memory_allocated(device)
-    del out
-    return max(0, peak - baseline)
+    return max(0, torch.cuda.max_memory_allocated(device) - baseline), out
 
 
 def _read_status_kb(key: str) -> Optional[int]:
@@ -702,8 +557,9 @@ class _RssSampler:
         self.peak = max(self.peak, self.read())
 
 
-def _peak_cpu(step: Callable[[], Any], reset_peak: bool = True) -> Optional[int]:
-    """Peak resident memory of the process while ``step`` runs, above the RSS just before it.
+def _peak_cpu(step: Callable[[], Any], reset_peak: bool = True) -> Tuple[Optional[int], Any]:
+    """Peak resident memory of the process while ``step`` runs, above the RSS just before it, and the result of
+    ``step``; the peak is None where the RSS cannot be read.
 
     Uses the kernel's peak RSS if it can be reset (and ``reset_peak`` is True), else samples the RSS in a thread.
     """
@@ -712,17 +568,16 @@ def _peak_cpu(step: Callable[[], Any], reset_peak: bool = True) -> Optional[int]
         baseline_kb = _read_status_kb('VmRSS')
         out = step()
         peak_kb = _read_status_kb('VmHWM')
-        del out
         if baseline_kb is not None and peak_kb is not None:
-            return max(0, peak_kb - baseline_kb) * 1024
+            return max(0, peak_kb - baseline_kb) * 1024, out
+        del out
     read = _rss_reader()
     if read is None:
-        return None
+        return None, step()
     baseline = read()
     with _RssSampler(read) as sampler:
         out = step()
-    del out
-    return max(0, sampler.peak - baseline)
+    return max(0, sampler.peak - baseline), out
 
 
 def _cpu_model() -> str:
@@ -744,7 +599,7 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def load_average() -> Optional[Tuple[float, float, float]]:
+def _load_average() -> Optional[Tuple[float, float, float]]:
     """Returns the system load average over 1, 5 and 15 minutes (as ``uptime`` prints it), or None where unknown.
 
     On a shared machine it says how much other work competed with a measurement.
@@ -774,7 +629,7 @@ def machine_info(device: Optional[Union[str, torch.device]] = None) -> Dict[str,
         'torch': torch.__version__,
         'python': platform.python_version(),
         'platform': f'{platform.system()} {platform.machine()}',
-        'load_average': load_average(),
+        'load_average': _load_average(),
     }
     device = torch.device(device) if device is not None else torch.device('cpu')
     if device.type == 'cuda' and torch.cuda.is_available():
@@ -805,21 +660,3 @@ def machine_description(device: Optional[Union[str, torch.device]] = None) -> st
     if 'gpu' in info:
         text = f"{info['gpu']} ({info['gpu_memory_gib']} GiB, CUDA {info['cuda']}); host: {text}"
     return text
-
-
-def allocator_reuses_memory() -> bool:
-    """True if this process runs with `REUSING_ALLOCATOR_ENV` (glibc reads it at start-up)."""
-    return all(os.environ.get(k) == v for k, v in REUSING_ALLOCATOR_ENV.items())
-
-
-def reexec_with_reusing_allocator() -> None:
-    """Restart the running script (same interpreter and `sys.argv`) with `REUSING_ALLOCATOR_ENV`, unless it has it.
-
-    For command lines only: it replaces the process. glibc reads these settings at start-up, so they cannot be
-    switched on later in a running process.
-    """
-    if allocator_reuses_memory():
-        return
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **REUSING_ALLOCATOR_ENV})

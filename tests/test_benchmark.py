@@ -1,4 +1,5 @@
-"""Tests for lsvision.benchmark and tools/benchmark.py: reports, sweeps with budgets, exponent fits, curve specs.
+"""Tests for lsvision.benchmark and tools/benchmark.py: one model, reports, sweeps with budgets, exponent fits, curve
+specs.
 
 Everything runs a real model (cvt_ls_13) at tiny inputs with one thread; timings are only checked for consistency
 (positive, throughput = batch / latency), never against values, since the machine is shared.
@@ -14,8 +15,10 @@ import pytest
 from test_bench_tools import load_tool
 
 from lsvision.benchmark import (
+    BenchmarkConfig,
     SweepBudget,
     SweepConfig,
+    benchmark_model,
     fit_exponent,
     markdown_table,
     parse_curve,
@@ -31,17 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CVT_LS_13_PARAMS = 20_185_464  # specs/long_short.md §5
 
 
-def test_benchmark_tool_run(tmp_path):
-    out = tmp_path / 'bench'
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'benchmark.py'), 'run', '--models', 'cvt_ls_13', '--img-size', '64',
-         '--batch-size', '2', '--warmup', '1', '--iters', '2', '--threads', '1', '--train', '--out', str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads((out / 'results.json').read_text())
-    assert {'machine', 'machine_info', 'settings', 'rows'} <= set(res)
-    assert res['machine_info']['torch_threads'] == 1 and 'load average' in res['machine']
-    (row,) = res['rows']
+def test_benchmark_model_inference_and_train():
+    config = BenchmarkConfig(img_size=64, batch_size=2, warmup=1, iters=2, bench='both')
+    row = benchmark_model('cvt_ls_13', config)
     assert row['model'] == 'cvt_ls_13' and row['input_size'] == [3, 64, 64] and row['batch_size'] == 2
     assert row['params'] == CVT_LS_13_PARAMS
     assert 0.2 < row['gflops'] < 1.0  # 4.95 GFLOPs at 224, about linear in pixels: ~0.4 at 64
@@ -52,31 +47,40 @@ def test_benchmark_tool_run(tmp_path):
     assert row['ms_per_image'] == pytest.approx(row['latency_ms'] / 2)
     assert row['peak_mib'] is not None and row['peak_mib'] >= 0
     assert row['train_step_ms'] > 0 and row['train_images_per_s'] == pytest.approx(2e3 / row['train_step_ms'])
+    # training keeps the activations for backward and the gradients: more than an inference pass needs
+    assert row['train_memory_mib'] > row['peak_mib']
+    with pytest.raises(ValueError, match='bench must be one of'):
+        BenchmarkConfig(bench='training')
+
+
+def test_benchmark_tool_run_train_reparam(tmp_path):
+    # the earlier spelling `run --train` (= --bench both), with --reparam: inference (plain and reparameterized, in the
+    # same alternating rounds) and training, each in its own process
+    out = tmp_path / 'bench'
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'benchmark.py'), 'run', '--models', 'cvt_ls_13', '--img-size', '64',
+         '--batch-size', '2', '--warmup', '1', '--iters', '3', '--threads', '1', '--repeats', '1', '--train',
+         '--reparam', '--out', str(out), '--results-file', str(tmp_path / 'rows.csv')],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((out / 'results.json').read_text())
+    assert {'machine', 'machine_info', 'settings', 'rows'} <= set(res)
+    assert res['machine_info']['torch_threads'] == 1 and 'load average' in res['machine']
+    (row,) = res['rows']
+    assert row['params'] == CVT_LS_13_PARAMS and row['gflops'] > 0
+    assert row['timed_passes'] == row['reparam_timing']['iters'] == 3
+    assert 0 < row['reparam_latency_p10_ms'] <= row['reparam_latency_ms'] <= row['reparam_latency_p90_ms']
+    assert 0 < row['reparam_gflops'] <= row['gflops']  # folding never adds FLOPs (BatchNorms go)
+    assert row['reparam_ratio'] > 0 and row['train_step_ms'] > 0 and row['train_memory_mib'] > 0
+    assert row['pids']['inference'] != row['pids']['train']  # each kind of bench in a fresh process
     with open(out / 'results.csv') as f:
         (csv_row,) = list(csv.DictReader(f))
     assert csv_row['model'] == 'cvt_ls_13' and csv_row['input_size'] == '3x64x64'
     assert float(csv_row['latency_ms']) == pytest.approx(row['latency_ms'])
+    assert (tmp_path / 'rows.csv').read_text() == (out / 'results.csv').read_text()
     md = (out / 'results.md').read_text()
-    assert '| model | input | batch | params (M) | GFLOPs/img |' in md
-    assert '| cvt_ls_13 | 64x64 | 2 | 20.19 |' in md
-    assert proc.stdout.strip().splitlines()[-1].startswith('| cvt_ls_13 | 64x64 |')
-
-
-def test_benchmark_tool_run_reparam(tmp_path):
-    # --reparam: the plain and the reparameterized model timed in the same alternating rounds, both printed
-    out = tmp_path / 'bench'
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'benchmark.py'), 'run', '--models', 'cvt_ls_13', '--img-size', '64',
-         '--warmup', '1', '--iters', '3', '--threads', '1', '--no-memory', '--reparam', '--out', str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (row,) = json.loads((out / 'results.json').read_text())['rows']
-    assert row['timed_passes'] == row['reparam_timing']['iters'] == 3
-    assert 0 < row['reparam_latency_p10_ms'] <= row['reparam_latency_ms'] <= row['reparam_latency_p90_ms']
-    ratios = sorted(f / p for f, p in zip(row['reparam_timing']['times_s'], row['timing']['times_s']))
-    assert row['reparam_ratio'] == pytest.approx(ratios[1])  # the median of the per-round ratios
-    assert 0 < row['reparam_gflops'] <= row['gflops']  # folding never adds FLOPs (BatchNorms go)
-    assert '| reparam ms (p10-p90) | reparam / plain |' in (out / 'results.md').read_text()
+    assert '| model | input | batch | params (M) | GFLOPs/img |' in md and '| reparam / plain |' in md
+    assert '| train step ms (p10-p90) |' in md and '| cvt_ls_13 | 64x64 | 2 | 20.19 |' in md
     assert 'reparameterized' in proc.stderr and f"({row['reparam_ratio']:.3f}x plain)" in proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith('| cvt_ls_13 | 64x64 |')
 

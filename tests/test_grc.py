@@ -490,35 +490,6 @@ def test_positional_conv_fast_paths_equal_grouped_conv(batch, hw):
     torch.testing.assert_close(grc._pe(x, list(hw)), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize('name', list(TINY))
-def test_matmul_floor_is_between_base_and_grc(name):
-    # the benchmark's floor (lsvision.benchmark.grc_matmul_floor) keeps GRC's matrix products and memory attention and
-    # drops the rest: its FLOPs lie strictly between the base's and the GRC model's, and building it leaves the model
-    from lsvision.benchmark import GrcMatmulFloor, grc_matmul_floor
-    model = _tiny(name).eval()
-    # timm's PVTv2 takes any input size and no img_size
-    base_kwargs = {k: v for k, v in TINY[name].items() if k != 'img_size' or not name.startswith('pvt_v2')}
-    base = timm.create_model(name[:-4], num_classes=10, **base_kwargs).eval()
-    size = (3, TINY[name]['img_size'], TINY[name]['img_size'])
-    x = torch.randn(2, *size)
-    with torch.no_grad():
-        expected = model(x)
-        flops = [count_flops(base, size).total]
-        for attention in (False, True):
-            floor = grc_matmul_floor(model, attention=attention)
-            layers = [m for m in floor.modules() if isinstance(m, GrcMatmulFloor)]
-            direct = [c for m in floor.modules() if not isinstance(m, GrcMatmulFloor) for c in m.children()
-                      if isinstance(c, GatedRecurrentCache)]
-            assert len(layers) == len(_grcs(model)) > 0 and not direct
-            assert floor(x).shape == expected.shape
-            flops.append(count_flops(floor, size).total)
-        flops.append(count_flops(model, size).total)
-        torch.testing.assert_close(model(x), expected)  # the model itself is untouched
-    assert flops == sorted(set(flops)), flops
-    with pytest.raises(ValueError, match='no GatedRecurrentCache'):
-        grc_matmul_floor(base)
-
-
 @pytest.mark.parametrize('name', ['pvt_tiny_grc', 'pvt_v2_b0_grc', SWIN_T, VIT_S])
 def test_baseline_weights_missing_a_non_grc_key_is_an_error(name, tmp_path):
     # pretrained loading is not strict (GRC keys stay fresh), so each filter checks that nothing else is missing

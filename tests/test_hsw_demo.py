@@ -106,22 +106,6 @@ def test_demo_runs_small(tmp_path):
     assert all(0 <= r['accuracy'] <= 1 and r['train_steps'] >= 1 for r in report['models'].values())
 
 
-def test_bench_runs_small(tmp_path):
-    out = tmp_path / 'bench.json'
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'bench_hsw.py'), '--lengths', '256', '512', '--budget', '1',
-         '--iters', '1', '--flat-full-max', '256', '--out', str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
-    assert [(r['tokens'], r['model']) for r in report['rows']] == [
-        (n, m) for n in (256, 512) for m in ('HSW', 'HSW-LS', 'flat')]
-    flat512 = report['rows'][-1]
-    assert flat512['blocks_timed'] == '1 of 8, time x 8' and flat512['params'] == report['rows'][2]['params'] + 256 * 96
-    assert all(r['median_s'] > 0 for r in report['rows'])
-    assert out.with_suffix('.png').stat().st_size > 0 and '| 512 |' in out.with_suffix('.md').read_text()
-
-
 def test_random_crop_stays_within_real_tokens_and_balanced_batches():
     from lsvision.sequence.budget_train import random_crop
     gen = torch.Generator().manual_seed(0)

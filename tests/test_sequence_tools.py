@@ -1,11 +1,9 @@
-"""Smoke tests of the sequence demos and benchmark (tools/demo_listops.py, demo_bytelm.py, bench_sequence.py).
+"""Smoke tests of the sequence demos (tools/demo_listops.py, demo_bytelm.py; the benchmark is in test_bench_tools.py).
 
 Tiny budgets: they check that every code path runs and that the reports have their rows, not the numbers.
 """
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,32 +49,3 @@ def test_demo_bytelm(tmp_path, capsys):
     assert all(0 < r['val_bits_per_byte'] < 9 for r in report['results'])
     assert lr_factor(0, 0.) == pytest.approx(1 / 30) and lr_factor(100, 0.5) == 1.
     assert lr_factor(100, 0.8) == pytest.approx(0.5) and lr_factor(100, 1.) == 0.02
-
-
-def test_bench_sequence(tmp_path, capsys):
-    stem = tmp_path / 'bench'
-    assert load_tool('bench_sequence').main(['--lengths', '256', '512', '--threads', '1', '--budget', '0',
-                                             '--out', str(stem)]) == 0
-    report = json.loads(stem.with_suffix('.json').read_text())
-    names = {r['name'] for r in report['rows']}
-    assert {'sdpa_full', 'ls_bidir_w8_r32', 'sdpa_causal', 'ls_causal_blocked', 'ls_causal_official',
-            'lra_ls', 'lra_full', 'lm_ls_causal', 'lm_sdpa_causal'} == names
-    assert all(r['time_s'] > 0 for r in report['rows'])
-    assert 'ls_causal_blocked/sdpa_causal time @512' in report['ratios']
-    assert stem.with_suffix('.png').stat().st_size > 1000
-    assert '| layer | ls_causal_blocked |' in stem.with_suffix('.md').read_text()
-
-
-def test_bench_sequence_reusing_allocator(tmp_path):
-    # the tool restarts itself with the allocator settings and says so in its report
-    stem = tmp_path / 'bench'
-    proc = subprocess.run(
-        [sys.executable, str(TOOLS / 'bench_sequence.py'), '--lengths', '256', '--only', 'layer', '--names',
-         'ls_bidir_w8_r32', '--budget', '0', '--allocator', 'reuse', '--out', str(stem)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(stem.with_suffix('.json').read_text())
-    assert report['allocator'] == 'reuse' and [r['name'] for r in report['rows']] == ['ls_bidir_w8_r32']
-    assert 'allocator reuse' in proc.stdout
-    with pytest.raises(SystemExit):  # in-process calls cannot restart the interpreter
-        load_tool('bench_sequence').main(['--lengths', '256', '--allocator', 'reuse', '--out', str(stem)])
