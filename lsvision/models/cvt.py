@@ -91,9 +91,54 @@ class SepConv2d(FoldableModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
+        bn = self.bn
+        if (not torch.jit.is_scripting() and torch.is_grad_enabled() and isinstance(bn, nn.BatchNorm2d)
+                and bn.training and bn.track_running_stats and bn.momentum is not None):
+            # training: keep only the input map for backward (the conv and BatchNorm outputs are recomputed there)
+            bn.num_batches_tracked.add_(1)
+            return _SepConvRecompute.apply(
+                x, self.dw.weight, self.dw.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
+                self.pw.weight.flatten(1), self.pw.bias, bn.momentum, bn.eps)
         x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
         # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
+
+
+class _SepConvRecompute(torch.autograd.Function):
+    """Depthwise 3x3 conv -> BatchNorm (batch statistics) -> pointwise Linear, keeping only the input map for backward.
+
+    Autograd would keep the conv output (for BatchNorm) and the BatchNorm output (for the pointwise weight): two maps
+    per projection, six per CvT-LS layer, where CvT's own strided k and v convs keep a quarter of that. The backward
+    recomputes both (one depthwise conv and the normalization) and runs ATen's own BatchNorm and convolution
+    backward kernels. The running statistics are updated once, in forward.
+    """
+
+    @staticmethod
+    def forward(ctx, x, dw_weight, dw_bias, bn_weight, bn_bias, running_mean, running_var, pw_weight, pw_bias,
+                momentum: float, eps: float):
+        z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=x.shape[1])
+        y = F.batch_norm(z, running_mean, running_var, bn_weight, bn_bias, True, momentum, eps)
+        ctx.save_for_backward(x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight)
+        ctx.eps = eps
+        return F.linear(y.flatten(2).transpose(1, 2), pw_weight, pw_bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight = ctx.saved_tensors
+        B, C, H, W = x.shape
+        z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=C)
+        y, mean, invstd = torch.ops.aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0., ctx.eps)
+        tokens = y.flatten(2).transpose(1, 2)  # (B, H * W, C)
+        grad_pw_weight = grad_out.flatten(0, 1).t() @ tokens.flatten(0, 1)
+        grad_pw_bias = grad_out.sum((0, 1))
+        grad_y = (grad_out @ pw_weight).transpose(1, 2).reshape(B, C, H, W)  # a channels-last view, like z
+        grad_z, grad_bn_weight, grad_bn_bias = torch.ops.aten.native_batch_norm_backward(
+            grad_y, z, bn_weight, None, None, mean, invstd, True, ctx.eps, [True, True, True])
+        grad_x, grad_dw_weight, grad_dw_bias = torch.ops.aten.convolution_backward(
+            grad_z, x, dw_weight, [C], [1, 1], [1, 1], [1, 1], False, [0, 0], C,
+            [ctx.needs_input_grad[0], True, True])
+        return (grad_x, grad_dw_weight, grad_dw_bias, grad_bn_weight, grad_bn_bias, None, None, grad_pw_weight,
+                grad_pw_bias, None, None)
 
 
 def _qkv_buffer(x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
