@@ -1,4 +1,4 @@
-"""Segment-wise window attention over overlapping key spans: the core of the 1D and 2D long-short layers.
+"""Segment-wise window attention over key spans: the core of the 1D and 2D long-short layers and of HSW.
 
 Queries are cut into segments of w positions per axis (w in 1D, w x w in 2D, the map zero-padded to whole segments).
 Each segment attends, in one joint softmax, to

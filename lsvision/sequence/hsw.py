@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, trunc_normal_
 from timm.models.vision_transformer import Block
 
-from lsvision.layers.long_short import LinearDynamicProjection, dynamic_projection
-from lsvision.layers.span_attention import span_attention
+from lsvision.layers import LinearDynamicProjection, dynamic_projection, span_attention
 
 from ._registry import register_model
 
