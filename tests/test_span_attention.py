@@ -93,13 +93,17 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
 
 
-@pytest.mark.parametrize('spatial,w,dropout', [((7,), 3, 0.), ((9,), 2, 0.3), ((3, 5), 2, 0.), ((4, 3), 1, 0.3)])
-def test_span_attention_gradcheck(spatial, w, dropout):
+@pytest.mark.parametrize('spatial,w,dropout,span_pad,S', [
+    ((7,), 3, 0., None, 2), ((9,), 2, 0.3, None, 2), ((3, 5), 2, 0., None, 2), ((4, 3), 1, 0.3, None, 2),
+    # non-overlapping windows (HSW): K = w, a partial last window, no shared keys
+    ((7,), 3, 0., 0, 2), ((7,), 3, 0.3, 0, 0), ((3, 5), 2, 0., 0, 1),
+])
+def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     """The recomputing backward against finite differences, every input including the mask and, with dropout, the
     same dropout mask (the RNG is seeded before each call)."""
     torch.manual_seed(0)
-    B, h, d, S = 2, 1, 2, 2
-    _, span = window_span(w)
+    B, h, d = 2, 1, 2
+    _, span = window_span(w, span_pad)
     grid = 1
     for n in spatial:
         grid *= -(-n // w)
@@ -110,7 +114,7 @@ def test_span_attention_gradcheck(spatial, w, dropout):
 
     def fn(q, kv, shared, bias):
         torch.manual_seed(1)
-        return span_attention(q, kv, shared, bias.expand(1, h, grid, -1, -1), w, 0.7, dropout)
+        return span_attention(q, kv, shared, bias.expand(1, h, grid, -1, -1), w, 0.7, dropout, span_pad)
 
     assert torch.autograd.gradcheck(fn, (q, kv, shared, bias), eps=1e-6, atol=1e-6)
 
@@ -183,3 +187,22 @@ def test_torch_compile_fullgraph_forward_and_backward_equal_eager():
     torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
     for (name, p), ref in zip(model.named_parameters(), eager_grads):
         torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f'{name}: {m}')
+
+
+@pytest.mark.parametrize('span_pad', [None, 0])
+def test_gradient_of_a_full_shape_mask(span_pad):
+    """A mask with no broadcast dim (per sample, head and segment, as HSW's padded and shifted windows) gets the
+    gradient of autograd through the plain forward (it was once a view of the score gradient, scaled in place)."""
+    torch.manual_seed(0)
+    B, h, n, w, d, S = 2, 2, 8, 4, 3, 1
+    _, span = window_span(w, span_pad)
+    q = torch.randn(B, h, n, d, dtype=torch.float64, requires_grad=True)
+    kv = torch.randn(2, B, h, n, d, dtype=torch.float64, requires_grad=True)
+    shared = torch.randn(2, B, h, S, d, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(B, h, n // w, w, span, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(B, n, h, d, dtype=torch.float64)
+    inputs = (q, kv, shared, mask)
+    fast = torch.autograd.grad((span_attention(q, kv, shared, mask, w, 0.6, 0., span_pad) * weight).sum(), inputs)
+    plain = torch.autograd.grad((_span_forward(q, kv, shared, mask, w, 0.6, 0., span_pad)[0] * weight).sum(), inputs)
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

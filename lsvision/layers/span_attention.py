@@ -1,10 +1,11 @@
-"""Segment-wise window attention over overlapping key spans: the core of the 1D and 2D long-short layers.
+"""Segment-wise window attention over key spans: the core of the 1D and 2D long-short layers and of HSW.
 
 Queries are cut into segments of w positions per axis (w in 1D, w x w in 2D, the map zero-padded to whole segments).
 Each segment attends, in one joint softmax, to
 
   * S shared keys (the dynamic projection, prefix or global tokens), the same for every segment, and
-  * the keys of its span: K = w + 2s positions per axis around it (s = max(w // 2, 1)), zero-padded at the border;
+  * the keys of its span: K = w + 2s positions per axis around it (s = max(w // 2, 1) by default, the long-short
+    layers' overlapping windows; s = 0 gives non-overlapping windows, K = w, as Swin's), zero-padded at the border;
     the additive `window_mask` (-inf on padded keys, a relative-position bias) acts on these.
 
 Autograd through a gather of the spans keeps the gathered copy for the backward pass: (K / w)^2 ~ 4 copies of every
@@ -24,9 +25,11 @@ import torch.nn.functional as F
 __all__ = ['window_span', 'span_attention', 'span_window_key_mask']
 
 
-def window_span(window_size: int) -> Tuple[int, int]:
-    """Key padding s and key span K = w + 2s of a segment of size w (s = max(w // 2, 1))."""
-    pad = max(window_size // 2, 1)
+def window_span(window_size: int, span_pad: Optional[int] = None) -> Tuple[int, int]:
+    """Key padding s and key span K = w + 2s of a segment of size w (s = `span_pad`, default max(w // 2, 1))."""
+    pad = max(window_size // 2, 1) if span_pad is None else span_pad
+    if pad < 0:
+        raise ValueError(f'span_pad must be >= 0 (or None for max(w // 2, 1)), got {pad}')
     return pad, window_size + 2 * pad
 
 
@@ -100,12 +103,14 @@ def _tokens_to_segments(t: torch.Tensor, window_size: int) -> torch.Tensor:
     return _tile_queries(t.movedim(-2, 1), window_size)
 
 
-def _gather_keys(kv: torch.Tensor, kv_shared: torch.Tensor, window_size: int) -> torch.Tensor:
+def _gather_keys(kv: torch.Tensor, kv_shared: torch.Tensor, window_size: int, span_pad: Optional[int] = None
+                 ) -> torch.Tensor:
     """Keys and values of every segment, [shared (S) | span (K^ndim)], each part written once into one buffer.
 
     Args:
         kv: (2, B, h, *spatial, d) keys and values of the map.
         kv_shared: (2, B, h, S, d).
+        span_pad: Key padding s of the span (`window_span`).
 
     Returns:
         (2, B, h, num_segments, S + K^ndim, d).
@@ -114,7 +119,7 @@ def _gather_keys(kv: torch.Tensor, kv_shared: torch.Tensor, window_size: int) ->
     d = kv.shape[-1]
     spatial = list(kv.shape[3:-1])
     ws = window_size
-    pad, span = window_span(ws)
+    pad, span = window_span(ws, span_pad)
     grid = _grid(spatial, ws)
     S = kv_shared.shape[3]
     if len(spatial) == 1:
@@ -149,13 +154,13 @@ def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: in
     return out.flatten(dim, dim + 1).narrow(dim, pad, length)
 
 
-def _scatter_keys(grad_keys: torch.Tensor, spatial: List[int], window_size: int, num_shared: int
-                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _scatter_keys(grad_keys: torch.Tensor, spatial: List[int], window_size: int, num_shared: int,
+                  span_pad: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """The adjoint of `_gather_keys`: (2, B, h, num_segments, S + K^ndim, d) -> map (2, B, h, *spatial, d), shared
     (2, B, h, S, d)."""
     _, B, h, _, _, d = grad_keys.shape
     ws = window_size
-    pad, span = window_span(ws)
+    pad, span = window_span(ws, span_pad)
     grid = _grid(spatial, ws)
     grad_shared = grad_keys[:, :, :, :, :num_shared].sum(3)
     window = grad_keys[:, :, :, :, num_shared:]
@@ -192,12 +197,13 @@ def _span_forward(
         window_size: int,
         scale: float,
         dropout_p: float,
+        span_pad: Optional[int] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The attention itself (no autograd needed). Returns the output (B, *spatial, h, d) and the dropout keep-mask
     (None without dropout)."""
     spatial = list(q.shape[2:-1])
     q_t = _tile_queries(q, window_size)
-    keys = _gather_keys(kv, kv_shared, window_size)
+    keys = _gather_keys(kv, kv_shared, window_size, span_pad)
     mask = _full_mask(window_mask, kv_shared.shape[3], q.dtype)
     B, h, n, L, d = q_t.shape
     keep: Optional[torch.Tensor] = None
@@ -224,20 +230,21 @@ class _SpanAttention(torch.autograd.Function):
     """`span_attention` with a backward that recomputes the gathered spans instead of keeping them."""
 
     @staticmethod
-    def forward(ctx, q, kv, kv_shared, window_mask, window_size: int, scale: float, dropout_p: float):
-        out, keep = _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)
+    def forward(ctx, q, kv, kv_shared, window_mask, window_size: int, scale: float, dropout_p: float,
+                span_pad: Optional[int]):
+        out, keep = _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)
         ctx.save_for_backward(q, kv, kv_shared, window_mask, keep)
-        ctx.window_size, ctx.scale, ctx.dropout_p = window_size, scale, dropout_p
+        ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad = window_size, scale, dropout_p, span_pad
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, kv, kv_shared, window_mask, keep = ctx.saved_tensors
-        ws, scale, dropout_p = ctx.window_size, ctx.scale, ctx.dropout_p
+        ws, scale, dropout_p, span_pad = ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad
         spatial = list(q.shape[2:-1])
         dtype = q.dtype
         q_t = _tile_queries(q, ws)
-        keys = _gather_keys(kv, kv_shared, ws)
+        keys = _gather_keys(kv, kv_shared, ws, span_pad)
         num_shared = kv_shared.shape[3]
         attn = _scores_softmax(q_t, keys[0], _full_mask(window_mask, num_shared, dtype), scale)  # P, fp32
         go = _tokens_to_segments(grad_out, ws)  # (B, h, n, L, d)
@@ -262,14 +269,15 @@ class _SpanAttention(torch.autograd.Function):
             dims = [i for i in range(window_mask.dim()) if window_mask.shape[i] == 1 and grad_mask.shape[i] != 1]
             if dims:
                 grad_mask = grad_mask.sum(dim=dims, keepdim=True)
-            grad_mask = grad_mask.to(window_mask.dtype)
+            # a copy: without a broadcast dim to sum, grad_mask is a view of grad_attn, scaled in place below
+            grad_mask = grad_mask.to(window_mask.dtype, copy=True)
         grad_scores = grad_attn.mul_(scale).to(dtype)
         grad_q = torch.matmul(grad_scores, keys[0])
         grad_k = torch.matmul(grad_scores.transpose(-1, -2), q_t)
         del grad_scores, keys
-        grad_kv, grad_shared = _scatter_keys(torch.stack([grad_k, grad_v]), spatial, ws, num_shared)
+        grad_kv, grad_shared = _scatter_keys(torch.stack([grad_k, grad_v]), spatial, ws, num_shared, span_pad)
         grad_q = _untile(grad_q, spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
-        return grad_q, grad_kv, grad_shared, grad_mask, None, None, None
+        return grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None
 
 
 def span_attention(
@@ -280,6 +288,7 @@ def span_attention(
         window_size: int,
         scale: float,
         dropout_p: float = 0.,
+        span_pad: Optional[int] = None,
 ) -> torch.Tensor:
     """Segment-wise window attention of a 1D or 2D map to [shared keys | its key span], one joint softmax.
 
@@ -292,16 +301,18 @@ def span_attention(
         window_size: Segment size w per axis.
         scale: Score scale.
         dropout_p: Dropout on the joint attention weights (pass 0 in eval).
+        span_pad: Keys s on each side of a segment's span, K = w + 2s (None: max(w // 2, 1), the overlapping
+            windows of long-short attention; 0: non-overlapping windows, K = w).
 
     Returns:
         Outputs (B, *spatial, h, d) (token order with the heads last, ready for the output projection).
         Softmax in fp32 for fp16/bf16 inputs.
     """
     if torch.jit.is_scripting():
-        return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)[0]
+        return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)[0]
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or kv.requires_grad or kv_shared.requires_grad
         or (window_mask is not None and window_mask.requires_grad))
     if not needs_grad:
-        return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)[0]
-    return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p)
+        return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)[0]
+    return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)

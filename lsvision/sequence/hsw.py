@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, trunc_normal_
 from timm.models.vision_transformer import Block
 
-from lsvision.layers.long_short import LinearDynamicProjection, dynamic_projection
+from lsvision.layers import LinearDynamicProjection, dynamic_projection, span_attention
 
 from ._registry import register_model
 
@@ -66,7 +66,8 @@ class WindowAttention1d(nn.Module):
     With `dp_rank` r > 0 every window also sees r dynamic-projection keys per head (long-short attention): k and v
     go through LN_L, the projected k_bar, v_bar = LN_G(P k), LN_G(P v) are computed over the whole (un-rolled)
     sequence, and the queries of a window take one softmax over [r projected keys | w window keys]. The relative
-    position bias and the shift mask act on the window keys only.
+    position bias and the shift mask act on the window keys only. The attention itself is the long-short core,
+    `span_attention`, with non-overlapping spans (`span_pad=0`) and a recomputing backward.
     """
 
     def __init__(
@@ -182,35 +183,19 @@ class WindowAttention1d(nn.Module):
             kv = self.norm_local(kv.reshape(B, N, 2, C)).to(qkv.dtype).reshape(B, N, 2, h, d)
             logits = self.dynamic_proj(x, (1, N))
             kv_bar = dynamic_projection(kv.permute(2, 0, 3, 1, 4), logits, self.norm_global, valid).to(qkv.dtype)
+        else:
+            kv_bar = q.new_zeros(2, B, h, 0, d)  # plain window attention: no shared keys
         if padded_len != N:
             q = F.pad(q, (0, 0, 0, 0, 0, padded_len - N))
             kv = F.pad(kv, (0, 0, 0, 0, 0, 0, 0, padded_len - N))
         if shift:
             q, kv = q.roll(-shift, dims=1), kv.roll(-shift, dims=1)
-        q = q.reshape(B, num_windows, window, h, d).permute(0, 3, 1, 2, 4)  # (B, h, nW, w, d)
-        kv = kv.reshape(B, num_windows, window, 2, h, d).permute(3, 0, 4, 1, 2, 5)  # (2, B, h, nW, w, d)
-
-        win_mask = self.attn_mask(valid, N, window, shift, q.dtype)  # (B|1, h, nW, w, w)
-        if r > 0:
-            # keys [r projected | w window] of every window in one buffer, each part written once
-            keys = kv.new_empty(2, B, h, num_windows, r + window, d)
-            keys[:, :, :, :, :r] = kv_bar[:, :, :, None]
-            keys[:, :, :, :, r:] = kv
-            kv = keys
-            mask = win_mask.new_zeros(win_mask.shape[0], h, num_windows, window, r + window)
-            mask[..., r:] = win_mask
-        else:
-            mask = win_mask.expand(-1, h, num_windows, -1, -1)
-        mask = mask.reshape(mask.shape[0], h * num_windows, window, -1)
-        k, v = kv.unbind(0)
-        out = F.scaled_dot_product_attention(
-            q.reshape(B, h * num_windows, window, d),
-            k.reshape(B, h * num_windows, -1, d),
-            v.reshape(B, h * num_windows, -1, d),
-            attn_mask=mask,
-            dropout_p=self.attn_drop if self.training else 0.,
-        )
-        out = out.reshape(B, h, padded_len, d).transpose(1, 2).reshape(B, padded_len, C)
+        # one softmax over [r projected | w window] keys per window: the long-short core with non-overlapping spans
+        out = span_attention(
+            q.transpose(1, 2), kv.permute(2, 0, 3, 1, 4), kv_bar,
+            self.attn_mask(valid, N, window, shift, q.dtype), window, d ** -0.5,
+            self.attn_drop if self.training else 0., span_pad=0)  # (B, padded_len, h, d)
+        out = out.reshape(B, padded_len, C)
         if shift:
             out = out.roll(shift, dims=1)
         x = self.proj(out[:, :N])
