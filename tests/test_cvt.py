@@ -1,4 +1,6 @@
 """CvT and CvT-LS: registration, exact sizes, FLOPs, training behaviour and input errors."""
+import copy
+
 import pytest
 import torch
 
@@ -235,3 +237,30 @@ def test_model_built_under_inference_mode_runs():
     plain = timm.create_model('cvt_ls_13', embed_dims=(32, 64, 64), num_heads=(1, 2, 2), depths=(1, 1, 1)).eval()
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(out, plain(x).detach(), rtol=1e-5, atol=1e-5)  # grad enabled: the module path
+
+
+def test_sep_conv_training_keeps_only_its_input_and_matches_autograd():
+    """CvT-LS's q/k/v convs recompute conv and BatchNorm in backward: same gradients and running statistics as
+    autograd through the modules, and nothing map-sized saved but the input."""
+    from lsvision.models.cvt import SepConv2d
+    torch.manual_seed(0)
+    conv = SepConv2d(8).double().train()
+    with torch.no_grad():
+        for p in conv.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    plain = copy.deepcopy(conv)
+    x = torch.randn(2, 8, 5, 7, dtype=torch.float64).to(memory_format=torch.channels_last)
+    weight = torch.randn(2, 35, 8, dtype=torch.float64)
+    saved = []
+    xa = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        (conv(xa) * weight).sum().backward()
+    assert max(t.numel() for t in saved) == x.numel()  # the input; the weights are smaller
+    xb = x.clone().requires_grad_()
+    tokens = plain.bn(plain.dw(xb)).flatten(2).transpose(1, 2)
+    (torch.nn.functional.linear(tokens, plain.pw.weight.flatten(1), plain.pw.bias) * weight).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad)
+    for (name, a), b in zip(conv.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=lambda m, name=name: f'{name}: {m}')
+    for a, b in zip(conv.bn.buffers(), plain.bn.buffers()):
+        torch.testing.assert_close(a, b)

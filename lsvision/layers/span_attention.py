@@ -17,12 +17,29 @@ strided adds. Without gradients (inference, TorchScript) the same forward runs w
 
 Written for lsvision, Apache-2.0.
 """
-from typing import List, Optional, Tuple
+import contextlib
+from typing import ContextManager, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ['window_span', 'span_attention', 'span_window_key_mask']
+__all__ = ['window_span', 'span_attention', 'span_window_key_mask', 'autocast_dtype', 'autocast_off']
+
+
+def autocast_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast computes in on `t`'s device, or `t`'s own dtype where autocast is off (or unknown)."""
+    device = t.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return t.dtype
+
+
+def autocast_off(device_type: str) -> ContextManager:
+    """Autocast disabled on `device_type` (a custom autograd.Function's backward runs outside autocast, so its
+    forward does too, in one explicit dtype)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def window_span(window_size: int, span_pad: Optional[int] = None) -> Tuple[int, int]:
@@ -239,7 +256,13 @@ class _SpanAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with autocast_off(grad_out.device.type):
+            return _SpanAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, kv, kv_shared, window_mask, keep = ctx.saved_tensors
+        grad_out = grad_out.to(q.dtype)
         ws, scale, dropout_p, span_pad = ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad
         spatial = list(q.shape[2:-1])
         dtype = q.dtype
@@ -315,4 +338,8 @@ def span_attention(
         or (window_mask is not None and window_mask.requires_grad))
     if not needs_grad:
         return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)[0]
-    return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)
+    # one dtype for every input (under autocast, its dtype): the backward runs outside autocast
+    dtype = autocast_dtype(q)
+    q, kv, kv_shared = q.to(dtype), kv.to(dtype), kv_shared.to(dtype)
+    with autocast_off(q.device.type):
+        return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)

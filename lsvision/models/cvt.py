@@ -39,6 +39,7 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 
 from lsvision.layers import LongShortAttention2d
 from lsvision.layers.reparam import FoldableModule
+from lsvision.layers.span_attention import autocast_dtype, autocast_off
 
 from ._checkpoint import check_filtered_keys
 from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
@@ -91,14 +92,19 @@ class SepConv2d(FoldableModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
-        bn = self.bn
-        if (not torch.jit.is_scripting() and torch.is_grad_enabled() and isinstance(bn, nn.BatchNorm2d)
-                and bn.training and bn.track_running_stats and bn.momentum is not None):
-            # training: keep only the input map for backward (the conv and BatchNorm outputs are recomputed there)
-            bn.num_batches_tracked.add_(1)
-            return _SepConvRecompute.apply(
-                x, self.dw.weight, self.dw.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var,
-                self.pw.weight.flatten(1), self.pw.bias, bn.momentum, bn.eps)
+        if not torch.jit.is_scripting():
+            bn = self.bn
+            if (torch.is_grad_enabled() and isinstance(bn, nn.BatchNorm2d) and bn.training
+                    and bn.track_running_stats and bn.momentum is not None):
+                # training: keep only the input map for backward (conv and BatchNorm outputs are recomputed there)
+                bn.num_batches_tracked.add_(1)
+                # one compute dtype (under autocast, its dtype; BatchNorm's affine and statistics stay as they are)
+                dtype = autocast_dtype(x)
+                with autocast_off(x.device.type):
+                    return _SepConvRecompute.apply(
+                        x.to(dtype), self.dw.weight.to(dtype), self.dw.bias.to(dtype), bn.weight, bn.bias,
+                        bn.running_mean, bn.running_var, self.pw.weight.flatten(1).to(dtype), self.pw.bias.to(dtype),
+                        bn.momentum, bn.eps)
         x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
         # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
@@ -124,7 +130,13 @@ class _SepConvRecompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with autocast_off(grad_out.device.type):
+            return _SepConvRecompute._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight = ctx.saved_tensors
+        grad_out = grad_out.to(x.dtype)
         B, C, H, W = x.shape
         z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=C)
         y, mean, invstd = torch.ops.aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0., ctx.eps)
