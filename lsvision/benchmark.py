@@ -63,6 +63,9 @@ __all__ = [
     'is_out_of_memory',
     'markdown_table',
     'parse_curve',
+    'without_attention',
+    'NoOpAttention',
+    'NO_ATTENTION',
     'plot_sweep',
     'resolution_sweep',
     'resolve_model_names',
@@ -80,6 +83,9 @@ BENCH_KINDS = ('inference', 'train', 'both')
 """What :func:`benchmark_model` times (timm's ``benchmark.py --bench`` names)."""
 
 FULL_ATTENTION = '@full'
+NO_ATTENTION = '@noattn'
+"""Suffix of a model whose blocks' attention is a no-op of the same output shape: the floor of a training step or
+pass that any attention implementation adds to (see :func:`without_attention`)."""
 """Suffix of a model that runs it with full attention in every stage (see :func:`parse_curve`)."""
 TIME_KEYS = {'wall': 'time_per_image_s', 'cpu': 'cpu_time_per_image_s'}
 """The point field holding the time per image of each clock."""
@@ -223,9 +229,38 @@ class BenchmarkConfig:
             raise ValueError(f'img_size must be positive, got {self.img_size}.')
 
 
-def create_benchmark_model(name: str, device: str, model_kwargs: Optional[Dict[str, Any]] = None) -> nn.Module:
-    """Creates a model without pretrained weights, in eval mode, on ``device``."""
-    return timm.create_model(name, pretrained=False, **(model_kwargs or {})).to(device).eval()
+class NoOpAttention(nn.Module):
+    """Stands in for a block's attention: returns its input (same shape), computes nothing, has no parameters."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return x
+
+
+def without_attention(model: nn.Module) -> nn.Module:
+    """Replaces the `attn` module of every block by a `NoOpAttention`, in place (the floor of the attention's cost).
+
+    Raises:
+        ValueError: If the model has no block with an `attn` module.
+    """
+    blocks = [m for m in model.modules() if isinstance(getattr(m, 'attn', None), nn.Module)]
+    if not blocks:
+        raise ValueError(f'{type(model).__name__} has no block with an `attn` module to replace')
+    for block in blocks:
+        block.attn = NoOpAttention()
+    return model
+
+
+def create_benchmark_model(
+        name: str,
+        device: str,
+        model_kwargs: Optional[Dict[str, Any]] = None,
+        no_attention: bool = False,
+) -> nn.Module:
+    """Creates a model without pretrained weights, in eval mode, on ``device`` (its attention a no-op if asked)."""
+    model = timm.create_model(name, pretrained=False, **(model_kwargs or {}))
+    if no_attention:
+        without_attention(model)
+    return model.to(device).eval()
 
 
 def input_size_of(model: nn.Module, img_size: Optional[int]) -> Tuple[int, int, int]:
@@ -245,6 +280,7 @@ def benchmark_model(
         name: str,
         config: Optional[BenchmarkConfig] = None,
         model_kwargs: Optional[Dict[str, Any]] = None,
+        no_attention: bool = False,
 ) -> Dict[str, Any]:
     """Measures one model: parameters, FLOPs, activations, inference latency, throughput and peak memory, and the time
     and activation memory of a training step.
@@ -268,7 +304,7 @@ def benchmark_model(
         not measured.
     """
     config = config or BenchmarkConfig()
-    model = create_benchmark_model(name, config.device, model_kwargs)
+    model = create_benchmark_model(name, config.device, model_kwargs, no_attention)
     input_size = input_size_of(model, config.img_size)
     row: Dict[str, Any] = {
         'model': name,
@@ -463,6 +499,7 @@ class SweepCurve:
     label: str
     model: str
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
+    no_attention: bool = False
 
 
 def parse_curve(spec: str) -> SweepCurve:
@@ -480,6 +517,11 @@ def parse_curve(spec: str) -> SweepCurve:
     Raises:
         ValueError: If the model is unknown or has no full-attention switch.
     """
+    if spec.endswith(NO_ATTENTION):
+        name = spec[:-len(NO_ATTENTION)]
+        if not timm.is_model(name):
+            raise ValueError(f'unknown model {name!r} in {spec!r}')
+        return SweepCurve(f'{name} (attention no-op)', name, no_attention=True)
     name, full = (spec[:-len(FULL_ATTENTION)], True) if spec.endswith(FULL_ATTENTION) else (spec, False)
     if not timm.is_model(name):
         raise ValueError(f'unknown model {name!r} in curve {spec!r}; lsvision models: {", ".join(list_models())}')

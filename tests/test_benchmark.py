@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from test_bench_tools import load_tool
 
 from lsvision.benchmark import (
@@ -199,3 +200,20 @@ def test_sweep_within_budget_runs_every_size(tmp_path):
     refit = json.loads(stored.read_text())
     assert refit['exponents']['cvt_ls_13']['sizes'] == [64] and refit['exponents']['cvt_ls_13']['flops'] is None
     assert 'fitted again from 64' in (tmp_path / 'stored.md').read_text() and (tmp_path / 'stored.png').exists()
+
+
+def test_no_attention_floor_model():
+    """``NAME@noattn``: every block's attention is a no-op of the same output shape; the rest of the model runs."""
+    from lsvision.benchmark import NoOpAttention, create_benchmark_model, parse_curve
+    curve = parse_curve('cvt_ls_13@noattn')
+    assert curve.no_attention and curve.model == 'cvt_ls_13'
+    tiny = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1), num_classes=3)
+    model = create_benchmark_model('cvt_ls_13', 'cpu', tiny, no_attention=True)
+    full = create_benchmark_model('cvt_ls_13', 'cpu', tiny)
+    attns = [m.attn for m in model.modules() if hasattr(m, 'attn')]
+    assert len(attns) == 3 and all(isinstance(a, NoOpAttention) for a in attns)
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in full.parameters())
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
+    with pytest.raises(ValueError, match='no block'):
+        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), no_attention=True)

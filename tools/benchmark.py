@@ -130,7 +130,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help='what to time: inference, train (forward, backward, SGD step) or both '
                              "(default: inference, or the suite's)")
     parser.add_argument('--models', '--model', '-m', nargs='+', default=None,
-                        help="model names or wildcards, e.g. 'cvt_ls_*', or NAME@full (ViL-LS with full attention)")
+                        help="model names or wildcards, e.g. 'cvt_ls_*', NAME@full (ViL-LS with full attention) or "
+                             "NAME@noattn (every block's attention a no-op: the floor)")
     parser.add_argument('--baseline', default=None,
                         help="report each model's time and memory relative to this model (added to --models if "
                              'missing)')
@@ -286,7 +287,8 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
         for kind in kinds:
             config = bench_config(args, size, batch, kind)
             config.flops = config.flops and kind == kinds[0]  # counted once per model and point
-            jobs = [dict(model=c.model, label=c.label, model_kwargs=c.model_kwargs, batch_size=batch,
+            jobs = [dict(model=c.model, label=c.label, model_kwargs=c.model_kwargs, no_attention=c.no_attention,
+                         batch_size=batch,
                          threads=args.threads, reparam=args.reparam, config=asdict(config))
                     for c in curves]
             results[kind] = _bench_cpu.run_alternating(
@@ -318,7 +320,7 @@ def model_specs(patterns: Sequence[str], baseline: Optional[str]) -> List[str]:
     """Model names from names and wildcards (``NAME@full`` kept as is), with the baseline added if missing."""
     specs: List[str] = []
     for pattern in patterns:
-        specs += [pattern] if pattern.endswith('@full') else resolve_model_names([pattern])
+        specs += [pattern] if pattern.endswith(('@full', '@noattn')) else resolve_model_names([pattern])
     if baseline is not None and baseline not in specs:
         specs.append(baseline)
     return list(dict.fromkeys(specs))
