@@ -48,6 +48,8 @@ GRAD_CASES = [
     ((7, 5), 1, 1, 1, 1, 'linear', False),  # w = 1: span 3 crosses two neighbours
     ((3, 3), 8, 4, 1, 2, 'conv', False),  # map smaller than one window
     ((14, 14), 7, 8, 3, 1, 'linear', True),  # the ViL-LS setting (SDPA forward)
+    ((20, 17), 5, 4, 2, 1, 'conv', False),  # segments of 25 queries: CPU flash kernels, forward and backward
+    ((16, 16), 8, 6, 1, 0, 'linear', False),  # the CvT-LS stage-1 window (flash)
 ]
 
 
@@ -65,7 +67,7 @@ def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, laye
 
 
 @pytest.mark.parametrize('n,w,r,pads,with_cls', [(40, 8, 4, 5, False), (37, 3, 2, 4, True), (21, 1, 1, 3, True),
-                                                 (30, 16, 2, 0, False)])
+                                                 (30, 16, 2, 0, False), (50, 20, 3, 7, True)])
 def test_1d_bidirectional_gradients_match_dense_reference_fp64(n, w, r, pads, with_cls):
     torch.manual_seed(0)
     attn = _perturb(LongShortAttention1d(32, 2, w, r), 0.1).double().train()
@@ -97,6 +99,8 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     ((7,), 3, 0., None, 2), ((9,), 2, 0.3, None, 2), ((3, 5), 2, 0., None, 2), ((4, 3), 1, 0.3, None, 2),
     # non-overlapping windows (HSW): K = w, a partial last window, no shared keys
     ((7,), 3, 0., 0, 2), ((7,), 3, 0.3, 0, 0), ((3, 5), 2, 0., 0, 1),
+    # segments of more than 16 queries: CPU flash kernels
+    ((20,), 17, 0., None, 2), ((6, 5), 5, 0., None, 2), ((9,), 17, 0., 0, 0),
 ])
 def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     """The recomputing backward against finite differences, every input including the mask and, with dropout, the
@@ -117,6 +121,10 @@ def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
         return span_attention(q, kv, shared, bias.expand(1, h, grid, -1, -1), w, 0.7, dropout, span_pad)
 
     assert torch.autograd.gradcheck(fn, (q, kv, shared, bias), eps=1e-6, atol=1e-6)
+    # a mask without a gradient (where segments of more than 16 queries take CPU's flash kernels)
+    constant = bias.detach().clone()
+    assert torch.autograd.gradcheck(lambda q, kv, shared: fn(q, kv, shared, constant), (q, kv, shared), eps=1e-6,
+                                    atol=1e-6)
 
 
 def test_dropout_drops_the_same_weights_in_forward_and_backward():
@@ -169,6 +177,10 @@ def test_backward_keeps_no_gathered_spans():
     # the window attention itself keeps only its inputs: q and kv are views of what the layer keeps anyway
     _, core = _saved_storages(lambda: span_attention(q, kv, shared, None, w, 0.5, 0.))
     assert sum(core) == q.numel() * 4 + kv.numel() * 4 + shared.numel() * 4
+    # segments of more than 16 queries (CPU's flash kernels) also keep the output, which the output projection keeps
+    # anyway, and one log-sum-exp per query
+    _, core = _saved_storages(lambda: span_attention(q, kv, shared, None, 8, 0.5, 0.))
+    assert sum(core) == (2 * q.numel() + kv.numel() + shared.numel() + q.numel() // q.shape[-1]) * 4
 
 
 def test_torch_compile_fullgraph_forward_and_backward_equal_eager():

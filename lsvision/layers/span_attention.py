@@ -173,19 +173,21 @@ def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: in
 
 def _scatter_keys(grad_keys: torch.Tensor, spatial: List[int], window_size: int, num_shared: int,
                   span_pad: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The adjoint of `_gather_keys`: (2, B, h, num_segments, S + K^ndim, d) -> map (2, B, h, *spatial, d), shared
-    (2, B, h, S, d)."""
-    _, B, h, _, _, d = grad_keys.shape
+    """The adjoint of `_gather_keys` for keys or values: (..., num_segments, S + K^ndim, d) -> map (..., *spatial,
+    d), shared (..., S, d); the leading dims (..., e.g. B, h) are kept."""
+    lead = list(grad_keys.shape[:-3])
+    d = grad_keys.shape[-1]
     ws = window_size
     pad, span = window_span(ws, span_pad)
     grid = _grid(spatial, ws)
-    grad_shared = grad_keys[:, :, :, :, :num_shared].sum(3)
-    window = grad_keys[:, :, :, :, num_shared:]
+    seg = len(lead)
+    grad_shared = grad_keys[..., :num_shared, :].sum(seg)
+    window = grad_keys[..., num_shared:, :]
     if len(spatial) == 1:
-        return _fold_axis(window, 3, ws, spatial[0], pad), grad_shared
-    window = window.reshape(2, B, h, grid[0], grid[1], span, span, d).permute(0, 1, 2, 3, 5, 4, 6, 7)
-    window = _fold_axis(window, 5, ws, spatial[1], pad)  # (2, B, h, gy, K, W, d)
-    return _fold_axis(window, 3, ws, spatial[0], pad), grad_shared
+        return _fold_axis(window, seg, ws, spatial[0], pad), grad_shared
+    window = window.reshape(lead + [grid[0], grid[1], span, span, d]).transpose(seg + 1, seg + 2)
+    window = _fold_axis(window, seg + 2, ws, spatial[1], pad)  # (..., gy, K, W, d)
+    return _fold_axis(window, seg, ws, spatial[0], pad), grad_shared
 
 
 def _full_mask(window_mask: Optional[torch.Tensor], num_shared: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -195,15 +197,53 @@ def _full_mask(window_mask: Optional[torch.Tensor], num_shared: int, dtype: torc
     return F.pad(window_mask.to(dtype), (num_shared, 0))
 
 
-def _scores_softmax(q_t: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) in fp32 (fp64 stays fp64): (B, h, n, L, S + K^ndim)."""
-    scores = torch.matmul(q_t, k.transpose(-1, -2))
+def _segment_matmul(a_shared: torch.Tensor, a_span: torch.Tensor, b_shared: torch.Tensor, b_span: torch.Tensor
+                    ) -> torch.Tensor:
+    """[a_shared | a_span] @ [b_shared; b_span] per segment, the shared part as one matmul over all segments.
+
+    a_*: (B, h, n, L, S) and (B, h, n, L, K); b_*: (B, h, S, d) (the same for every segment) and (B, h, n, K, d).
+    Returns (B, h, n, L, d).
+    """
+    out = torch.matmul(a_span, b_span)
+    if b_shared.shape[-2] > 0:
+        B, h, n, L, S = a_shared.shape
+        out += torch.matmul(a_shared.reshape(B, h, n * L, S), b_shared).view(out.shape)
+    return out
+
+
+def _scores_softmax(q_t: torch.Tensor, k_shared: torch.Tensor, k_span: torch.Tensor, mask: Optional[torch.Tensor],
+                    scale: float) -> torch.Tensor:
+    """softmax(q [k_shared; k_span]^T * scale + mask) in fp32 (fp64 stays fp64): (B, h, n, L, S + K^ndim).
+
+    The scores against the shared keys (the same for every segment) are one matmul over all queries, instead of a
+    copy of the shared keys in every segment's keys.
+
+    Args:
+        q_t: Segments of queries (B, h, n, L, d).
+        k_shared: (B, h, S, d).
+        k_span: (B, h, n, K^ndim, d).
+        mask: Additive mask over [shared | span] keys, broadcastable to the scores, or None.
+    """
+    B, h, n, L, d = q_t.shape
+    scores = torch.matmul(q_t, k_span.transpose(-1, -2))
+    S = k_shared.shape[-2]
+    if S > 0:
+        shared = torch.matmul(q_t.reshape(B, h, n * L, d), k_shared.transpose(-1, -2)).view(B, h, n, L, S)
+        scores = torch.cat([shared, scores], dim=-1)
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()
     scores.mul_(scale)
     if mask is not None:
         scores.add_(mask)
     return scores.softmax(dim=-1)
+
+
+def _flash_mask(mask: Optional[torch.Tensor], h: int, n: int) -> Optional[torch.Tensor]:
+    """A (B or 1, h, n, L or 1, S + K^ndim) mask as (B or 1, h * n, L or 1, S + K^ndim), the flash kernel's layout."""
+    if mask is None:
+        return None
+    mask = mask.expand(mask.shape[0], h, n, mask.shape[-2], mask.shape[-1])
+    return mask.reshape(mask.shape[0], h * n, mask.shape[-2], mask.shape[-1])
 
 
 def _span_forward(
@@ -220,27 +260,37 @@ def _span_forward(
     (None without dropout)."""
     spatial = list(q.shape[2:-1])
     q_t = _tile_queries(q, window_size)
-    keys = _gather_keys(kv, kv_shared, window_size, span_pad)
-    mask = _full_mask(window_mask, kv_shared.shape[3], q.dtype)
+    num_shared = kv_shared.shape[3]
+    mask = _full_mask(window_mask, num_shared, q.dtype)
     B, h, n, L, d = q_t.shape
     keep: Optional[torch.Tensor] = None
     # segments of at most 16 queries run as batched matmuls on CPU: SDPA's flash kernel costs a few microseconds per
     # (batch x head x segment) block, which dominates when a block is 4 queries against ~20 keys (w = 2: 2.4 ms
     # against 0.6 ms, CvT-LS stage 3 at 384 px on 2 cores); with dropout the matmul path keeps the dropout mask
     if dropout_p == 0. and (q.device.type != 'cpu' or L > 16):
-        if mask is not None:
-            mask = mask.expand(mask.shape[0], h, n, mask.shape[-2], mask.shape[-1])
-            mask = mask.reshape(mask.shape[0], h * n, mask.shape[-2], mask.shape[-1])
+        keys = _gather_keys(kv, kv_shared, window_size, span_pad)
         out = F.scaled_dot_product_attention(
             q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
-            attn_mask=mask, scale=scale).reshape(B, h, n, L, d)
+            attn_mask=_flash_mask(mask, h, n), scale=scale).reshape(B, h, n, L, d)
     else:
-        attn = _scores_softmax(q_t, keys[0], mask, scale)
+        span = _gather_keys(kv, kv_shared[:, :, :, :0], window_size, span_pad)  # the spans only
+        attn = _scores_softmax(q_t, kv_shared[0], span[0], mask, scale)
         if dropout_p > 0.:
             keep = torch.rand_like(attn) >= dropout_p
             attn = attn * keep / (1. - dropout_p)
-        out = torch.matmul(attn.to(q.dtype), keys[1])
+        attn = attn.to(q.dtype)
+        out = _segment_matmul(attn[..., :num_shared], attn[..., num_shared:], kv_shared[1], span[1])
     return _untile(out, spatial, window_size), keep
+
+
+def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_grad: bool) -> bool:
+    """Whether a training step runs on the CPU flash-attention kernels (forward and backward): on CPU, for segments
+    of more than 16 queries, without dropout (the kernel has none) and without a gradient for the mask (the kernel
+    gives none). On 2 cores, forward + backward of CvT-LS stage 1's windows (64 queries against 320 keys) took
+    0.82-0.90x the time of the batched-matmul backward; segments of 16 and 4 queries took 1.25-1.9x, so they stay
+    with the matmuls."""
+    return (q.device.type == 'cpu' and window_size ** (q.dim() - 3) > 16 and dropout_p == 0.
+            and not needs_mask_grad)
 
 
 class _SpanAttention(torch.autograd.Function):
@@ -249,9 +299,27 @@ class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, kv_shared, window_mask, window_size: int, scale: float, dropout_p: float,
                 span_pad: Optional[int]):
+        ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad = window_size, scale, dropout_p, span_pad
+        needs_mask_grad = window_mask is not None and window_mask.requires_grad
+        ctx.flash = _use_flash(q, window_size, dropout_p, needs_mask_grad)
+        if ctx.flash:
+            # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
+            # from it, without a (queries x keys) buffer
+            spatial = list(q.shape[2:-1])
+            q_t = _tile_queries(q, window_size)
+            B, h, n, L, d = q_t.shape
+            keys = _gather_keys(kv, kv_shared, window_size, span_pad)
+            mask = _flash_mask(_full_mask(window_mask, kv_shared.shape[3], q.dtype), h, n)
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
+                attn_mask=mask, scale=scale)
+            del keys
+            out = _untile(out.reshape(B, h, n, L, d), spatial, window_size)
+            # the output is saved as returned: the output projection keeps the same storage for its own backward
+            ctx.save_for_backward(q, kv, kv_shared, window_mask, out, lse)
+            return out
         out, keep = _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)
         ctx.save_for_backward(q, kv, kv_shared, window_mask, keep)
-        ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad = window_size, scale, dropout_p, span_pad
         return out
 
     @staticmethod
@@ -260,22 +328,53 @@ class _SpanAttention(torch.autograd.Function):
             return _SpanAttention._backward(ctx, grad_out)
 
     @staticmethod
+    def _flash_backward(ctx, grad_out):
+        q, kv, kv_shared, window_mask, out, lse = ctx.saved_tensors
+        ws, span_pad = ctx.window_size, ctx.span_pad
+        spatial = list(q.shape[2:-1])
+        num_shared = kv_shared.shape[3]
+        q_t = _tile_queries(q, ws)
+        B, h, n, L, d = q_t.shape
+        keys = _gather_keys(kv, kv_shared, ws, span_pad)
+        mask = _flash_mask(_full_mask(window_mask, num_shared, q.dtype), h, n)
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _tokens_to_segments(grad_out.to(q.dtype), ws).reshape(B, h * n, L, d),
+            q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
+            _tokens_to_segments(out, ws).reshape(B, h * n, L, d), lse, 0., False, attn_mask=mask, scale=ctx.scale)
+        del keys
+        grad_k, grad_k_shared = _scatter_keys(grad_k.view(B, h, n, -1, d), spatial, ws, num_shared, span_pad)
+        grad_v, grad_v_shared = _scatter_keys(grad_v.view(B, h, n, -1, d), spatial, ws, num_shared, span_pad)
+        grad_kv, grad_shared = torch.stack([grad_k, grad_v]), torch.stack([grad_k_shared, grad_v_shared])
+        grad_q = _untile(grad_q.view(B, h, n, L, d), spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
+        return grad_q, grad_kv, grad_shared, None, None, None, None, None
+
+    @staticmethod
     def _backward(ctx, grad_out):
+        if ctx.flash:
+            return _SpanAttention._flash_backward(ctx, grad_out)
         q, kv, kv_shared, window_mask, keep = ctx.saved_tensors
         grad_out = grad_out.to(q.dtype)
         ws, scale, dropout_p, span_pad = ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad
         spatial = list(q.shape[2:-1])
         dtype = q.dtype
         q_t = _tile_queries(q, ws)
-        keys = _gather_keys(kv, kv_shared, ws, span_pad)
+        B, h, n, L, d = q_t.shape
+        span = _gather_keys(kv, kv_shared[:, :, :, :0], ws, span_pad)  # the spans only
         num_shared = kv_shared.shape[3]
-        attn = _scores_softmax(q_t, keys[0], _full_mask(window_mask, num_shared, dtype), scale)  # P, fp32
+        attn = _scores_softmax(q_t, kv_shared[0], span[0], _full_mask(window_mask, num_shared, dtype), scale)  # P
         go = _tokens_to_segments(grad_out, ws)  # (B, h, n, L, d)
-        attn_used = attn if keep is None else attn * keep / (1. - dropout_p)
-        grad_v = torch.matmul(attn_used.to(dtype).transpose(-1, -2), go)
+        attn_used = (attn if keep is None else attn * keep / (1. - dropout_p)).to(dtype)
+        # the shared keys' part of every product is one matmul over all queries (their rows: n * L)
+        go_rows = go.reshape(B, h, n * L, d)
+        grad_v = torch.matmul(attn_used[..., num_shared:].transpose(-1, -2), go)
+        grad_v_shared = torch.matmul(attn_used[..., :num_shared].reshape(B, h, n * L, num_shared).transpose(-1, -2),
+                                     go_rows)
         del attn_used
         # dS = P * (dP - rowsum(P * dP)), dP the gradient of the (pre-dropout) weights
-        grad_attn = torch.matmul(go, keys[1].transpose(-1, -2))
+        grad_attn = torch.matmul(go, span[1].transpose(-1, -2))
+        if num_shared > 0:
+            grad_attn = torch.cat([torch.matmul(go_rows, kv_shared[1].transpose(-1, -2)).view(
+                B, h, n, L, num_shared), grad_attn], dim=-1)
         if grad_attn.dtype != attn.dtype:
             grad_attn = grad_attn.to(attn.dtype)
         if keep is not None:
@@ -295,10 +394,15 @@ class _SpanAttention(torch.autograd.Function):
             # a copy: without a broadcast dim to sum, grad_mask is a view of grad_attn, scaled in place below
             grad_mask = grad_mask.to(window_mask.dtype, copy=True)
         grad_scores = grad_attn.mul_(scale).to(dtype)
-        grad_q = torch.matmul(grad_scores, keys[0])
+        grad_scores_shared, grad_scores = grad_scores[..., :num_shared], grad_scores[..., num_shared:]
+        grad_q = _segment_matmul(grad_scores_shared, grad_scores, kv_shared[0], span[0])
         grad_k = torch.matmul(grad_scores.transpose(-1, -2), q_t)
-        del grad_scores, keys
-        grad_kv, grad_shared = _scatter_keys(torch.stack([grad_k, grad_v]), spatial, ws, num_shared, span_pad)
+        grad_k_shared = torch.matmul(grad_scores_shared.reshape(B, h, n * L, num_shared).transpose(-1, -2),
+                                     q_t.reshape(B, h, n * L, d))
+        del grad_scores, grad_scores_shared, span
+        grad_k = _scatter_keys(grad_k, spatial, ws, 0, span_pad)[0]
+        grad_v = _scatter_keys(grad_v, spatial, ws, 0, span_pad)[0]
+        grad_kv, grad_shared = torch.stack([grad_k, grad_v]), torch.stack([grad_k_shared, grad_v_shared])
         grad_q = _untile(grad_q, spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
         return grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None
 
