@@ -177,11 +177,13 @@ class SepConvQkv(nn.Module):
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
         """Returns q, k, v stacked: (3, B, N, C)."""
         feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
-        qkv = _qkv_buffer(x, num_prefix_tokens)
-        qkv[0, :, num_prefix_tokens:] = self.q(feat_map)
-        qkv[1, :, num_prefix_tokens:] = self.k(feat_map)
-        qkv[2, :, num_prefix_tokens:] = self.v(feat_map)
-        return qkv
+        # a stack, not assignments into a buffer: autograd's backward of each in-place assignment would copy and
+        # zero-fill the gradient of the whole buffer (three times per layer in training)
+        qkv = torch.stack([self.q(feat_map), self.k(feat_map), self.v(feat_map)])
+        if num_prefix_tokens == 0:
+            return qkv
+        prefix = x[:, :num_prefix_tokens]
+        return torch.cat([prefix.expand((3,) + prefix.shape), qkv], dim=2)
 
     def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
         """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
