@@ -316,16 +316,19 @@ class LongShortAttention2d(FoldableModule):
         else:
             qkv = self.qkv(x, feat_size, num_prefix)  # (3, B, N, C)
             logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
-        q = qkv[0]
-        kv = self.norm_local(qkv[1:])  # (2, B, N, C): LN_L on keys and values
+        # unbind, not indexing: the backward of an index zero-fills a gradient of the whole (3, B, N, C) stack
+        q, k, v = qkv.unbind(0)
+        k, v = self.norm_local(k), self.norm_local(v)  # LN_L on keys and values
 
         # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
-        # heads-first copy of the patch keys and values, kept once for backward by the projection and the windows
-        kv_patch = kv[:, :, num_prefix:].reshape(2, B, num_patches, h, d).transpose(2, 3).contiguous()  # (2,B,h,Np,d)
+        # one heads-first copy of the patch keys and values, kept once for backward by the projection and the windows
+        kv_patch = torch.stack([k[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2),
+                                v[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2)])  # (2, B, h, Np, d)
         proj = projection_weights(logits, h)  # (B, h, r, Np)
         kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
         kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
-        kv_prefix = kv[:, :, :num_prefix].reshape(2, B, num_prefix, h, d).transpose(2, 3)
+        kv_prefix = torch.stack([k[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2),
+                                 v[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2)])
 
         # segment-wise windows, one joint softmax over [projected (r) | prefix (g) | window span (K^2)] keys; views
         # of q and kv go in, and the backward gathers the spans again instead of keeping them
