@@ -143,11 +143,11 @@ class _SepConvRecompute(torch.autograd.Function):
         tokens = y.flatten(2).transpose(1, 2)  # (B, H * W, C)
         grad_pw_weight = grad_out.flatten(0, 1).t() @ tokens.flatten(0, 1)
         grad_pw_bias = grad_out.sum((0, 1))
-        grad_y = (grad_out @ pw_weight).transpose(1, 2).reshape(B, C, H, W)  # a channels-last view
-        if z.is_contiguous() and not grad_y.is_contiguous():
-            # at batch 1 the conv returns z in NCHW; ATen's BatchNorm backward is 10-20x slower on mixed or
-            # channels-last layouts there (57 ms against 3 ms for a 64 x 192 x 192 map on 2 cores)
-            grad_y = grad_y.contiguous()
+        grad_y = (grad_out @ pw_weight).transpose(1, 2).reshape(B, C, H, W)  # a channels-last view, like z
+        if B == 1:
+            # ATen's BatchNorm backward is 10-20x slower on channels-last (or mixed) layouts at batch 1 (39-57 ms
+            # against 3 ms for a 64 x 192 x 192 map on 2 cores): NCHW copies of both are far cheaper
+            z, grad_y = z.contiguous(), grad_y.contiguous()
         grad_z, grad_bn_weight, grad_bn_bias = torch.ops.aten.native_batch_norm_backward(
             grad_y, z, bn_weight, None, None, mean, invstd, True, ctx.eps, [True, True, True])
         grad_x, grad_dw_weight, grad_dw_bias = torch.ops.aten.convolution_backward(
