@@ -283,6 +283,31 @@ def _span_forward(
     return _untile(out, spatial, window_size), keep
 
 
+def _join_shared(q_t: torch.Tensor, kv_shared: torch.Tensor, out_span: torch.Tensor, lse_span: torch.Tensor,
+                 scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Join the span attention (output and log-sum-exp of every query, from the flash kernel) with the attention to
+    the shared keys into the joint softmax's output and log-sum-exp.
+
+    Args:
+        q_t: Segments of queries (B, h, n, L, d).
+        kv_shared: (2, B, h, S, d), S > 0.
+        out_span: (B, h, n * L, d); lse_span: (B, h, n * L).
+
+    Returns:
+        The joint output (B, h, n * L, d) in the dtype of q and log-sum-exp (B, h, n * L) in lse_span's dtype.
+    """
+    B, h, n, L, d = q_t.shape
+    scores = torch.matmul(q_t.reshape(B, h, n * L, d), kv_shared[0].transpose(-1, -2)).to(lse_span.dtype)
+    scores.mul_(scale)
+    lse_shared = torch.logsumexp(scores, dim=-1)
+    lse = torch.logaddexp(lse_span, lse_shared)
+    attn = scores.sub_(lse[..., None]).exp_()  # joint weights of the shared keys
+    out = torch.matmul(attn.to(q_t.dtype), kv_shared[1])
+    # + the span output, weighted by its share of the joint softmax
+    out = out.to(lse.dtype).addcmul_(out_span.to(lse.dtype), (lse_span - lse).exp_()[..., None])
+    return out.to(q_t.dtype), lse
+
+
 def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_grad: bool) -> bool:
     """Whether a training step runs on the CPU flash-attention kernels (forward and backward): on CPU, for segments
     of more than 16 queries, without dropout (the kernel has none) and without a gradient for the mask (the kernel
@@ -304,16 +329,18 @@ class _SpanAttention(torch.autograd.Function):
         ctx.flash = _use_flash(q, window_size, dropout_p, needs_mask_grad)
         if ctx.flash:
             # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
-            # from it, without a (queries x keys) buffer
+            # from it, without a (queries x keys) buffer. It runs on the spans only; the shared keys are scored once
+            # over all queries, and the two parts join through their log-sum-exps (the joint softmax, exactly)
             spatial = list(q.shape[2:-1])
             q_t = _tile_queries(q, window_size)
             B, h, n, L, d = q_t.shape
-            keys = _gather_keys(kv, kv_shared, window_size, span_pad)
-            mask = _flash_mask(_full_mask(window_mask, kv_shared.shape[3], q.dtype), h, n)
+            span = _gather_keys(kv, kv_shared[:, :, :, :0], window_size, span_pad)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
-                attn_mask=mask, scale=scale)
-            del keys
+                q_t.reshape(B, h * n, L, d), span[0].reshape(B, h * n, -1, d), span[1].reshape(B, h * n, -1, d),
+                attn_mask=_flash_mask(window_mask, h, n), scale=scale)
+            del span
+            if kv_shared.shape[3] > 0:
+                out, lse = _join_shared(q_t, kv_shared, out.reshape(B, h, n * L, d), lse.reshape(B, h, n * L), scale)
             out = _untile(out.reshape(B, h, n, L, d), spatial, window_size)
             # the output is saved as returned: the output projection keeps the same storage for its own backward
             ctx.save_for_backward(q, kv, kv_shared, window_mask, out, lse)
@@ -330,23 +357,39 @@ class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def _flash_backward(ctx, grad_out):
         q, kv, kv_shared, window_mask, out, lse = ctx.saved_tensors
-        ws, span_pad = ctx.window_size, ctx.span_pad
+        ws, span_pad, scale = ctx.window_size, ctx.span_pad, ctx.scale
         spatial = list(q.shape[2:-1])
         num_shared = kv_shared.shape[3]
         q_t = _tile_queries(q, ws)
         B, h, n, L, d = q_t.shape
-        keys = _gather_keys(kv, kv_shared, ws, span_pad)
-        mask = _flash_mask(_full_mask(window_mask, num_shared, q.dtype), h, n)
+        go = _tokens_to_segments(grad_out.to(q.dtype), ws)  # (B, h, n, L, d)
+        out_t = _tokens_to_segments(out, ws)
+        span = _gather_keys(kv, kv_shared[:, :, :, :0], ws, span_pad)
+        # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
+        # its gradients of the span keys and its part of dq are exact
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _tokens_to_segments(grad_out.to(q.dtype), ws).reshape(B, h * n, L, d),
-            q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
-            _tokens_to_segments(out, ws).reshape(B, h * n, L, d), lse, 0., False, attn_mask=mask, scale=ctx.scale)
-        del keys
-        grad_k, grad_k_shared = _scatter_keys(grad_k.view(B, h, n, -1, d), spatial, ws, num_shared, span_pad)
-        grad_v, grad_v_shared = _scatter_keys(grad_v.view(B, h, n, -1, d), spatial, ws, num_shared, span_pad)
-        grad_kv, grad_shared = torch.stack([grad_k, grad_v]), torch.stack([grad_k_shared, grad_v_shared])
-        grad_q = _untile(grad_q.view(B, h, n, L, d), spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
-        return grad_q, grad_kv, grad_shared, None, None, None, None, None
+            go.reshape(B, h * n, L, d), q_t.reshape(B, h * n, L, d), span[0].reshape(B, h * n, -1, d),
+            span[1].reshape(B, h * n, -1, d), out_t.reshape(B, h * n, L, d), lse.reshape(B, h * n, L), 0., False,
+            attn_mask=_flash_mask(window_mask, h, n), scale=scale)
+        del span
+        grad_k = _scatter_keys(grad_k.reshape(B, h, n, -1, d), spatial, ws, 0, span_pad)[0]
+        grad_v = _scatter_keys(grad_v.reshape(B, h, n, -1, d), spatial, ws, 0, span_pad)[0]
+        grad_shared = kv_shared.new_zeros(kv_shared.shape)
+        if num_shared > 0:
+            # the shared keys' part: P = exp(s - lse), dS = P (dP - rowsum(dO * O)), as matmuls over all queries
+            rows = (B, h, n * L)
+            q_rows, go_rows = q_t.reshape(rows + (d,)), go.reshape(rows + (d,))
+            lse = lse.reshape(rows)
+            attn = torch.matmul(q_rows, kv_shared[0].transpose(-1, -2)).to(lse.dtype).mul_(scale)
+            attn = attn.sub_(lse[..., None]).exp_()  # (B, h, nL, S)
+            delta = (go_rows * out_t.reshape(rows + (d,))).sum(-1, keepdim=True, dtype=lse.dtype)
+            grad_scores = torch.matmul(go_rows, kv_shared[1].transpose(-1, -2)).to(lse.dtype)
+            grad_scores = grad_scores.sub_(delta).mul_(attn).mul_(scale).to(q.dtype)
+            grad_q = grad_q.reshape(rows + (d,)) + torch.matmul(grad_scores, kv_shared[0])
+            grad_shared[0] = torch.matmul(grad_scores.transpose(-1, -2), q_rows)
+            grad_shared[1] = torch.matmul(attn.to(q.dtype).transpose(-1, -2), go_rows)
+        grad_q = _untile(grad_q.reshape(B, h, n, L, d), spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
+        return grad_q, torch.stack([grad_k, grad_v]), grad_shared, None, None, None, None, None
 
     @staticmethod
     def _backward(ctx, grad_out):
