@@ -50,8 +50,12 @@ ATTN_TYPES = ('conv', 'long_short')
 
 
 def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-    """(B, H*W, C) -> (B, C, H, W) as a channels-last view: no copy, and the layout oneDNN convs prefer."""
-    return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
+    """(B, H*W, C) -> (B, C, H, W) as a channels-last view, the layout oneDNN convs prefer.
+
+    Patch tokens sliced after prefix tokens are copied once here: oneDNN would otherwise copy the non-dense map
+    inside every conv and conv backward that reads it.
+    """
+    return x.contiguous().reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
 
 
 class SepConv2d(FoldableModule):
