@@ -13,7 +13,10 @@ key and value in 2D, more activation memory than full attention. `span_attention
 and v in their own layout, views of tensors the layer keeps anyway) and, where dropout is on, the dropout mask; its
 backward gathers the spans again and runs the attention backward as batched matmuls over the whole batch (P is
 recomputed from the scores, as flash attention does), then folds the span gradients back onto the map with a few
-strided adds. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
+strided adds. The shared keys are never copied per segment: their scores, and their part of every product, are one
+matmul over all queries. On CPU, segments of more than 16 queries train on the CPU flash-attention kernels instead
+(spans only; the shared part joins through the log-sum-exps), which also keep the output and one log-sum-exp per
+query. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
 
 Written for lsvision, Apache-2.0.
 """
@@ -171,23 +174,21 @@ def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: in
     return out.flatten(dim, dim + 1).narrow(dim, pad, length)
 
 
-def _scatter_keys(grad_keys: torch.Tensor, spatial: List[int], window_size: int, num_shared: int,
-                  span_pad: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The adjoint of `_gather_keys` for keys or values: (..., num_segments, S + K^ndim, d) -> map (..., *spatial,
-    d), shared (..., S, d); the leading dims (..., e.g. B, h) are kept."""
-    lead = list(grad_keys.shape[:-3])
-    d = grad_keys.shape[-1]
+def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, span_pad: Optional[int] = None
+                ) -> torch.Tensor:
+    """The adjoint of the span gather for keys or values: (..., num_segments, K^ndim, d) span gradients -> map
+    (..., *spatial, d); the leading dims (..., e.g. B, h) are kept."""
+    lead = list(grad_span.shape[:-3])
+    d = grad_span.shape[-1]
     ws = window_size
     pad, span = window_span(ws, span_pad)
     grid = _grid(spatial, ws)
     seg = len(lead)
-    grad_shared = grad_keys[..., :num_shared, :].sum(seg)
-    window = grad_keys[..., num_shared:, :]
     if len(spatial) == 1:
-        return _fold_axis(window, seg, ws, spatial[0], pad), grad_shared
-    window = window.reshape(lead + [grid[0], grid[1], span, span, d]).transpose(seg + 1, seg + 2)
+        return _fold_axis(grad_span, seg, ws, spatial[0], pad)
+    window = grad_span.reshape(lead + [grid[0], grid[1], span, span, d]).transpose(seg + 1, seg + 2)
     window = _fold_axis(window, seg + 2, ws, spatial[1], pad)  # (..., gy, K, W, d)
-    return _fold_axis(window, seg, ws, spatial[0], pad), grad_shared
+    return _fold_axis(window, seg, ws, spatial[0], pad)
 
 
 def _full_mask(window_mask: Optional[torch.Tensor], num_shared: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -372,8 +373,8 @@ class _SpanAttention(torch.autograd.Function):
             span[1].reshape(B, h * n, -1, d), out_t.reshape(B, h * n, L, d), lse.reshape(B, h * n, L), 0., False,
             attn_mask=_flash_mask(window_mask, h, n), scale=scale)
         del span
-        grad_k = _scatter_keys(grad_k.reshape(B, h, n, -1, d), spatial, ws, 0, span_pad)[0]
-        grad_v = _scatter_keys(grad_v.reshape(B, h, n, -1, d), spatial, ws, 0, span_pad)[0]
+        grad_k = _fold_spans(grad_k.reshape(B, h, n, -1, d), spatial, ws, span_pad)
+        grad_v = _fold_spans(grad_v.reshape(B, h, n, -1, d), spatial, ws, span_pad)
         grad_shared = kv_shared.new_zeros(kv_shared.shape)
         if num_shared > 0:
             # the shared keys' part: P = exp(s - lse), dS = P (dP - rowsum(dO * O)), as matmuls over all queries
@@ -443,8 +444,8 @@ class _SpanAttention(torch.autograd.Function):
         grad_k_shared = torch.matmul(grad_scores_shared.reshape(B, h, n * L, num_shared).transpose(-1, -2),
                                      q_t.reshape(B, h, n * L, d))
         del grad_scores, grad_scores_shared, span
-        grad_k = _scatter_keys(grad_k, spatial, ws, 0, span_pad)[0]
-        grad_v = _scatter_keys(grad_v, spatial, ws, 0, span_pad)[0]
+        grad_k = _fold_spans(grad_k, spatial, ws, span_pad)
+        grad_v = _fold_spans(grad_v, spatial, ws, span_pad)
         grad_kv, grad_shared = torch.stack([grad_k, grad_v]), torch.stack([grad_k_shared, grad_v_shared])
         grad_q = _untile(grad_q, spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
         return grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None
