@@ -65,6 +65,7 @@ __all__ = [
     'parse_curve',
     'without_attention',
     'NoOpAttention',
+    'FULL_ATTENTION',
     'NO_ATTENTION',
     'plot_sweep',
     'resolution_sweep',
@@ -83,10 +84,10 @@ BENCH_KINDS = ('inference', 'train', 'both')
 """What :func:`benchmark_model` times (timm's ``benchmark.py --bench`` names)."""
 
 FULL_ATTENTION = '@full'
+"""Suffix of a model that runs it with full attention in every stage (see :func:`parse_curve`)."""
 NO_ATTENTION = '@noattn'
 """Suffix of a model whose blocks' attention is a no-op of the same output shape: the floor of a training step or
 pass that any attention implementation adds to (see :func:`without_attention`)."""
-"""Suffix of a model that runs it with full attention in every stage (see :func:`parse_curve`)."""
 TIME_KEYS = {'wall': 'time_per_image_s', 'cpu': 'cpu_time_per_image_s'}
 """The point field holding the time per image of each clock."""
 
@@ -503,7 +504,8 @@ class SweepCurve:
 
 
 def parse_curve(spec: str) -> SweepCurve:
-    """Parses a curve spec: a model name, or a model name with ``@full`` for its full-attention counterpart.
+    """Parses a curve spec: a model name, or a model name with ``@full`` for its full-attention counterpart or
+    ``@noattn`` for the model with every block's attention a no-op (the floor).
 
     ``vil_ls_medium@full`` is ViL-LS-Medium with full attention (relative-position bias) in every stage instead of
     long-short attention in stages 1-2. CvT's full-attention counterpart is a model of its own (``cvt_13``).
@@ -517,15 +519,13 @@ def parse_curve(spec: str) -> SweepCurve:
     Raises:
         ValueError: If the model is unknown or has no full-attention switch.
     """
-    if spec.endswith(NO_ATTENTION):
-        name = spec[:-len(NO_ATTENTION)]
-        if not timm.is_model(name):
-            raise ValueError(f'unknown model {name!r} in {spec!r}')
-        return SweepCurve(f'{name} (attention no-op)', name, no_attention=True)
-    name, full = (spec[:-len(FULL_ATTENTION)], True) if spec.endswith(FULL_ATTENTION) else (spec, False)
+    suffix = next((s for s in (FULL_ATTENTION, NO_ATTENTION) if spec.endswith(s)), '')
+    name = spec[:len(spec) - len(suffix)]
     if not timm.is_model(name):
         raise ValueError(f'unknown model {name!r} in curve {spec!r}; lsvision models: {", ".join(list_models())}')
-    if not full:
+    if suffix == NO_ATTENTION:
+        return SweepCurve(f'{name} (attention no-op)', name, no_attention=True)
+    if not suffix:
         return SweepCurve(spec, name)
     for prefix, kwargs in _FULL_ATTENTION_KWARGS.items():
         if name.startswith(prefix):

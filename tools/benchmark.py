@@ -56,6 +56,8 @@ import _bench_suites  # noqa: E402
 from lsvision.benchmark import (  # noqa: E402
     AMP_DTYPES,
     BENCH_KINDS,
+    FULL_ATTENTION,
+    NO_ATTENTION,
     BenchmarkConfig,
     SweepBudget,
     SweepConfig,
@@ -317,10 +319,11 @@ def row_summary(row: Dict[str, Any]) -> str:
 
 
 def model_specs(patterns: Sequence[str], baseline: Optional[str]) -> List[str]:
-    """Model names from names and wildcards (``NAME@full`` kept as is), with the baseline added if missing."""
+    """Model names from names and wildcards (``NAME@full`` and ``NAME@noattn`` kept as is), with the baseline added if
+    missing."""
     specs: List[str] = []
     for pattern in patterns:
-        specs += [pattern] if pattern.endswith(('@full', '@noattn')) else resolve_model_names([pattern])
+        specs += [pattern] if pattern.endswith((FULL_ATTENTION, NO_ATTENTION)) else resolve_model_names([pattern])
     if baseline is not None and baseline not in specs:
         specs.append(baseline)
     return list(dict.fromkeys(specs))
