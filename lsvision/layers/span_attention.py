@@ -157,6 +157,12 @@ def _gather_keys(kv: torch.Tensor, kv_shared: torch.Tensor, window_size: int, sp
     return keys
 
 
+def _gather_spans(kv: torch.Tensor, window_size: int, span_pad: Optional[int] = None) -> torch.Tensor:
+    """Keys and values of every segment's span only, (2, B, h, num_segments, K^ndim, d): the shared keys are used
+    as they lie, one matmul over all queries."""
+    return _gather_keys(kv, kv.new_empty(kv.shape[:3] + (0, kv.shape[-1])), window_size, span_pad)
+
+
 def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: int) -> torch.Tensor:
     """Sum the span gradients of one axis back onto it: dims (dim, dim + 1) = (segment, span offset) -> `length`.
 
@@ -274,7 +280,7 @@ def _span_forward(
             q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
             attn_mask=_flash_mask(mask, h, n), scale=scale).reshape(B, h, n, L, d)
     else:
-        span = _gather_keys(kv, kv_shared[:, :, :, :0], window_size, span_pad)  # the spans only
+        span = _gather_spans(kv, window_size, span_pad)
         attn = _scores_softmax(q_t, kv_shared[0], span[0], mask, scale)
         if dropout_p > 0.:
             keep = torch.rand_like(attn) >= dropout_p
@@ -335,7 +341,7 @@ class _SpanAttention(torch.autograd.Function):
             spatial = list(q.shape[2:-1])
             q_t = _tile_queries(q, window_size)
             B, h, n, L, d = q_t.shape
-            span = _gather_keys(kv, kv_shared[:, :, :, :0], window_size, span_pad)
+            span = _gather_spans(kv, window_size, span_pad)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q_t.reshape(B, h * n, L, d), span[0].reshape(B, h * n, -1, d), span[1].reshape(B, h * n, -1, d),
                 attn_mask=_flash_mask(window_mask, h, n), scale=scale)
@@ -365,7 +371,7 @@ class _SpanAttention(torch.autograd.Function):
         B, h, n, L, d = q_t.shape
         go = _tokens_to_segments(grad_out.to(q.dtype), ws)  # (B, h, n, L, d)
         out_t = _tokens_to_segments(out, ws)
-        span = _gather_keys(kv, kv_shared[:, :, :, :0], ws, span_pad)
+        span = _gather_spans(kv, ws, span_pad)
         # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
         # its gradients of the span keys and its part of dq are exact
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -403,7 +409,7 @@ class _SpanAttention(torch.autograd.Function):
         dtype = q.dtype
         q_t = _tile_queries(q, ws)
         B, h, n, L, d = q_t.shape
-        span = _gather_keys(kv, kv_shared[:, :, :, :0], ws, span_pad)  # the spans only
+        span = _gather_spans(kv, ws, span_pad)
         num_shared = kv_shared.shape[3]
         attn = _scores_softmax(q_t, kv_shared[0], span[0], _full_mask(window_mask, num_shared, dtype), scale)  # P
         go = _tokens_to_segments(grad_out, ws)  # (B, h, n, L, d)
