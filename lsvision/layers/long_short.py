@@ -24,8 +24,16 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_
 
 from .export import refuse_legacy_onnx_export
+from .local_norm import local_norm_heads, local_norm_heads_backward
 from .reparam import FoldableModule
-from .span_attention import span_attention, span_window_key_mask, window_span
+from .span_attention import (
+    autocast_dtype,
+    autocast_off,
+    span_attention,
+    span_attention_local_norm,
+    span_window_key_mask,
+    window_span,
+)
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'LinearDynamicProjection',
@@ -184,6 +192,61 @@ def dynamic_projection(
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
+class _LocalNormProjection(torch.autograd.Function):
+    """P @ LN_L(k), P @ LN_L(v), keeping P and the keys and values before the norm (`local_norm_projection`)."""
+
+    @staticmethod
+    def forward(ctx, proj, k, v, weight, bias, eps: float):
+        kv = local_norm_heads(k, v, weight, bias, eps, proj.shape[1])[0].to(proj.dtype)
+        ctx.eps = eps
+        ctx.save_for_backward(proj, k, v, weight, bias)
+        # one matmul each for keys and values: a broadcast of P over both would copy it
+        return torch.stack([torch.matmul(proj, kv[0]), torch.matmul(proj, kv[1])])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with autocast_off(grad_out.device.type):
+            proj, k, v, weight, bias = ctx.saved_tensors
+            kv, stats = local_norm_heads(k, v, weight, bias, ctx.eps, proj.shape[1])
+            kv = kv.to(proj.dtype)
+            grad_out = grad_out.to(proj.dtype)
+            grad_proj = None
+            if ctx.needs_input_grad[0]:
+                grad_proj = torch.matmul(grad_out[0], kv[0].transpose(-1, -2))
+                grad_proj.add_(torch.matmul(grad_out[1], kv[1].transpose(-1, -2)))
+            proj_t = proj.transpose(-1, -2)
+            grad_kv = torch.stack([torch.matmul(proj_t, grad_out[0]), torch.matmul(proj_t, grad_out[1])])
+            grad_k, grad_v, grad_weight, grad_bias = local_norm_heads_backward(grad_kv, k, v, weight, bias, stats)
+        return grad_proj, grad_k, grad_v, grad_weight, grad_bias, None
+
+
+@torch.jit.unused  # training only (TorchScript runs the plain path)
+def local_norm_projection(
+        proj: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        eps: float,
+) -> torch.Tensor:
+    """The dynamic projection of the LN_L-normed keys and values, P @ LN_L(k) and P @ LN_L(v), for training.
+
+    The same as ``proj @ LN_L(k, v) heads first``, but autograd keeps P and the keys and values before the norm
+    (views of the q, k, v projections, kept anyway), not the normalized ones (`lsvision.layers.local_norm`).
+
+    Args:
+        proj: Projection weights P (B, h, r, N).
+        k, v: Keys and values before LN_L, (B, N, C); any strides.
+        weight, bias, eps: LN_L's parameters.
+
+    Returns:
+        (2, B, h, r, d) in the compute dtype (under autocast, its dtype).
+    """
+    dtype = autocast_dtype(proj)
+    with autocast_off(proj.device.type):
+        return _LocalNormProjection.apply(proj.to(dtype), k, v, weight, bias, eps)
+
+
 @register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
 class LongShortAttention2d(FoldableModule):
     """Long-short attention over a 2D token map with optional prefix (cls) tokens.
@@ -294,6 +357,36 @@ class LongShortAttention2d(FoldableModule):
         bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads).permute(2, 0, 1)
         return mask + bias.to(dtype)[None, :, None]  # (1, h, n, w^2, K^2)
 
+    def _prefix_update(self, q_prefix: torch.Tensor, kv_prefix: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Post-cls update: each prefix query attends to the prefix keys and to the attention outputs of all patches.
+
+        The patch outputs serve as keys and values as they lie, (B, Np, C) tokens, with no per-head copy: the prefix
+        queries go in block-diagonal over the heads, (B, g * h, C), so one matmul per product covers every head (h
+        times the flops of g query rows, which are few) and autograd keeps no copy of the outputs.
+
+        Args:
+            q_prefix: Prefix queries (B, g, C).
+            kv_prefix: Prefix keys and values after LN_L (2, B, h, g, d).
+            out: Patch attention outputs (B, Np, C).
+
+        Returns:
+            The prefix tokens' attention outputs (B, g, C).
+        """
+        B, g, C = q_prefix.shape
+        h, d = self.num_heads, self.head_dim
+        q_heads = q_prefix.reshape(B, g, h, d) * d ** -0.5
+        eye = torch.eye(h, dtype=q_heads.dtype, device=q_heads.device)
+        q_block = (q_heads[:, :, None] * eye[:, :, None]).reshape(B, g * h, C)  # head i's query in its channels only
+        scores_patch = torch.matmul(q_block, out.transpose(1, 2)).reshape(B, g, h, -1)  # (B, g, h, Np)
+        scores_prefix = torch.matmul(q_heads.transpose(1, 2), kv_prefix[0].transpose(-1, -2)).transpose(1, 2)
+        scores = torch.cat([scores_prefix, scores_patch], dim=-1)  # (B, g, h, g + Np)
+        attn = scores.float().softmax(dim=-1).to(q_heads.dtype) if scores.dtype in (
+            torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
+        out_prefix = torch.matmul(attn[..., :g].transpose(1, 2), kv_prefix[1]).transpose(1, 2)  # (B, g, h, d)
+        out_patch = torch.matmul(attn[..., g:].reshape(B, g * h, -1), out).reshape(B, g, h, h, d)
+        # each head's rows read its own channels: the diagonal blocks
+        return (out_prefix + torch.diagonal(out_patch, dim1=2, dim2=3).transpose(-1, -2)).reshape(B, g, C)
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
         Args:
@@ -318,41 +411,46 @@ class LongShortAttention2d(FoldableModule):
             logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
         # unbind, not indexing: the backward of an index zero-fills a gradient of the whole (3, B, N, C) stack
         q, k, v = qkv.unbind(0)
-        k, v = self.norm_local(k), self.norm_local(v)  # LN_L on keys and values
-
-        # dynamic projection: P = softmax over tokens (fp32), k_bar = LN_G(P k), v_bar = LN_G(P v)
-        # one heads-first copy of the patch keys and values, kept once for backward by the projection and the windows
-        kv_patch = torch.stack([k[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2),
-                                v[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2)])  # (2, B, h, Np, d)
-        proj = projection_weights(logits, h)  # (B, h, r, Np)
-        kv_bar = (proj @ kv_patch).transpose(2, 3).reshape(2, B, r, C)
-        kv_bar = self.norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)  # (2, B, h, r, d)
-        kv_prefix = torch.stack([k[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2),
-                                 v[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2)])
+        k_patch, v_patch = k[:, num_prefix:], v[:, num_prefix:]
+        proj = projection_weights(logits, h)  # P = softmax over tokens (fp32): (B, h, r, Np)
+        norm = self.norm_local  # LN_L on keys and values
+        # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
+        kv_prefix = torch.stack([norm(k[:, :num_prefix]).reshape(B, num_prefix, h, d).transpose(1, 2),
+                                 norm(v[:, :num_prefix]).reshape(B, num_prefix, h, d).transpose(1, 2)])
+        q_patch = q[:, num_prefix:].reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
+        dropout_p = self.attn_drop if self.training else 0.
+        # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
+        # q, k, v stack, which the queries keep anyway); their backward normalizes again
+        recompute_norm = False
+        if not torch.jit.is_scripting():
+            recompute_norm = torch.is_grad_enabled() and (qkv.requires_grad or norm.weight.requires_grad)
+        if recompute_norm:
+            kv_bar = local_norm_projection(proj, k_patch, v_patch, norm.weight, norm.bias, norm.eps)
+            kv_patch = torch.empty(0)  # unused
+        else:
+            # one heads-first copy of the normalized patch keys and values serves the projection and the windows
+            kv_patch = torch.stack([norm(k_patch).reshape(B, num_patches, h, d).transpose(1, 2),
+                                    norm(v_patch).reshape(B, num_patches, h, d).transpose(1, 2)])  # (2, B, h, Np, d)
+            proj = proj.to(kv_patch.dtype)
+            kv_bar = torch.stack([proj @ kv_patch[0], proj @ kv_patch[1]])  # (2, B, h, r, d)
+        # LN_G on the projected keys and values
+        kv_bar = self.norm_global(kv_bar.transpose(2, 3).reshape(2, B, r, C)).reshape(2, B, r, h, d).transpose(2, 3)
+        kv_shared = torch.cat([kv_bar, kv_prefix.to(kv_bar.dtype)], dim=3) if num_prefix > 0 else kv_bar
 
         # segment-wise windows, one joint softmax over [projected (r) | prefix (g) | window span (K^2)] keys; views
         # of q and kv go in, and the backward gathers the spans again instead of keeping them
-        dropout_p = self.attn_drop if self.training else 0.
-        out = span_attention(
-            q[:, num_prefix:].reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4),
-            kv_patch.reshape(2, B, h, H, W, d),
-            torch.cat([kv_bar, kv_prefix], dim=3) if num_prefix > 0 else kv_bar,
-            self._window_mask(feat_size, q.dtype, q.device),
-            self.window_size,
-            d ** -0.5,
-            dropout_p,
-        ).reshape(B, num_patches, C)  # (B, Np, C)
+        window_mask = self._window_mask(feat_size, q.dtype, q.device)
+        if recompute_norm:
+            out = span_attention_local_norm(
+                q_patch, k_patch.reshape(B, H, W, C), v_patch.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
+                kv_shared, window_mask, self.window_size, d ** -0.5, dropout_p, None)
+        else:
+            out = span_attention(q_patch, kv_patch.reshape(2, B, h, H, W, d), kv_shared, window_mask,
+                                 self.window_size, d ** -0.5, dropout_p)
+        out = out.reshape(B, num_patches, C)
 
         x = self.proj(out)
         if num_prefix > 0:
-            # post-cls update: prefix queries attend to the prefix keys and to the patches' attention outputs (the
-            # outputs serve as keys and values without a concatenated copy)
-            out_heads = out.reshape(B, num_patches, h, d).transpose(1, 2)  # (B, h, Np, d)
-            q_prefix = q[:, :num_prefix].reshape(B, num_prefix, h, d).transpose(1, 2) * d ** -0.5
-            scores = torch.cat([q_prefix @ kv_prefix[0].transpose(-1, -2), q_prefix @ out_heads.transpose(-1, -2)], -1)
-            attn = scores.float().softmax(dim=-1).to(q.dtype) if scores.dtype in (
-                torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
-            prefix_out = attn[..., :num_prefix] @ kv_prefix[1] + attn[..., num_prefix:] @ out_heads
-            x = torch.cat([self.proj(prefix_out.transpose(1, 2).reshape(B, num_prefix, C)), x], dim=1)
+            x = torch.cat([self.proj(self._prefix_update(q[:, :num_prefix], kv_prefix, out)), x], dim=1)
         x = self.proj_drop(x)
         return x

@@ -26,7 +26,10 @@ from typing import ContextManager, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ['window_span', 'span_attention', 'span_window_key_mask', 'autocast_dtype', 'autocast_off']
+from .local_norm import local_norm_heads, local_norm_heads_backward
+
+__all__ = ['window_span', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask', 'autocast_dtype',
+           'autocast_off']
 
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype:
@@ -326,14 +329,23 @@ def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_g
 
 
 class _SpanAttention(torch.autograd.Function):
-    """`span_attention` with a backward that recomputes the gathered spans instead of keeping them."""
+    """`span_attention` with a backward that recomputes the gathered spans instead of keeping them.
+
+    With `kv` None, the keys and values are LN_L(k_raw), LN_L(v_raw) (`span_attention_local_norm`): they are
+    normalized here, and only the raw keys and values are kept; the backward normalizes them again.
+    """
 
     @staticmethod
     def forward(ctx, q, kv, kv_shared, window_mask, window_size: int, scale: float, dropout_p: float,
-                span_pad: Optional[int]):
+                span_pad: Optional[int], k_raw, v_raw, norm_weight, norm_bias, norm_eps: float):
         ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad = window_size, scale, dropout_p, span_pad
         needs_mask_grad = window_mask is not None and window_mask.requires_grad
         ctx.flash = _use_flash(q, window_size, dropout_p, needs_mask_grad)
+        ctx.local_norm, ctx.norm_eps = kv is None, norm_eps
+        kv_saved = kv  # None with the local norm: the raw keys and values are kept instead
+        if kv is None:
+            kv = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, q.shape[1])[0].to(q.dtype)
+        raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
             # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
             # from it, without a (queries x keys) buffer. It runs on the spans only; the shared keys are scored once
@@ -350,20 +362,34 @@ class _SpanAttention(torch.autograd.Function):
                 out, lse = _join_shared(q_t, kv_shared, out.reshape(B, h, n * L, d), lse.reshape(B, h, n * L), scale)
             out = _untile(out.reshape(B, h, n, L, d), spatial, window_size)
             # the output is saved as returned: the output projection keeps the same storage for its own backward
-            ctx.save_for_backward(q, kv, kv_shared, window_mask, out, lse)
+            ctx.save_for_backward(q, kv_saved, kv_shared, window_mask, *raw, out, lse)
             return out
         out, keep = _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)
-        ctx.save_for_backward(q, kv, kv_shared, window_mask, keep)
+        ctx.save_for_backward(q, kv_saved, kv_shared, window_mask, *raw, keep)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         with autocast_off(grad_out.device.type):
-            return _SpanAttention._backward(ctx, grad_out)
+            saved = ctx.saved_tensors
+            q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]
+            stats: List[torch.Tensor] = []
+            if ctx.local_norm:
+                kv, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, q.shape[1])
+                kv = kv.to(q.dtype)
+            inputs = (q, kv, kv_shared, window_mask) + tuple(saved[8:])
+            if ctx.flash:
+                grad_q, grad_kv, grad_shared, grad_mask = _SpanAttention._flash_backward(ctx, grad_out, *inputs)
+            else:
+                grad_q, grad_kv, grad_shared, grad_mask = _SpanAttention._backward(ctx, grad_out, *inputs)
+            grad_raw = (None, None, None, None)
+            if ctx.local_norm:
+                grad_raw = local_norm_heads_backward(grad_kv, k_raw, v_raw, norm_weight, norm_bias, stats)
+                grad_kv = None
+        return (grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None) + tuple(grad_raw) + (None,)
 
     @staticmethod
-    def _flash_backward(ctx, grad_out):
-        q, kv, kv_shared, window_mask, out, lse = ctx.saved_tensors
+    def _flash_backward(ctx, grad_out, q, kv, kv_shared, window_mask, out, lse):
         ws, span_pad, scale = ctx.window_size, ctx.span_pad, ctx.scale
         spatial = list(q.shape[2:-1])
         num_shared = kv_shared.shape[3]
@@ -396,13 +422,10 @@ class _SpanAttention(torch.autograd.Function):
             grad_shared[0] = torch.matmul(grad_scores.transpose(-1, -2), q_rows)
             grad_shared[1] = torch.matmul(attn.to(q.dtype).transpose(-1, -2), go_rows)
         grad_q = _untile(grad_q.reshape(B, h, n, L, d), spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
-        return grad_q, torch.stack([grad_k, grad_v]), grad_shared, None, None, None, None, None
+        return grad_q, torch.stack([grad_k, grad_v]), grad_shared, None
 
     @staticmethod
-    def _backward(ctx, grad_out):
-        if ctx.flash:
-            return _SpanAttention._flash_backward(ctx, grad_out)
-        q, kv, kv_shared, window_mask, keep = ctx.saved_tensors
+    def _backward(ctx, grad_out, q, kv, kv_shared, window_mask, keep):
         grad_out = grad_out.to(q.dtype)
         ws, scale, dropout_p, span_pad = ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad
         spatial = list(q.shape[2:-1])
@@ -454,7 +477,7 @@ class _SpanAttention(torch.autograd.Function):
         grad_v = _fold_spans(grad_v, spatial, ws, span_pad)
         grad_kv, grad_shared = torch.stack([grad_k, grad_v]), torch.stack([grad_k_shared, grad_v_shared])
         grad_q = _untile(grad_q, spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
-        return grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None
+        return grad_q, grad_kv, grad_shared, grad_mask
 
 
 def span_attention(
@@ -496,4 +519,41 @@ def span_attention(
     dtype = autocast_dtype(q)
     q, kv, kv_shared = q.to(dtype), kv.to(dtype), kv_shared.to(dtype)
     with autocast_off(q.device.type):
-        return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)
+        return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad,
+                                    None, None, None, None, 0.)
+
+
+@torch.jit.unused  # training only (TorchScript runs `span_attention`)
+def span_attention_local_norm(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        norm_weight: Optional[torch.Tensor],
+        norm_bias: Optional[torch.Tensor],
+        norm_eps: float,
+        kv_shared: torch.Tensor,
+        window_mask: Optional[torch.Tensor],
+        window_size: int,
+        scale: float,
+        dropout_p: float = 0.,
+        span_pad: Optional[int] = None,
+) -> torch.Tensor:
+    """`span_attention` of the keys and values after a LayerNorm over their channels (LN_L), for training.
+
+    The same as ``span_attention(q, LN_L(k), LN_L(v) heads first, ...)``, but autograd keeps k and v as given (in
+    the long-short layers, views of the q, k, v projections that are kept anyway) instead of the normalized keys and
+    values: the backward normalizes them again (`lsvision.layers.local_norm`).
+
+    Args:
+        q: Queries (B, h, *spatial, d).
+        k, v: Keys and values before LN_L, as tokens (B, *spatial, h * d); any strides.
+        norm_weight, norm_bias, norm_eps: LN_L's parameters.
+        Others: as `span_attention`.
+
+    Returns:
+        Outputs (B, *spatial, h, d).
+    """
+    dtype = autocast_dtype(q)
+    with autocast_off(q.device.type):
+        return _SpanAttention.apply(q.to(dtype), None, kv_shared.to(dtype), window_mask, window_size, scale,
+                                    dropout_p, span_pad, k, v, norm_weight, norm_bias, norm_eps)

@@ -1,0 +1,74 @@
+"""LN_L of long-short attention applied inside its consumers, recomputed in backward instead of kept.
+
+The keys and values of a long-short layer are LayerNorm-ed (LN_L) before two consumers read them: the dynamic
+projection (P @ LN_L(k)) and the window attention. Through autograd, each consumer keeps the normalized keys and values
+for its backward (two map-sized tensors per layer), while LN_L itself keeps its input, the keys and values before the
+norm, which share storage with the queries and are kept anyway. Here the consumers take the keys and values before the
+norm and keep only those; their backward normalizes again (a cheap elementwise pass) and ends with LN_L's own
+backward kernel, giving the gradients of the raw keys and values and of LN_L's weight and bias.
+
+Written for lsvision, Apache-2.0.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ['local_norm_heads', 'local_norm_heads_backward']
+
+
+def local_norm_heads(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        eps: float,
+        num_heads: int,
+) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """LN_L of keys and values over their channels, heads first.
+
+    Args:
+        k, v: Tokens before the norm, (B, *spatial, C), any strides.
+        weight, bias: LN_L's affine parameters (C,), or None.
+        eps: LN_L's epsilon.
+        num_heads: h; the head dim is C / h.
+
+    Returns:
+        The normalized keys and values as one contiguous (2, B, h, *spatial, d) tensor, and the statistics
+        [mean_k, rstd_k, mean_v, rstd_v] that `local_norm_heads_backward` takes.
+    """
+    C = k.shape[-1]
+    yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
+    yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
+    kv = torch.stack([yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1),
+                      yv.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)])
+    return kv, [mean_k, rstd_k, mean_v, rstd_v]
+
+
+def local_norm_heads_backward(
+        grad_kv: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        stats: List[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """LN_L's backward for the gradient of `local_norm_heads`' output.
+
+    Args:
+        grad_kv: (2, B, h, *spatial, d) gradient of the normalized keys and values.
+        k, v, weight, bias: As given to `local_norm_heads`.
+        stats: The statistics `local_norm_heads` returned.
+
+    Returns:
+        Gradients of k, v (B, *spatial, C), weight and bias (None where those are None).
+    """
+    mask = [True, weight is not None, bias is not None]
+    grads = []
+    for i, x in enumerate((k, v)):
+        grad = grad_kv[i].movedim(1, -2).flatten(-2).to(x.dtype)  # (B, *spatial, C)
+        grads.append(torch.ops.aten.native_layer_norm_backward(
+            grad, x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight, bias, mask))
+    (grad_k, grad_wk, grad_bk), (grad_v, grad_wv, grad_bv) = grads
+    grad_weight = grad_wk + grad_wv if weight is not None else None
+    grad_bias = grad_bk + grad_bv if bias is not None else None
+    return grad_k, grad_v, grad_weight, grad_bias
