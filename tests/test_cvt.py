@@ -267,3 +267,32 @@ def test_sep_conv_training_keeps_only_its_input_and_matches_autograd(batch):
         torch.testing.assert_close(a.grad, b.grad, msg=lambda m, name=name: f'{name}: {m}')
     for a, b in zip(conv.bn.buffers(), plain.bn.buffers()):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize('batch', [1, 2])
+def test_projection_conv_training_keeps_only_its_input_and_matches_autograd(batch):
+    """CvT-LS's projection-logit conv (weight-standardized depthwise conv, pointwise conv) recomputes the depthwise
+    output in backward: same gradients as autograd through StdConv2d, and nothing map-sized saved but the input."""
+    from lsvision.models.cvt import ConvDynamicProjection
+    torch.manual_seed(0)
+    proj = ConvDynamicProjection(8, 6).double().train()
+    with torch.no_grad():
+        for p in proj.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    H, W = 12, 13
+    tokens = torch.randn(batch, H * W, 8, dtype=torch.float64)
+    weight = torch.randn(batch, H * W, 6, dtype=torch.float64)
+    saved = []
+    xa = tokens.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        (proj(xa, (H, W)) * weight).sum().backward()
+    assert max(t.numel() for t in saved) == tokens.numel()  # the input map; the weights are smaller
+    grads = [xa.grad] + [p.grad.clone() for p in proj.parameters()]
+    proj.zero_grad(set_to_none=True)
+    xb = tokens.clone().requires_grad_()
+    feat_map = xb.transpose(1, 2).reshape(batch, 8, H, W)
+    plain = torch.nn.functional.linear(proj.dw(feat_map).flatten(2).transpose(1, 2), proj.pw.weight.flatten(1),
+                                       proj.pw.bias)  # StdConv2d's own forward under autograd
+    (plain * weight).sum().backward()
+    for a, b in zip(grads, [xb.grad] + [p.grad for p in proj.parameters()]):
+        torch.testing.assert_close(a, b)

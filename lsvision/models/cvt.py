@@ -115,19 +115,22 @@ class SepConv2d(FoldableModule):
 
 
 class _SepConvRecompute(torch.autograd.Function):
-    """Depthwise 3x3 conv -> BatchNorm (batch statistics) -> pointwise Linear, keeping only the input map for backward.
+    """Depthwise 3x3 conv -> BatchNorm (batch statistics; or none) -> pointwise Linear, keeping only the input map for
+    backward.
 
     Autograd would keep the conv output (for BatchNorm) and the BatchNorm output (for the pointwise weight): two maps
-    per projection, six per CvT-LS layer, where CvT's own strided k and v convs keep a quarter of that. The backward
-    recomputes both (one depthwise conv and the normalization) and runs ATen's own BatchNorm and convolution
-    backward kernels. The running statistics are updated once, in forward.
+    per projection, six per CvT-LS layer, where CvT's own strided k and v convs keep a quarter of that; the projection
+    logits' conv (no BatchNorm) would keep one more. The backward recomputes them (one depthwise conv and the
+    normalization) and runs ATen's own BatchNorm and convolution backward kernels. The running statistics are
+    updated once, in forward. With `bn_weight` None there is no BatchNorm (the projection logits' conv).
     """
 
     @staticmethod
     def forward(ctx, x, dw_weight, dw_bias, bn_weight, bn_bias, running_mean, running_var, pw_weight, pw_bias,
                 momentum: float, eps: float):
         z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=x.shape[1])
-        y = F.batch_norm(z, running_mean, running_var, bn_weight, bn_bias, True, momentum, eps)
+        y = z if bn_weight is None else F.batch_norm(
+            z, running_mean, running_var, bn_weight, bn_bias, True, momentum, eps)
         ctx.save_for_backward(x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight)
         ctx.eps = eps
         return F.linear(y.flatten(2).transpose(1, 2), pw_weight, pw_bias)
@@ -143,12 +146,19 @@ class _SepConvRecompute(torch.autograd.Function):
         grad_out = grad_out.to(x.dtype)
         B, C, H, W = x.shape
         z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=C)
-        y, mean, invstd = torch.ops.aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0., ctx.eps)
+        y = z
+        if bn_weight is not None:
+            y, mean, invstd = torch.ops.aten.native_batch_norm(z, bn_weight, bn_bias, None, None, True, 0., ctx.eps)
         tokens = y.flatten(2).transpose(1, 2)  # (B, H * W, C)
         grad_pw_weight = grad_out.flatten(0, 1).t() @ tokens.flatten(0, 1)
         grad_pw_bias = grad_out.sum((0, 1))
         grad_y = grad_out @ pw_weight  # (B, H * W, C) tokens
-        if z.is_contiguous(memory_format=torch.channels_last):
+        grad_bn_weight = grad_bn_bias = None
+        if bn_weight is None:
+            grad_z = grad_y.transpose(1, 2).reshape(B, C, H, W)  # channels-last view of the token gradient
+            if not z.is_contiguous(memory_format=torch.channels_last):
+                grad_z = grad_z.contiguous()
+        elif z.is_contiguous(memory_format=torch.channels_last):
             # BatchNorm backward on (B, C, H * W, 1) views of the channels-last maps: the same reduction, and ATen's
             # channels-last kernel is 10-20x slower on (1, C, H, W) (41 ms against 2.6 ms for C = 64, 192 x 192)
             grad_z, grad_bn_weight, grad_bn_bias = torch.ops.aten.native_batch_norm_backward(
@@ -248,7 +258,20 @@ class ConvDynamicProjection(FoldableModule):
         self._set_reparameterized()
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        x = self.dw(_tokens_to_map(x, feat_size)).flatten(2).transpose(1, 2)
+        feat_map = _tokens_to_map(x, feat_size)
+        if not torch.jit.is_scripting():
+            dw = self.dw
+            if torch.is_grad_enabled() and isinstance(dw, StdConv2d):
+                # training: keep only the input map for backward (the conv output is recomputed there); the
+                # standardized weight as StdConv2d computes it
+                weight = F.batch_norm(dw.weight.reshape(1, dw.out_channels, -1), None, None, training=True,
+                                      momentum=0., eps=dw.eps).reshape_as(dw.weight)
+                dtype = autocast_dtype(feat_map)
+                with autocast_off(feat_map.device.type):
+                    return _SepConvRecompute.apply(
+                        feat_map.to(dtype), weight.to(dtype), dw.bias.to(dtype), None, None, None, None,
+                        self.pw.weight.flatten(1).to(dtype), self.pw.bias.to(dtype), 0., 0.)
+        x = self.dw(feat_map).flatten(2).transpose(1, 2)
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
 
 
