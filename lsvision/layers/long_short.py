@@ -411,12 +411,8 @@ class LongShortAttention2d(FoldableModule):
             logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
         # unbind, not indexing: the backward of an index zero-fills a gradient of the whole (3, B, N, C) stack
         q, k, v = qkv.unbind(0)
-        k_patch, v_patch = k[:, num_prefix:], v[:, num_prefix:]
         proj = projection_weights(logits, h)  # P = softmax over tokens (fp32): (B, h, r, Np)
         norm = self.norm_local  # LN_L on keys and values
-        # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
-        kv_prefix = torch.stack([norm(k[:, :num_prefix]).reshape(B, num_prefix, h, d).transpose(1, 2),
-                                 norm(v[:, :num_prefix]).reshape(B, num_prefix, h, d).transpose(1, 2)])
         q_patch = q[:, num_prefix:].reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
         dropout_p = self.attn_drop if self.training else 0.
         # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
@@ -425,14 +421,22 @@ class LongShortAttention2d(FoldableModule):
         if not torch.jit.is_scripting():
             recompute_norm = torch.is_grad_enabled() and (qkv.requires_grad or norm.weight.requires_grad)
         if recompute_norm:
-            kv_bar = local_norm_projection(proj, k_patch, v_patch, norm.weight, norm.bias, norm.eps)
+            k_raw, v_raw = k[:, num_prefix:], v[:, num_prefix:]
+            k_prefix, v_prefix = norm(k[:, :num_prefix]), norm(v[:, :num_prefix])
+            kv_bar = local_norm_projection(proj, k_raw, v_raw, norm.weight, norm.bias, norm.eps)
             kv_patch = torch.empty(0)  # unused
         else:
+            k_raw, v_raw = k, v  # unused
+            k, v = norm(k), norm(v)
+            k_prefix, v_prefix = k[:, :num_prefix], v[:, :num_prefix]
             # one heads-first copy of the normalized patch keys and values serves the projection and the windows
-            kv_patch = torch.stack([norm(k_patch).reshape(B, num_patches, h, d).transpose(1, 2),
-                                    norm(v_patch).reshape(B, num_patches, h, d).transpose(1, 2)])  # (2, B, h, Np, d)
+            kv_patch = torch.stack([k[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2),
+                                    v[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2)])
             proj = proj.to(kv_patch.dtype)
             kv_bar = torch.stack([proj @ kv_patch[0], proj @ kv_patch[1]])  # (2, B, h, r, d)
+        # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
+        kv_prefix = torch.stack([k_prefix.reshape(B, num_prefix, h, d).transpose(1, 2),
+                                 v_prefix.reshape(B, num_prefix, h, d).transpose(1, 2)])
         # LN_G on the projected keys and values
         kv_bar = self.norm_global(kv_bar.transpose(2, 3).reshape(2, B, r, C)).reshape(2, B, r, h, d).transpose(2, 3)
         kv_shared = torch.cat([kv_bar, kv_prefix.to(kv_bar.dtype)], dim=3) if num_prefix > 0 else kv_bar
@@ -442,7 +446,7 @@ class LongShortAttention2d(FoldableModule):
         window_mask = self._window_mask(feat_size, q.dtype, q.device)
         if recompute_norm:
             out = span_attention_local_norm(
-                q_patch, k_patch.reshape(B, H, W, C), v_patch.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
+                q_patch, k_raw.reshape(B, H, W, C), v_raw.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
                 kv_shared, window_mask, self.window_size, d ** -0.5, dropout_p, None)
         else:
             out = span_attention(q_patch, kv_patch.reshape(2, B, h, H, W, d), kv_shared, window_mask,
