@@ -218,3 +218,45 @@ def test_gradient_of_a_full_shape_mask(span_pad):
     plain = torch.autograd.grad((_span_forward(q, kv, shared, mask, w, 0.6, 0., span_pad)[0] * weight).sum(), inputs)
     for a, b in zip(fast, plain):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize('batch,g', [(2, 0), (1, 1)])
+def test_layer_keeps_keys_and_values_once(batch, g):
+    """The whole 2D layer's saved tensors in training (CvT-LS convs): of map size or larger, only the input map, the
+    q, k, v projections (one stack) and the attention output. LN_L's normalized keys and values are not kept (the
+    projection and the windows renormalize in backward), nor a conv output, nor a copy of P or of the patch outputs
+    for the prefix update."""
+    torch.manual_seed(0)
+    C, h, w, r, H, W = 32, 2, 4, 4, 8, 12
+    attn = LongShortAttention2d(C, h, w, r, **LAYERS['conv']).train()
+    x = torch.randn(batch, g + H * W, C, requires_grad=True)
+    _, saved = _saved_storages(lambda: attn(x, (H, W)))
+    token_map = batch * H * W * C * 4  # bytes of one fp32 map
+    assert h * r < C // 2  # P is smaller than half a map
+    large = [n / token_map for n in saved if n >= token_map // 2]
+    assert large == pytest.approx([3, 1 + g / (H * W), 1], rel=0.02), large  # q, k, v stack; input tokens; output
+
+
+def test_layer_trains_under_bf16_autocast():
+    """Gradients of the training path under bfloat16 autocast (every custom backward runs outside it, in one dtype)
+    are close to float32's, and parameter gradients stay float32."""
+    torch.manual_seed(0)
+    attn = _perturb(LongShortAttention2d(32, 2, 2, 3, **LAYERS['conv']), 0.1).train()
+    x = torch.randn(2, 1 + 6 * 10, 32)
+    weight = torch.randn_like(x)
+    ref = _grads(attn, x, lambda t: attn(t, (6, 10)), weight)
+
+    def under_autocast(t):
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            return attn(t, (6, 10)).float()
+
+    grads = _grads(attn, x, under_autocast, weight)
+    scale = max(g.norm() for g in ref)
+    compared = 0
+    for name, a, b in zip(['x'] + [n for n, _ in attn.named_parameters()], grads, ref):
+        assert a.dtype == torch.float32, name
+        if b.norm() < 1e-4 * scale:
+            continue  # zero in exact math (a bias before BatchNorm, or shifting the softmax over tokens): noise
+        assert (a - b).norm() <= 0.05 * b.norm() + 1e-6, (name, (a - b).norm().item(), b.norm().item())
+        compared += 1
+    assert compared >= len(ref) - 6  # all but the q, k, v and projection conv biases
