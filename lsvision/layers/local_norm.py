@@ -45,7 +45,8 @@ def local_norm_heads(
 
 
 def local_norm_heads_backward(
-        grad_kv: torch.Tensor,
+        grad_k_heads: torch.Tensor,
+        grad_v_heads: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         weight: Optional[torch.Tensor],
@@ -55,7 +56,7 @@ def local_norm_heads_backward(
     """LN_L's backward for the gradient of `local_norm_heads`' output.
 
     Args:
-        grad_kv: (2, B, h, *spatial, d) gradient of the normalized keys and values.
+        grad_k_heads, grad_v_heads: (B, h, *spatial, d) gradients of the normalized keys and values.
         k, v, weight, bias: As given to `local_norm_heads`.
         stats: The statistics `local_norm_heads` returned.
 
@@ -64,8 +65,8 @@ def local_norm_heads_backward(
     """
     mask = [True, weight is not None, bias is not None]
     grads = []
-    for i, x in enumerate((k, v)):
-        grad = grad_kv[i].movedim(1, -2).flatten(-2).to(x.dtype)  # (B, *spatial, C)
+    for i, (x, grad_heads) in enumerate(((k, grad_k_heads), (v, grad_v_heads))):
+        grad = grad_heads.movedim(1, -2).flatten(-2).to(x.dtype)  # (B, *spatial, C)
         grads.append(torch.ops.aten.native_layer_norm_backward(
             grad, x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight, bias, mask))
     (grad_k, grad_wk, grad_bk), (grad_v, grad_wv, grad_bv) = grads

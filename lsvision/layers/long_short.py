@@ -215,8 +215,8 @@ class _LocalNormProjection(torch.autograd.Function):
                 grad_proj = torch.matmul(grad_out[0], kv[0].transpose(-1, -2))
                 grad_proj.add_(torch.matmul(grad_out[1], kv[1].transpose(-1, -2)))
             proj_t = proj.transpose(-1, -2)
-            grad_kv = torch.stack([torch.matmul(proj_t, grad_out[0]), torch.matmul(proj_t, grad_out[1])])
-            grad_k, grad_v, grad_weight, grad_bias = local_norm_heads_backward(grad_kv, k, v, weight, bias, stats)
+            grad_k, grad_v, grad_weight, grad_bias = local_norm_heads_backward(
+                torch.matmul(proj_t, grad_out[0]), torch.matmul(proj_t, grad_out[1]), k, v, weight, bias, stats)
         return grad_proj, grad_k, grad_v, grad_weight, grad_bias, None
 
 

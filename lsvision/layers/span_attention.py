@@ -377,19 +377,29 @@ class _SpanAttention(torch.autograd.Function):
             if ctx.local_norm:
                 kv, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, q.shape[1])
                 kv = kv.to(q.dtype)
-            inputs = (q, kv, kv_shared, window_mask) + tuple(saved[8:])
+            # the spans are all the backward needs of kv: a recomputed kv is freed before the attention backward, and
+            # the spans go in a list that the backward empties, so that it can free them as soon as it is done
+            spans = [_gather_spans(kv, ctx.window_size, ctx.span_pad)]
+            del kv
             if ctx.flash:
-                grad_q, grad_kv, grad_shared, grad_mask = _SpanAttention._flash_backward(ctx, grad_out, *inputs)
+                grad_q, grad_k, grad_v, grad_shared = _SpanAttention._flash_backward(
+                    ctx, grad_out, q, spans, kv_shared, window_mask, saved[8], saved[9])
+                grad_mask = None
             else:
-                grad_q, grad_kv, grad_shared, grad_mask = _SpanAttention._backward(ctx, grad_out, *inputs)
-            grad_raw = (None, None, None, None)
+                grad_q, grad_k, grad_v, grad_shared, grad_mask = _SpanAttention._backward(
+                    ctx, grad_out, q, spans, kv_shared, window_mask, saved[8])
+            grad_kv, grad_raw = None, (None, None, None, None)
             if ctx.local_norm:
-                grad_raw = local_norm_heads_backward(grad_kv, k_raw, v_raw, norm_weight, norm_bias, stats)
-                grad_kv = None
+                grad_raw = local_norm_heads_backward(grad_k, grad_v, k_raw, v_raw, norm_weight, norm_bias, stats)
+            else:
+                grad_kv = torch.stack([grad_k, grad_v])
         return (grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None) + tuple(grad_raw) + (None,)
 
     @staticmethod
-    def _flash_backward(ctx, grad_out, q, kv, kv_shared, window_mask, out, lse):
+    def _flash_backward(ctx, grad_out, q, spans: List[torch.Tensor], kv_shared, window_mask, out, lse):
+        """The flash path's backward, given the gathered spans (popped from `spans`): gradients of q, the map's k and
+        v, and the shared keys."""
+        span = spans.pop()
         ws, span_pad, scale = ctx.window_size, ctx.span_pad, ctx.scale
         spatial = list(q.shape[2:-1])
         num_shared = kv_shared.shape[3]
@@ -397,7 +407,6 @@ class _SpanAttention(torch.autograd.Function):
         B, h, n, L, d = q_t.shape
         go = _tokens_to_segments(grad_out.to(q.dtype), ws)  # (B, h, n, L, d)
         out_t = _tokens_to_segments(out, ws)
-        span = _gather_spans(kv, ws, span_pad)
         # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
         # its gradients of the span keys and its part of dq are exact
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -422,17 +431,19 @@ class _SpanAttention(torch.autograd.Function):
             grad_shared[0] = torch.matmul(grad_scores.transpose(-1, -2), q_rows)
             grad_shared[1] = torch.matmul(attn.to(q.dtype).transpose(-1, -2), go_rows)
         grad_q = _untile(grad_q.reshape(B, h, n, L, d), spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
-        return grad_q, torch.stack([grad_k, grad_v]), grad_shared, None
+        return grad_q, grad_k, grad_v, grad_shared
 
     @staticmethod
-    def _backward(ctx, grad_out, q, kv, kv_shared, window_mask, keep):
+    def _backward(ctx, grad_out, q, spans: List[torch.Tensor], kv_shared, window_mask, keep):
+        """The batched-matmul backward, given the gathered spans (popped from `spans`): gradients of q, the map's k
+        and v, the shared keys and the mask."""
+        span = spans.pop()
         grad_out = grad_out.to(q.dtype)
         ws, scale, dropout_p, span_pad = ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad
         spatial = list(q.shape[2:-1])
         dtype = q.dtype
         q_t = _tile_queries(q, ws)
         B, h, n, L, d = q_t.shape
-        span = _gather_spans(kv, ws, span_pad)
         num_shared = kv_shared.shape[3]
         attn = _scores_softmax(q_t, kv_shared[0], span[0], _full_mask(window_mask, num_shared, dtype), scale)  # P
         go = _tokens_to_segments(grad_out, ws)  # (B, h, n, L, d)
@@ -475,9 +486,9 @@ class _SpanAttention(torch.autograd.Function):
         del grad_scores, grad_scores_shared, span
         grad_k = _fold_spans(grad_k, spatial, ws, span_pad)
         grad_v = _fold_spans(grad_v, spatial, ws, span_pad)
-        grad_kv, grad_shared = torch.stack([grad_k, grad_v]), torch.stack([grad_k_shared, grad_v_shared])
+        grad_shared = torch.stack([grad_k_shared, grad_v_shared])
         grad_q = _untile(grad_q, spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
-        return grad_q, grad_kv, grad_shared, grad_mask
+        return grad_q, grad_k, grad_v, grad_shared, grad_mask
 
 
 def span_attention(
