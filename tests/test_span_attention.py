@@ -260,3 +260,17 @@ def test_layer_trains_under_bf16_autocast():
         assert (a - b).norm() <= 0.05 * b.norm() + 1e-6, (name, (a - b).norm().item(), b.norm().item())
         compared += 1
     assert compared >= len(ref) - 6  # all but the q, k, v and projection conv biases
+
+
+def test_1d_layer_keeps_keys_and_values_once():
+    """The 1D bidirectional layer in training keeps no normalized copy of its keys and values (nor a heads-first copy
+    for the projection): k and v are kept once, as views of the q, k, v projection."""
+    torch.manual_seed(0)
+    B, n, C = 2, 40, 32
+    attn = LongShortAttention1d(C, 2, 4, 3).train()
+    x = torch.randn(B, n, C, requires_grad=True)
+    _, saved = _saved_storages(lambda: attn(x))
+    token_map = B * n * C * 4  # bytes of one fp32 map
+    large = [n / token_map for n in saved if n >= token_map // 2]
+    assert large[0] == 3  # the q, k, v projection
+    assert sum(large) < 7.5, large  # 13.2 maps when LN_L's output and a heads-first copy of it were kept as well

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .long_short import projection_weights
-from .span_attention import span_attention, window_span
+from .long_short import local_norm_projection, projection_weights
+from .span_attention import span_attention, span_attention_local_norm, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
 
@@ -141,7 +141,16 @@ class LongShortAttention1d(nn.Module):
         valid = None if mask is None else mask.to(torch.bool)
         qkv = F.linear(x, self.qkv.weight, self.qkv.bias).unflatten(-1, (3, C))
         q = qkv[:, :, 0] * d ** -0.5  # scale once, before any product (official)
-        kv = self._heads(self.norm_local(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d): LN_L over all D
+        norm = self.norm_local  # LN_L over all D on keys and values
+        k_raw, v_raw = qkv[:, :, 1], qkv[:, :, 2]
+        # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
+        # qkv output, which the queries keep anyway); their backward normalizes again (`lsvision.layers.local_norm`)
+        recompute_norm = False
+        if not torch.jit.is_scripting():
+            recompute_norm = torch.is_grad_enabled() and (qkv.requires_grad or norm.weight.requires_grad)
+        kv = qkv.new_empty(0)  # unused when recomputing
+        if not recompute_norm:
+            kv = self._heads(norm(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d)
 
         # global keys: [cls k/v (without LN_L) | P K, P V], then LN_G over D
         global_kv = []
@@ -153,12 +162,16 @@ class LongShortAttention1d(nn.Module):
             global_kv.append(kv_cls)
         if r > 0:
             proj = projection_weights(self.dynamic_proj(x), h, valid)  # (B, h, r, n)
-            global_kv.append(proj @ kv)
+            if recompute_norm:
+                global_kv.append(local_norm_projection(proj, k_raw, v_raw, norm.weight, norm.bias, norm.eps))
+            else:
+                proj = proj.to(kv.dtype)
+                global_kv.append(torch.stack([proj @ kv[0], proj @ kv[1]]))  # no broadcast copy of P
         if global_kv:
             kv_bar = torch.cat(global_kv, dim=3) if len(global_kv) > 1 else global_kv[0]
             kv_bar = self._heads(self.norm_global(self._merge(kv_bar)))  # (2, B, h, g, d)
         else:
-            kv_bar = kv.new_zeros(2, B, h, 0, d)
+            kv_bar = qkv.new_zeros(2, B, h, 0, d)
         dropout_p = self.attn_drop if self.training else 0.
         qh = self._heads(q)  # (B, h, n, d)
 
@@ -173,7 +186,13 @@ class LongShortAttention1d(nn.Module):
             win_mask = torch.zeros(key_ok.shape, dtype=q.dtype, device=x.device).masked_fill(
                 ~key_ok, _mask_value(q.dtype))
             # one joint softmax over [global | window span] keys; the backward gathers the spans again
-            out = span_attention(qh, kv, kv_bar, win_mask[:, None, :, None, :], w, 1., dropout_p).transpose(1, 2)
+            win_mask = win_mask[:, None, :, None, :]
+            if recompute_norm:
+                out = span_attention_local_norm(qh, k_raw, v_raw, norm.weight, norm.bias, norm.eps, kv_bar, win_mask,
+                                                w, 1., dropout_p, None)
+            else:
+                out = span_attention(qh, kv, kv_bar, win_mask, w, 1., dropout_p)
+            out = out.transpose(1, 2)
         else:
             out = F.scaled_dot_product_attention(qh, kv_bar[0], kv_bar[1], dropout_p=dropout_p, scale=1.)
         if valid is not None:
