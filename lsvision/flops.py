@@ -216,7 +216,8 @@ UNCOUNTED_OPS: Set[str] = {
     'aten::mean', 'aten::norm', 'aten::std', 'aten::sum', 'aten::var',
     # shape, memory and constant creation
     'aten::alias', 'aten::as_strided', 'aten::bernoulli_', 'aten::clone', 'aten::dropout_', 'aten::empty_like',
-    'aten::expand_as', 'aten::feature_dropout', 'aten::flip', 'aten::im2col', 'aten::index_select', 'aten::linspace',
+    'aten::diagonal', 'aten::expand_as', 'aten::eye', 'aten::feature_dropout', 'aten::flip', 'aten::im2col',
+    'aten::index_select', 'aten::linspace',
     'aten::meshgrid', 'aten::movedim', 'aten::new_ones', 'aten::ones_like', 'aten::pad', 'aten::pixel_shuffle',
     'aten::pixel_unshuffle', 'aten::repeat', 'aten::repeat_interleave', 'aten::reshape_as', 'aten::tile',
     'aten::unflatten', 'aten::unfold', 'aten::view_as', 'aten::zero_',

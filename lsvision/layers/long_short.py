@@ -360,9 +360,11 @@ class LongShortAttention2d(FoldableModule):
     def _prefix_update(self, q_prefix: torch.Tensor, kv_prefix: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Post-cls update: each prefix query attends to the prefix keys and to the attention outputs of all patches.
 
-        The patch outputs serve as keys and values as they lie, (B, Np, C) tokens, with no per-head copy: the prefix
-        queries go in block-diagonal over the heads, (B, g * h, C), so one matmul per product covers every head (h
-        times the flops of g query rows, which are few) and autograd keeps no copy of the outputs.
+        In training the patch outputs serve as keys and values as they lie, (B, Np, C) tokens, so that autograd keeps
+        no per-head copy of them: the prefix queries go in block-diagonal over the heads, (B, g * h, C), and one matmul
+        per product covers every head (h times the multiply-adds of g query rows, which are few). Without gradients
+        the products run per head, on a heads-first view of the outputs (and FLOP counts see the attention's own
+        multiply-adds).
 
         Args:
             q_prefix: Prefix queries (B, g, C).
@@ -374,18 +376,27 @@ class LongShortAttention2d(FoldableModule):
         """
         B, g, C = q_prefix.shape
         h, d = self.num_heads, self.head_dim
-        q_heads = q_prefix.reshape(B, g, h, d) * d ** -0.5
-        eye = torch.eye(h, dtype=q_heads.dtype, device=q_heads.device)
-        q_block = (q_heads[:, :, None] * eye[:, :, None]).reshape(B, g * h, C)  # head i's query in its channels only
-        scores_patch = torch.matmul(q_block, out.transpose(1, 2)).reshape(B, g, h, -1)  # (B, g, h, Np)
-        scores_prefix = torch.matmul(q_heads.transpose(1, 2), kv_prefix[0].transpose(-1, -2)).transpose(1, 2)
-        scores = torch.cat([scores_prefix, scores_patch], dim=-1)  # (B, g, h, g + Np)
+        q_heads = q_prefix.reshape(B, g, h, d).transpose(1, 2) * d ** -0.5  # (B, h, g, d)
+        scores_prefix = torch.matmul(q_heads, kv_prefix[0].transpose(-1, -2))  # (B, h, g, g)
+        block_diagonal = not torch.jit.is_scripting() and torch.is_grad_enabled()
+        if block_diagonal:
+            eye = torch.eye(h, dtype=q_heads.dtype, device=q_heads.device)
+            q_block = (q_heads.transpose(1, 2)[:, :, :, None] * eye[:, :, None]).reshape(B, g * h, C)
+            scores_patch = torch.matmul(q_block, out.transpose(1, 2)).reshape(B, g, h, -1).transpose(1, 2)
+        else:
+            out_heads = out.reshape(B, -1, h, d).transpose(1, 2)  # (B, h, Np, d)
+            scores_patch = torch.matmul(q_heads, out_heads.transpose(-1, -2))
+        scores = torch.cat([scores_prefix, scores_patch], dim=-1)  # (B, h, g, g + Np)
         attn = scores.float().softmax(dim=-1).to(q_heads.dtype) if scores.dtype in (
             torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
-        out_prefix = torch.matmul(attn[..., :g].transpose(1, 2), kv_prefix[1]).transpose(1, 2)  # (B, g, h, d)
-        out_patch = torch.matmul(attn[..., g:].reshape(B, g * h, -1), out).reshape(B, g, h, h, d)
-        # each head's rows read its own channels: the diagonal blocks
-        return (out_prefix + torch.diagonal(out_patch, dim1=2, dim2=3).transpose(-1, -2)).reshape(B, g, C)
+        out_prefix = torch.matmul(attn[..., :g], kv_prefix[1])  # (B, h, g, d)
+        if block_diagonal:
+            out_patch = torch.matmul(attn[..., g:].transpose(1, 2).reshape(B, g * h, -1), out).reshape(B, g, h, h, d)
+            # each head's rows read its own channels: the diagonal blocks
+            out_patch = torch.diagonal(out_patch, dim1=2, dim2=3).permute(0, 3, 1, 2)  # (B, h, g, d)
+        else:
+            out_patch = torch.matmul(attn[..., g:], out.reshape(B, -1, h, d).transpose(1, 2))
+        return (out_prefix + out_patch).transpose(1, 2).reshape(B, g, C)
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
