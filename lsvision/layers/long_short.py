@@ -430,7 +430,8 @@ class LongShortAttention2d(FoldableModule):
         # q, k, v stack, which the queries keep anyway); their backward normalizes again
         recompute_norm = False
         if not torch.jit.is_scripting():
-            recompute_norm = torch.is_grad_enabled() and (qkv.requires_grad or norm.weight.requires_grad)
+            recompute_norm = torch.is_grad_enabled() and (
+                qkv.requires_grad or (norm.weight is not None and norm.weight.requires_grad))
         if recompute_norm:
             k_raw, v_raw = k[:, num_prefix:], v[:, num_prefix:]
             k_prefix, v_prefix = norm(k[:, :num_prefix]), norm(v[:, :num_prefix])

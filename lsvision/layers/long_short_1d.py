@@ -147,7 +147,8 @@ class LongShortAttention1d(nn.Module):
         # qkv output, which the queries keep anyway); their backward normalizes again (`lsvision.layers.local_norm`)
         recompute_norm = False
         if not torch.jit.is_scripting():
-            recompute_norm = torch.is_grad_enabled() and (qkv.requires_grad or norm.weight.requires_grad)
+            recompute_norm = torch.is_grad_enabled() and (
+                qkv.requires_grad or (norm.weight is not None and norm.weight.requires_grad))
         kv = qkv.new_empty(0)  # unused when recomputing
         if not recompute_norm:
             kv = self._heads(norm(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d)
