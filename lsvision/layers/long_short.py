@@ -38,7 +38,7 @@ from .span_attention import (
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'LinearDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
-    'resize_window_rel_pos_table', 'projection_weights', 'dynamic_projection',
+    'resize_window_rel_pos_table', 'projection_weights', 'project_keys_values', 'dynamic_projection',
 ]
 
 
@@ -164,6 +164,14 @@ def projection_weights(
     return proj.to(dtype)
 
 
+def project_keys_values(proj: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """P @ k and P @ v: (B, h, r, N) weights and (2, B, h, N, d) keys and values -> (2, B, h, r, d).
+
+    One matmul each: a matmul broadcasting P over keys and values would copy P, and autograd would keep the copy.
+    """
+    return torch.stack([torch.matmul(proj, kv[0]), torch.matmul(proj, kv[1])])
+
+
 def dynamic_projection(
         kv: torch.Tensor,
         logits: torch.Tensor,
@@ -188,7 +196,7 @@ def dynamic_projection(
     _, B, h, N, d = kv.shape
     proj = projection_weights(logits, h, valid).to(kv.dtype)  # (B, h, r, N)
     r = proj.shape[2]
-    kv_bar = (proj @ kv).transpose(2, 3).reshape(2, B, r, h * d)
+    kv_bar = project_keys_values(proj, kv).transpose(2, 3).reshape(2, B, r, h * d)
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
@@ -200,8 +208,7 @@ class _LocalNormProjection(torch.autograd.Function):
         kv = local_norm_heads(k, v, weight, bias, eps, proj.shape[1])[0].to(proj.dtype)
         ctx.eps = eps
         ctx.save_for_backward(proj, k, v, weight, bias)
-        # one matmul each for keys and values: a broadcast of P over both would copy it
-        return torch.stack([torch.matmul(proj, kv[0]), torch.matmul(proj, kv[1])])
+        return project_keys_values(proj, kv)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -445,7 +452,7 @@ class LongShortAttention2d(FoldableModule):
             kv_patch = torch.stack([k[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2),
                                     v[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2)])
             proj = proj.to(kv_patch.dtype)
-            kv_bar = torch.stack([proj @ kv_patch[0], proj @ kv_patch[1]])  # (2, B, h, r, d)
+            kv_bar = project_keys_values(proj, kv_patch)  # (2, B, h, r, d)
         # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
         kv_prefix = torch.stack([k_prefix.reshape(B, num_prefix, h, d).transpose(1, 2),
                                  v_prefix.reshape(B, num_prefix, h, d).transpose(1, 2)])

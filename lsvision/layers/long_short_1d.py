@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .long_short import local_norm_projection, projection_weights
+from .long_short import local_norm_projection, project_keys_values, projection_weights
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
@@ -167,7 +167,7 @@ class LongShortAttention1d(nn.Module):
                 global_kv.append(local_norm_projection(proj, k_raw, v_raw, norm.weight, norm.bias, norm.eps))
             else:
                 proj = proj.to(kv.dtype)
-                global_kv.append(torch.stack([proj @ kv[0], proj @ kv[1]]))  # no broadcast copy of P
+                global_kv.append(project_keys_values(proj, kv))
         if global_kv:
             kv_bar = torch.cat(global_kv, dim=3) if len(global_kv) > 1 else global_kv[0]
             kv_bar = self._heads(self.norm_global(self._merge(kv_bar)))  # (2, B, h, g, d)
