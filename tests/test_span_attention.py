@@ -101,6 +101,9 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     ((7,), 3, 0., 0, 2), ((7,), 3, 0.3, 0, 0), ((3, 5), 2, 0., 0, 1),
     # segments of more than 16 queries: CPU flash kernels
     ((20,), 17, 0., None, 2), ((6, 5), 5, 0., None, 2), ((9,), 17, 0., 0, 0),
+    # 2D blocks of c segments on the flash kernels (`block_segments`): c = 2 (w = 3), c = 4 with segments padding the
+    # last block (w = 2, 5 segments across), c = 16 (w = 1)
+    ((5, 11), 3, 0., None, 2), ((4, 9), 2, 0., None, 1), ((3, 7), 1, 0., None, 0),
 ])
 def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     """The recomputing backward against finite differences, every input including the mask and, with dropout, the
@@ -123,6 +126,10 @@ def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     assert torch.autograd.gradcheck(fn, (q, kv, shared, bias), eps=1e-6, atol=1e-6)
     # a mask without a gradient (where segments of more than 16 queries take CPU's flash kernels)
     constant = bias.detach().clone()
+    if dropout == 0.:  # and its forward is the plain one's
+        plain = _span_forward(q.detach(), kv.detach(), shared.detach(), constant.expand(1, h, grid, -1, -1), w, 0.7,
+                              0., span_pad)[0]
+        torch.testing.assert_close(fn(q, kv, shared, constant), plain, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda q, kv, shared: fn(q, kv, shared, constant), (q, kv, shared), eps=1e-6,
                                     atol=1e-6)
 
@@ -174,13 +181,16 @@ def test_backward_keeps_no_gathered_spans():
     shared = torch.randn(2, B, h, r + g, C // h, requires_grad=True)
     _, via_gather = _saved_storages(lambda: _span_forward(q, kv, shared, None, w, 0.5, 0.)[0])
     assert sum(via_gather) > gathered
-    # the window attention itself keeps only its inputs: q and kv are views of what the layer keeps anyway
-    _, core = _saved_storages(lambda: span_attention(q, kv, shared, None, w, 0.5, 0.))
+    # on CPU's flash kernels (2D: blocks of segments, `block_segments`) the window attention keeps its inputs (q and
+    # kv are views of what the layer keeps anyway), the output, which the output projection keeps anyway, and one
+    # log-sum-exp per query
+    for ws in (w, 8):
+        _, core = _saved_storages(lambda ws=ws: span_attention(q, kv, shared, None, ws, 0.5, 0.))
+        assert sum(core) == (2 * q.numel() + kv.numel() + shared.numel() + q.numel() // q.shape[-1]) * 4
+    # the batched-matmul path (1D segments of at most 16 queries) keeps only its inputs
+    q1, kv1 = q.flatten(2, 3), kv.flatten(3, 4)
+    _, core = _saved_storages(lambda: span_attention(q1, kv1, shared, None, w, 0.5, 0.))
     assert sum(core) == q.numel() * 4 + kv.numel() * 4 + shared.numel() * 4
-    # segments of more than 16 queries (CPU's flash kernels) also keep the output, which the output projection keeps
-    # anyway, and one log-sum-exp per query
-    _, core = _saved_storages(lambda: span_attention(q, kv, shared, None, 8, 0.5, 0.))
-    assert sum(core) == (2 * q.numel() + kv.numel() + shared.numel() + q.numel() // q.shape[-1]) * 4
 
 
 def test_torch_compile_fullgraph_forward_and_backward_equal_eager():

@@ -14,9 +14,12 @@ and v in their own layout, views of tensors the layer keeps anyway) and, where d
 backward gathers the spans again and runs the attention backward as batched matmuls over the whole batch (P is
 recomputed from the scores, as flash attention does), then folds the span gradients back onto the map with a few
 strided adds. The shared keys are never copied per segment: their scores, and their part of every product, are one
-matmul over all queries. On CPU, segments of more than 16 queries train on the CPU flash-attention kernels instead
-(spans only; the shared part joins through the log-sum-exps), which also keep the output and one log-sum-exp per
-query. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
+matmul over all queries. On CPU, training runs on the CPU flash-attention kernels instead (spans only; the shared part
+joins through the log-sum-exps), which also keep the output and one log-sum-exp per query: in 1D for segments of more
+than 16 queries, whose spans are strided views of the padded map (nothing gathered); in 2D for every window size, on
+blocks of c segments along x (`block_segments`) whose keys are strided views of one gather of column strips (one
+copy of (c * w + 2s) / (c * w) times the map, where the segment spans were (K / w)^2), a band mask keeping each query
+to its own span. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
 
 Written for lsvision, Apache-2.0.
 """
@@ -28,8 +31,8 @@ import torch.nn.functional as F
 
 from .local_norm import local_norm_heads, local_norm_heads_backward
 
-__all__ = ['window_span', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask', 'autocast_dtype',
-           'autocast_off']
+__all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask',
+           'autocast_dtype', 'autocast_off']
 
 
 def autocast_dtype(t: torch.Tensor) -> torch.dtype:
@@ -200,6 +203,179 @@ def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, s
     return _fold_axis(window, seg, ws, spatial[0], pad)
 
 
+def block_segments(window_size: int) -> int:
+    """Segments per block (c) along x in the 2D training path on the CPU flash kernels: the fewest with at least
+    16 queries per block (w x c * w). Each block's keys are its K rows x (c * w + 2s) columns, c * w + 2s against the
+    K that each of its queries sees: small segments trade that waste for fewer, larger kernel blocks (the kernel
+    costs a few microseconds per block). CvT-LS at 384 px, batch 2, 2 cores, forward + backward of the window
+    attention of one layer: w = 2 (4 queries a segment) 27-28 ms with per-segment batched matmuls, 21-26 ms with
+    blocks of c = 2 to 6; w = 4: c = 1 and 2 within noise of each other."""
+    return max(1, -(-16 // (window_size * window_size)))
+
+
+def _block_grid(spatial: List[int], window_size: int, span_pad: Optional[int], segments_per_block: int
+                ) -> Tuple[int, int, int, int, int]:
+    """(gy, gx, number of x blocks, padded rows Hp, block key columns Wc) of a 2D map in blocks of c segments."""
+    pad, _ = window_span(window_size, span_pad)
+    gy, gx = _grid(spatial, window_size)
+    c = segments_per_block
+    return gy, gx, (gx + c - 1) // c, gy * window_size + 2 * pad, c * window_size + 2 * pad
+
+
+def _map_to_blocks(t: torch.Tensor, window_size: int, segments_per_block: int) -> torch.Tensor:
+    """(B, h, H, W, d) map -> (B * h * nx, gy, w * c * w, d): the queries of every block, x blocks outer, rows of
+    segments inner, each block's queries in row-major order (zero-padded to whole blocks)."""
+    B, h, H, W, d = t.shape
+    ws, c = window_size, segments_per_block
+    gy, gx = _grid([H, W], ws)
+    nx = (gx + c - 1) // c
+    if gy * ws != H or nx * c * ws != W:
+        t = F.pad(t, (0, 0, 0, nx * c * ws - W, 0, gy * ws - H))
+    t = t.reshape(B, h, gy, ws, nx, c * ws, d).permute(0, 1, 4, 2, 3, 5, 6)
+    return t.reshape(B * h * nx, gy, ws * c * ws, d)
+
+
+def _blocks_to_tokens(t: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int,
+                      segments_per_block: int) -> torch.Tensor:
+    """The inverse of `_map_to_blocks`, to tokens: (B * h * nx, gy, w * c * w, d) -> (B, H, W, h, d) (cropped)."""
+    ws, c, d = window_size, segments_per_block, t.shape[-1]
+    gy, gx = _grid(spatial, ws)
+    nx = (gx + c - 1) // c
+    out = t.reshape(B, h, nx, gy, ws, c * ws, d).permute(0, 3, 4, 2, 5, 1, 6).reshape(B, gy * ws, nx * c * ws, h, d)
+    if gy * ws != spatial[0] or nx * c * ws != spatial[1]:
+        out = out[:, :spatial[0], :spatial[1]]
+    return out
+
+
+def _gather_block_keys(kv: torch.Tensor, window_size: int, span_pad: Optional[int], segments_per_block: int
+                       ) -> torch.Tensor:
+    """Keys and values of every block as strided views of one column gather: (2, B * h * nx, gy, K * Wc, d).
+
+    The map is zero-padded and cut into x blocks of Wc = c * w + 2s columns (a copy, (c * w + 2s) / (c * w) times the
+    map, the only one); within an x block, the K rows of the keys of each row of segments are contiguous, so the
+    row axis needs no copy: consecutive segment rows are views w rows apart (overlapping).
+    """
+    _, B, h, H, W, d = kv.shape
+    ws, c = window_size, segments_per_block
+    pad, span = window_span(ws, span_pad)
+    gy, gx, nx, Hp, Wc = _block_grid([H, W], ws, span_pad, c)
+    Wp = (nx - 1) * c * ws + Wc
+    padded = F.pad(kv, (0, 0, pad, Wp - pad - W, pad, Hp - pad - H))
+    columns = kv.new_empty(2, B, h, nx, Hp, Wc, d)
+    columns.copy_(padded.unfold(4, Wc, c * ws).permute(0, 1, 2, 4, 3, 6, 5))  # (2, B, h, nx, Hp, Wc, d)
+    size = (2, B * h * nx, gy, span * Wc, d)
+    return columns.as_strided(size, (B * h * nx * Hp * Wc * d, Hp * Wc * d, ws * Wc * d, d, 1))
+
+
+def _fold_block_keys(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int,
+                     span_pad: Optional[int], segments_per_block: int) -> torch.Tensor:
+    """The adjoint of `_gather_block_keys` for keys or values: (B * h * nx, gy, K * Wc, d) -> (B, h, H, W, d)."""
+    ws, c, d = window_size, segments_per_block, grad.shape[-1]
+    pad, span = window_span(ws, span_pad)
+    gy, gx, nx, Hp, Wc = _block_grid(spatial, ws, span_pad, c)
+    rows = _fold_axis(grad.reshape(B, h, nx, gy, span, Wc, d), 3, ws, spatial[0], pad)  # (B, h, nx, H, Wc, d)
+    return _fold_axis(rows.transpose(2, 3), 3, c * ws, spatial[1], pad)  # (B, h, H, W, d)
+
+
+def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: List[int], window_size: int,
+                span_pad: Optional[int], segments_per_block: int, dtype: torch.dtype, device: torch.device
+                ) -> Optional[torch.Tensor]:
+    """The span mask in the block layout: (B * h * nx, gy, w * c * w or 1, K * Wc) for the flash kernel, or None.
+
+    Each query sees, of its block's K x Wc keys, only its own segment's K x K span, with `window_mask`'s values
+    (broadcastable to (B, h, num_segments, w^2, K^2)); -inf elsewhere. The queries of the segments that pad the last
+    x block see every key (0), so that no row is all -inf; their outputs are dropped and their gradients are zero.
+    """
+    ws, c = window_size, segments_per_block
+    pad, span = window_span(ws, span_pad)
+    gy, gx, nx, Hp, Wc = _block_grid(spatial, ws, span_pad, c)
+    if window_mask is None:
+        if c == 1:
+            return None
+        window_mask = torch.zeros(1, 1, 1, 1, 1, dtype=dtype, device=device)
+    m = window_mask.to(dtype)
+    while m.dim() < 5:
+        m = m[None]
+    Bm, hm, Lm = m.shape[0], m.shape[1], m.shape[3]
+    qw = ws if Lm > 1 else 1  # query rows (and columns) of a segment that the mask tells apart
+    m = m.expand(Bm, hm, gy * gx, Lm, span * span).reshape(Bm * hm, gy, gx, qw, qw, span, span)
+    if nx * c != gx:  # the segments that pad the last x block
+        m = F.pad(m, (0, 0, 0, 0, 0, 0, 0, 0, 0, nx * c - gx))
+    m = m.reshape(Bm * hm, gy, nx, c, qw, qw, span, span).permute(0, 2, 1, 4, 3, 5, 6, 7)  # (M, nx, gy, qy, c, qx..)
+    # with c > 1 the band differs by query column, so the mask has every query of the block
+    qb = ws if c > 1 or qw > 1 else 1
+    out = m.new_full((Bm * hm, nx, gy, qb, c, qb, span, Wc), float('-inf'))
+    for t in range(c):
+        out[:, :, :, :, t, :, :, t * ws:t * ws + span] = m[:, :, :, :, t]
+    if nx * c != gx:
+        out[:, -1, :, :, gx - (nx - 1) * c:] = 0.
+    L = qb * c * qb
+    out = out.reshape(Bm, hm, nx, gy, L, span * Wc).expand(B, h, nx, gy, L, span * Wc)
+    return out.reshape(B * h * nx, gy, L, span * Wc)
+
+
+def _strided_spans_1d(kv: torch.Tensor, window_size: int, span_pad: Optional[int]) -> torch.Tensor:
+    """Keys and values of every 1D segment's span as strided views of the zero-padded map, (2, B * h, G, K, d):
+    consecutive spans overlap, w positions apart, and nothing is gathered."""
+    _, B, h, n, d = kv.shape
+    pad, span = window_span(window_size, span_pad)
+    G = _grid([n], window_size)[0]
+    length = (G - 1) * window_size + span
+    padded = F.pad(kv, (0, 0, pad, length - pad - n)).contiguous()
+    return padded.as_strided((2, B * h, G, span, d), (B * h * length * d, length * d, window_size * d, d, 1))
+
+
+def _flash_queries(t: torch.Tensor, window_size: int, segments_per_block: int) -> torch.Tensor:
+    """(B, h, *spatial, d) map -> the flash kernel's queries: (B * h * nx, gy, w * c * w, d) blocks in 2D
+    (`_map_to_blocks`), (B * h, G, w, d) segments in 1D."""
+    if t.dim() == 5:
+        return _map_to_blocks(t, window_size, segments_per_block)
+    q_t = _tile_queries(t, window_size)
+    return q_t.reshape(q_t.shape[0] * q_t.shape[1], q_t.shape[2], q_t.shape[3], q_t.shape[4])
+
+
+def _flash_to_tokens(t: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int,
+                     segments_per_block: int) -> torch.Tensor:
+    """The inverse of `_flash_queries`, to tokens (B, *spatial, h, d)."""
+    if len(spatial) == 2:
+        return _blocks_to_tokens(t, B, h, spatial, window_size, segments_per_block)
+    return _untile(t.reshape(B, h, t.shape[1], t.shape[2], t.shape[3]), spatial, window_size)
+
+
+def _flash_keys(kv: torch.Tensor, window_size: int, span_pad: Optional[int], segments_per_block: int
+                ) -> torch.Tensor:
+    """Keys and values in the layout of `_flash_queries`: (2, B * h * nx, gy, K * Wc, d) or (2, B * h, G, K, d)."""
+    if kv.dim() == 6:
+        return _gather_block_keys(kv, window_size, span_pad, segments_per_block)
+    return _strided_spans_1d(kv, window_size, span_pad)
+
+
+def _flash_fold(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int, span_pad: Optional[int],
+                segments_per_block: int) -> torch.Tensor:
+    """The adjoint of `_flash_keys` for keys or values: -> (B, h, *spatial, d)."""
+    if len(spatial) == 2:
+        return _fold_block_keys(grad, B, h, spatial, window_size, span_pad, segments_per_block)
+    pad, _ = window_span(window_size, span_pad)
+    return _fold_axis(grad.reshape(B, h, grad.shape[1], grad.shape[2], grad.shape[3]), 2, window_size, spatial[0],
+                      pad)
+
+
+def _flash_attn_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: List[int], window_size: int,
+                     span_pad: Optional[int], segments_per_block: int, dtype: torch.dtype, device: torch.device
+                     ) -> Optional[torch.Tensor]:
+    """`window_mask` in the layout of `_flash_queries` (None: no mask)."""
+    if len(spatial) == 2:
+        return _block_mask(window_mask, B, h, spatial, window_size, span_pad, segments_per_block, dtype, device)
+    if window_mask is None:
+        return None
+    m = window_mask.to(dtype)
+    while m.dim() < 5:
+        m = m[None]
+    G = _grid(spatial, window_size)[0]
+    m = m.expand(B, h, G, m.shape[3], m.shape[4])
+    return m.reshape(B * h, G, m.shape[3], m.shape[4])
+
+
 def _full_mask(window_mask: Optional[torch.Tensor], num_shared: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """[0 on the shared keys | window_mask] over all keys, (..., S + K^ndim)."""
     if window_mask is None:
@@ -293,38 +469,37 @@ def _span_forward(
     return _untile(out, spatial, window_size), keep
 
 
-def _join_shared(q_t: torch.Tensor, kv_shared: torch.Tensor, out_span: torch.Tensor, lse_span: torch.Tensor,
+def _join_shared(q_rows: torch.Tensor, kv_shared: torch.Tensor, out_span: torch.Tensor, lse_span: torch.Tensor,
                  scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """Join the span attention (output and log-sum-exp of every query, from the flash kernel) with the attention to
     the shared keys into the joint softmax's output and log-sum-exp.
 
     Args:
-        q_t: Segments of queries (B, h, n, L, d).
+        q_rows: Queries (B, h, R, d), in any order.
         kv_shared: (2, B, h, S, d), S > 0.
-        out_span: (B, h, n * L, d); lse_span: (B, h, n * L).
+        out_span: (B, h, R, d); lse_span: (B, h, R), in the order of q_rows.
 
     Returns:
-        The joint output (B, h, n * L, d) in the dtype of q and log-sum-exp (B, h, n * L) in lse_span's dtype.
+        The joint output (B, h, R, d) in the dtype of q and log-sum-exp (B, h, R) in lse_span's dtype.
     """
-    B, h, n, L, d = q_t.shape
-    scores = torch.matmul(q_t.reshape(B, h, n * L, d), kv_shared[0].transpose(-1, -2)).to(lse_span.dtype)
+    scores = torch.matmul(q_rows, kv_shared[0].transpose(-1, -2)).to(lse_span.dtype)
     scores.mul_(scale)
     lse_shared = torch.logsumexp(scores, dim=-1)
     lse = torch.logaddexp(lse_span, lse_shared)
     attn = scores.sub_(lse[..., None]).exp_()  # joint weights of the shared keys
-    out = torch.matmul(attn.to(q_t.dtype), kv_shared[1])
+    out = torch.matmul(attn.to(q_rows.dtype), kv_shared[1])
     # + the span output, weighted by its share of the joint softmax
     out = out.to(lse.dtype).addcmul_(out_span.to(lse.dtype), (lse_span - lse).exp_()[..., None])
-    return out.to(q_t.dtype), lse
+    return out.to(q_rows.dtype), lse
 
 
 def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_grad: bool) -> bool:
-    """Whether a training step runs on the CPU flash-attention kernels (forward and backward): on CPU, for segments
-    of more than 16 queries, without dropout (the kernel has none) and without a gradient for the mask (the kernel
-    gives none). On 2 cores, forward + backward of CvT-LS stage 1's windows (64 queries against 320 keys) took
-    0.82-0.90x the time of the batched-matmul backward; segments of 16 and 4 queries took 1.25-1.9x, so they stay
-    with the matmuls."""
-    return (q.device.type == 'cpu' and window_size ** (q.dim() - 3) > 16 and dropout_p == 0.
+    """Whether a training step runs on the CPU flash-attention kernels (forward and backward): on CPU, without dropout
+    (the kernel has none) and without a gradient for the mask (the kernel gives none); in 1D, for segments of more
+    than 16 queries. In 2D the kernel runs on blocks of segments (`block_segments`) of at least 16 queries; in 1D,
+    segments of 16 and 4 queries took 1.25-1.9x the time of the batched-matmul backward on 2 cores, so they stay with
+    the matmuls."""
+    return (q.device.type == 'cpu' and (q.dim() == 5 or window_size > 16) and dropout_p == 0.
             and not needs_mask_grad)
 
 
@@ -348,19 +523,23 @@ class _SpanAttention(torch.autograd.Function):
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
             # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
-            # from it, without a (queries x keys) buffer. It runs on the spans only; the shared keys are scored once
-            # over all queries, and the two parts join through their log-sum-exps (the joint softmax, exactly)
+            # from it, without a (queries x keys) buffer. It runs on the spans only (in 2D, on blocks of segments whose
+            # keys are strided views of one column gather); the shared keys are scored once over all queries, and the
+            # two parts join through their log-sum-exps (the joint softmax, exactly)
             spatial = list(q.shape[2:-1])
-            q_t = _tile_queries(q, window_size)
-            B, h, n, L, d = q_t.shape
-            span = _gather_spans(kv, window_size, span_pad)
+            B, h, d = q.shape[0], q.shape[1], q.shape[-1]
+            c = ctx.segments_per_block = block_segments(window_size)
+            q_f = _flash_queries(q, window_size, c)
+            keys = _flash_keys(kv, window_size, span_pad, c)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q_t.reshape(B, h * n, L, d), span[0].reshape(B, h * n, -1, d), span[1].reshape(B, h * n, -1, d),
-                attn_mask=_flash_mask(window_mask, h, n), scale=scale)
-            del span
+                q_f, keys[0], keys[1], attn_mask=_flash_attn_mask(
+                    window_mask, B, h, spatial, window_size, span_pad, c, q.dtype, q.device), scale=scale)
+            del keys
             if kv_shared.shape[3] > 0:
-                out, lse = _join_shared(q_t, kv_shared, out.reshape(B, h, n * L, d), lse.reshape(B, h, n * L), scale)
-            out = _untile(out.reshape(B, h, n, L, d), spatial, window_size)
+                rows = (B, h, out.numel() // (B * h * d))
+                out, lse = _join_shared(q_f.reshape(rows + (d,)), kv_shared, out.reshape(rows + (d,)),
+                                        lse.reshape(rows), scale)
+            out = _flash_to_tokens(out.reshape(q_f.shape), B, h, spatial, window_size, c)
             # the output is saved as returned: the output projection keeps the same storage for its own backward
             ctx.save_for_backward(q, kv_saved, kv_shared, window_mask, *raw, out, lse)
             return out
@@ -379,7 +558,8 @@ class _SpanAttention(torch.autograd.Function):
                 kv = kv.to(q.dtype)
             # the spans are all the backward needs of kv: a recomputed kv is freed before the attention backward, and
             # the spans go in a list that the backward empties, so that it can free them as soon as it is done
-            spans = [_gather_spans(kv, ctx.window_size, ctx.span_pad)]
+            spans = [_flash_keys(kv, ctx.window_size, ctx.span_pad, ctx.segments_per_block) if ctx.flash
+                     else _gather_spans(kv, ctx.window_size, ctx.span_pad)]
             del kv
             if ctx.flash:
                 grad_q, grad_k, grad_v, grad_shared = _SpanAttention._flash_backward(
@@ -397,40 +577,39 @@ class _SpanAttention(torch.autograd.Function):
 
     @staticmethod
     def _flash_backward(ctx, grad_out, q, spans: List[torch.Tensor], kv_shared, window_mask, out, lse):
-        """The flash path's backward, given the gathered spans (popped from `spans`): gradients of q, the map's k and
-        v, and the shared keys."""
-        span = spans.pop()
-        ws, span_pad, scale = ctx.window_size, ctx.span_pad, ctx.scale
+        """The flash path's backward, given the keys and values in the flash layout (popped from `spans`, from
+        `_flash_keys`): gradients of q, the map's k and v, and the shared keys."""
+        keys = spans.pop()
+        ws, span_pad, scale, c = ctx.window_size, ctx.span_pad, ctx.scale, ctx.segments_per_block
         spatial = list(q.shape[2:-1])
+        B, h, d = q.shape[0], q.shape[1], q.shape[-1]
         num_shared = kv_shared.shape[3]
-        q_t = _tile_queries(q, ws)
-        B, h, n, L, d = q_t.shape
-        go = _tokens_to_segments(grad_out.to(q.dtype), ws)  # (B, h, n, L, d)
-        out_t = _tokens_to_segments(out, ws)
+        q_f = _flash_queries(q, ws, c)
+        go = _flash_queries(grad_out.to(q.dtype).movedim(-2, 1), ws, c)
+        out_f = _flash_queries(out.movedim(-2, 1), ws, c)
         # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
         # its gradients of the span keys and its part of dq are exact
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            go.reshape(B, h * n, L, d), q_t.reshape(B, h * n, L, d), span[0].reshape(B, h * n, -1, d),
-            span[1].reshape(B, h * n, -1, d), out_t.reshape(B, h * n, L, d), lse.reshape(B, h * n, L), 0., False,
-            attn_mask=_flash_mask(window_mask, h, n), scale=scale)
-        del span
-        grad_k = _fold_spans(grad_k.reshape(B, h, n, -1, d), spatial, ws, span_pad)
-        grad_v = _fold_spans(grad_v.reshape(B, h, n, -1, d), spatial, ws, span_pad)
+            go, q_f, keys[0], keys[1], out_f, lse.reshape(q_f.shape[:-1]), 0., False,
+            attn_mask=_flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q.dtype, q.device), scale=scale)
+        del keys
+        grad_k = _flash_fold(grad_k, B, h, spatial, ws, span_pad, c)
+        grad_v = _flash_fold(grad_v, B, h, spatial, ws, span_pad, c)
         grad_shared = kv_shared.new_zeros(kv_shared.shape)
         if num_shared > 0:
             # the shared keys' part: P = exp(s - lse), dS = P (dP - rowsum(dO * O)), as matmuls over all queries
-            rows = (B, h, n * L)
-            q_rows, go_rows = q_t.reshape(rows + (d,)), go.reshape(rows + (d,))
+            rows = (B, h, q_f.numel() // (B * h * d))
+            q_rows, go_rows = q_f.reshape(rows + (d,)), go.reshape(rows + (d,))
             lse = lse.reshape(rows)
             attn = torch.matmul(q_rows, kv_shared[0].transpose(-1, -2)).to(lse.dtype).mul_(scale)
-            attn = attn.sub_(lse[..., None]).exp_()  # (B, h, nL, S)
-            delta = (go_rows * out_t.reshape(rows + (d,))).sum(-1, keepdim=True, dtype=lse.dtype)
+            attn = attn.sub_(lse[..., None]).exp_()  # (B, h, R, S)
+            delta = (go_rows * out_f.reshape(rows + (d,))).sum(-1, keepdim=True, dtype=lse.dtype)
             grad_scores = torch.matmul(go_rows, kv_shared[1].transpose(-1, -2)).to(lse.dtype)
             grad_scores = grad_scores.sub_(delta).mul_(attn).mul_(scale).to(q.dtype)
             grad_q = grad_q.reshape(rows + (d,)) + torch.matmul(grad_scores, kv_shared[0])
             grad_shared[0] = torch.matmul(grad_scores.transpose(-1, -2), q_rows)
             grad_shared[1] = torch.matmul(attn.to(q.dtype).transpose(-1, -2), go_rows)
-        grad_q = _untile(grad_q.reshape(B, h, n, L, d), spatial, ws).movedim(-2, 1)  # (B, h, *spatial, d)
+        grad_q = _flash_to_tokens(grad_q.reshape(q_f.shape), B, h, spatial, ws, c).movedim(-2, 1)
         return grad_q, grad_k, grad_v, grad_shared
 
     @staticmethod
