@@ -4,13 +4,27 @@ Written for lsvision, Apache-2.0.
 """
 import torch
 
-__all__ = ['refuse_legacy_onnx_export']
+__all__ = ['refuse_legacy_onnx_export', 'is_exporting']
 
 
 @torch.jit.unused
 def _in_legacy_onnx_export() -> bool:
     # the TorchScript-based exporter traces (torch.jit); the dynamo exporter goes through torch.export instead
     return torch.onnx.is_in_onnx_export() and torch.jit.is_tracing()
+
+
+def is_exporting() -> bool:
+    """Whether torch.export (the dynamo ONNX exporter's front end) is tracing: the layers then take their inference
+    path, since an exported graph is for inference (the training paths' custom autograd Functions read overlapping
+    strided views, which ONNX does not express)."""
+    if torch.jit.is_scripting():
+        return False
+    return _is_exporting()
+
+
+@torch.jit.unused
+def _is_exporting() -> bool:
+    return torch.compiler.is_exporting()
 
 
 def refuse_legacy_onnx_export(layer: str) -> None:

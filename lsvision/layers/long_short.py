@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_
 
-from .export import refuse_legacy_onnx_export
+from .export import is_exporting, refuse_legacy_onnx_export
 from .local_norm import local_norm_heads, local_norm_heads_backward
 from .reparam import FoldableModule
 from .span_attention import (
@@ -437,7 +437,7 @@ class LongShortAttention2d(FoldableModule):
         # q, k, v stack, which the queries keep anyway); their backward normalizes again
         recompute_norm = False
         if not torch.jit.is_scripting():
-            recompute_norm = torch.is_grad_enabled() and (
+            recompute_norm = torch.is_grad_enabled() and not is_exporting() and (
                 qkv.requires_grad or (norm.weight is not None and norm.weight.requires_grad))
         if recompute_norm:
             k_raw, v_raw = k[:, num_prefix:], v[:, num_prefix:]

@@ -29,6 +29,7 @@ from typing import ContextManager, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .export import is_exporting
 from .local_norm import local_norm_heads, local_norm_heads_backward
 
 __all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask',
@@ -179,8 +180,11 @@ def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: in
     pieces = (K + window_size - 1) // window_size
     shape = list(t.shape)
     shape[dim:dim + 2] = [G + pieces - 1, window_size]
-    out = t.new_zeros(shape)
-    for j in range(pieces):
+    out = t.new_empty(shape)
+    # the first piece is whole (K >= w) and covers blocks 0..G-1: a copy, so only the last blocks need zeros
+    out.narrow(dim, 0, G).copy_(t.narrow(dim + 1, 0, window_size))
+    out.narrow(dim, G, pieces - 1).zero_()
+    for j in range(1, pieces):
         n = min(window_size, K - j * window_size)
         out.narrow(dim, j, G).narrow(dim + 1, 0, n).add_(t.narrow(dim + 1, j * window_size, n))
     return out.flatten(dim, dim + 1).narrow(dim, pad, length)
@@ -700,7 +704,8 @@ def span_attention(
     """
     if torch.jit.is_scripting():
         return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)[0]
-    needs_grad = torch.is_grad_enabled() and (
+    # an exported graph (torch.export) is for inference: the plain forward
+    needs_grad = torch.is_grad_enabled() and not is_exporting() and (
         q.requires_grad or kv.requires_grad or kv_shared.requires_grad
         or (window_mask is not None and window_mask.requires_grad))
     if not needs_grad:
