@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_
 
-from .export import is_exporting, refuse_legacy_onnx_export
-from .local_norm import local_norm_heads, local_norm_heads_backward
+from .export import refuse_legacy_onnx_export
+from .local_norm import local_norm_heads, local_norm_heads_backward, recompute_local_norm
 from .reparam import FoldableModule
 from .span_attention import (
     autocast_dtype,
@@ -435,10 +435,7 @@ class LongShortAttention2d(FoldableModule):
         dropout_p = self.attn_drop if self.training else 0.
         # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
         # q, k, v stack, which the queries keep anyway); their backward normalizes again
-        recompute_norm = False
-        if not torch.jit.is_scripting():
-            recompute_norm = torch.is_grad_enabled() and not is_exporting() and (
-                qkv.requires_grad or (norm.weight is not None and norm.weight.requires_grad))
+        recompute_norm = recompute_local_norm(qkv, norm.weight)
         if recompute_norm:
             k_raw, v_raw = k[:, num_prefix:], v[:, num_prefix:]
             k_prefix, v_prefix = norm(k[:, :num_prefix]), norm(v[:, :num_prefix])

@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .export import is_exporting
+from .local_norm import recompute_local_norm
 from .long_short import local_norm_projection, project_keys_values, projection_weights
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
@@ -146,10 +146,7 @@ class LongShortAttention1d(nn.Module):
         k_raw, v_raw = qkv[:, :, 1], qkv[:, :, 2]
         # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
         # qkv output, which the queries keep anyway); their backward normalizes again (`lsvision.layers.local_norm`)
-        recompute_norm = False
-        if not torch.jit.is_scripting():
-            recompute_norm = torch.is_grad_enabled() and not is_exporting() and (
-                qkv.requires_grad or (norm.weight is not None and norm.weight.requires_grad))
+        recompute_norm = recompute_local_norm(qkv, norm.weight)
         kv = qkv.new_empty(0)  # unused when recomputing
         if not recompute_norm:
             kv = self._heads(norm(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d)

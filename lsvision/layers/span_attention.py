@@ -359,9 +359,7 @@ def _flash_fold(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_s
     """The adjoint of `_flash_keys` for keys or values: -> (B, h, *spatial, d)."""
     if len(spatial) == 2:
         return _fold_block_keys(grad, B, h, spatial, window_size, span_pad, segments_per_block)
-    pad, _ = window_span(window_size, span_pad)
-    return _fold_axis(grad.reshape(B, h, grad.shape[1], grad.shape[2], grad.shape[3]), 2, window_size, spatial[0],
-                      pad)
+    return _fold_spans(grad.reshape(B, h, grad.shape[1], grad.shape[2], grad.shape[3]), spatial, window_size, span_pad)
 
 
 def _flash_attn_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: List[int], window_size: int,
