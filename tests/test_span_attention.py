@@ -12,7 +12,13 @@ import timm
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
-from lsvision.layers.span_attention import _span_forward, span_attention, window_span
+from lsvision.layers.span_attention import (
+    _gather_block_keys,
+    _span_forward,
+    block_segments,
+    span_attention,
+    window_span,
+)
 from lsvision.models.cvt import ConvDynamicProjection, SepConvQkv
 
 LAYERS = {'linear': {}, 'conv': dict(qkv_layer=SepConvQkv, dp_layer=ConvDynamicProjection)}
@@ -104,6 +110,8 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     # 2D blocks of c segments on the flash kernels (`block_segments`): c = 2 (w = 3), c = 4 with segments padding the
     # last block (w = 2, 5 segments across), c = 16 (w = 1)
     ((5, 11), 3, 0., None, 2), ((4, 9), 2, 0., None, 1), ((3, 7), 1, 0., None, 0),
+    # x blocks inside the map and at both edges (w = 2: 4 blocks of 4 segments)
+    ((3, 27), 2, 0., None, 1),
 ])
 def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     """The recomputing backward against finite differences, every input including the mask and, with dropout, the
@@ -132,6 +140,32 @@ def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
         torch.testing.assert_close(fn(q, kv, shared, constant), plain, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(lambda q, kv, shared: fn(q, kv, shared, constant), (q, kv, shared), eps=1e-6,
                                     atol=1e-6)
+
+
+@pytest.mark.parametrize('H,W,w,span_pad', [
+    (5, 11, 3, None), (3, 27, 2, None), (6, 40, 8, None), (4, 9, 2, None), (7, 7, 1, None), (5, 17, 4, 0),
+])
+def test_block_key_gather_equals_cutting_the_padded_map(H, W, w, span_pad):
+    """The 2D flash path's column-strip gather reads k and v with any strides (here heads-first views of token maps,
+    as LN_L gives them) and zero-fills only the padding: every block's keys are the K rows x Wc columns of the
+    zero-padded map, as cut from it directly."""
+    torch.manual_seed(0)
+    B, h, d = 2, 3, 4
+    c = block_segments(w)
+    pad, span = window_span(w, span_pad)
+    k, v = (t.unflatten(-1, (h, d)).movedim(-2, 1) for t in torch.randn(2, B, H, W, h * d))  # (B, h, H, W, d) views
+    got = _gather_block_keys(k, v, w, span_pad, c)
+    gy, gx = -(-H // w), -(-W // w)
+    nx = -(-gx // c)
+    step, Wc = c * w, c * w + 2 * pad
+    padded = torch.zeros(2, B, h, gy * w + 2 * pad, (nx - 1) * step + Wc, d)
+    padded[:, :, :, pad:pad + H, pad:pad + W] = torch.stack([k, v])
+    assert got.shape == (2, B * h * nx, gy, span * Wc, d)
+    got = got.reshape(2, B, h, nx, gy, span * Wc, d)
+    for j in range(nx):
+        for y in range(gy):
+            expected = padded[:, :, :, y * w:y * w + span, j * step:j * step + Wc].reshape(2, B, h, span * Wc, d)
+            assert torch.equal(got[:, :, :, j, y], expected), (j, y)
 
 
 def test_dropout_drops_the_same_weights_in_forward_and_backward():

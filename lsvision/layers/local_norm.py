@@ -36,8 +36,12 @@ def local_norm_heads(
         bias: Optional[torch.Tensor],
         eps: float,
         num_heads: int,
-) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-    """LN_L of keys and values over their channels, heads first.
+) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """LN_L of keys and values over their channels, as heads-first views.
+
+    The normalized tokens are not copied into a heads-first layout here: each consumer lays them out as its kernels
+    want (the dynamic projection's matmuls want them contiguous, the window attention's key gather reads any strides),
+    and with one head the views are contiguous already.
 
     Args:
         k, v: Tokens before the norm, (B, *spatial, C), any strides.
@@ -46,15 +50,15 @@ def local_norm_heads(
         num_heads: h; the head dim is C / h.
 
     Returns:
-        The normalized keys and values as one contiguous (2, B, h, *spatial, d) tensor, and the statistics
-        [mean_k, rstd_k, mean_v, rstd_v] that `local_norm_heads_backward` takes.
+        The normalized keys and values, each a (B, h, *spatial, d) view of a (B, *spatial, C) tensor, and the
+        statistics [mean_k, rstd_k, mean_v, rstd_v] that `local_norm_heads_backward` takes.
     """
     C = k.shape[-1]
     yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
     yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
-    kv = torch.stack([yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1),
-                      yv.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)])
-    return kv, [mean_k, rstd_k, mean_v, rstd_v]
+    k_heads = yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
+    v_heads = yv.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
+    return k_heads, v_heads, [mean_k, rstd_k, mean_v, rstd_v]
 
 
 def local_norm_heads_backward(

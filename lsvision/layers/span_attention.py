@@ -251,22 +251,41 @@ def _blocks_to_tokens(t: torch.Tensor, B: int, h: int, spatial: List[int], windo
     return out
 
 
-def _gather_block_keys(kv: torch.Tensor, window_size: int, span_pad: Optional[int], segments_per_block: int
-                       ) -> torch.Tensor:
+def _gather_block_keys(k: torch.Tensor, v: torch.Tensor, window_size: int, span_pad: Optional[int],
+                       segments_per_block: int) -> torch.Tensor:
     """Keys and values of every block as strided views of one column gather: (2, B * h * nx, gy, K * Wc, d).
 
-    The map is zero-padded and cut into x blocks of Wc = c * w + 2s columns (a copy, (c * w + 2s) / (c * w) times the
-    map, the only one); within an x block, the K rows of the keys of each row of segments are contiguous, so the
-    row axis needs no copy: consecutive segment rows are views w rows apart (overlapping).
+    The (zero-padded) map is cut into x blocks of Wc = c * w + 2s columns (a copy, (c * w + 2s) / (c * w) times the
+    map, the only one: the strips are read straight from k and v, and only the padding is zero-filled); within an x
+    block, the K rows of the keys of each row of segments are contiguous, so the row axis needs no copy: consecutive
+    segment rows are views w rows apart (overlapping).
+
+    Args:
+        k, v: (B, h, H, W, d) keys and values, any strides (e.g. heads-first views of token maps).
     """
-    _, B, h, H, W, d = kv.shape
+    B, h, H, W, d = k.shape
     ws, c = window_size, segments_per_block
     pad, span = window_span(ws, span_pad)
     gy, gx, nx, Hp, Wc = _block_grid([H, W], ws, span_pad, c)
-    Wp = (nx - 1) * c * ws + Wc
-    padded = F.pad(kv, (0, 0, pad, Wp - pad - W, pad, Hp - pad - H))
-    columns = kv.new_empty(2, B, h, nx, Hp, Wc, d)
-    columns.copy_(padded.unfold(4, Wc, c * ws).permute(0, 1, 2, 4, 3, 6, 5))  # (2, B, h, nx, Hp, Wc, d)
+    step = c * ws
+    columns = k.new_empty(2, B, h, nx, Hp, Wc, d)
+    columns[:, :, :, :, :pad].zero_()
+    columns[:, :, :, :, pad + H:].zero_()
+    rows = columns[:, :, :, :, pad:pad + H]  # (2, B, h, nx, H, Wc, d)
+    # strip j holds map columns j * step - pad + [0, Wc): strips first..last lie inside the map, one strided copy
+    first, last = -(-pad // step), (W + pad - Wc) // step
+    edges = [j for j in range(nx) if j < first or j > last]
+    for i, t in enumerate((k, v)):
+        if last >= first:
+            inner = t.narrow(3, first * step - pad, (last - first) * step + Wc).unfold(3, Wc, step)  # (B,h,H,n,d,Wc)
+            rows[i, :, :, first:last + 1].copy_(inner.permute(0, 1, 3, 2, 5, 4))
+        for j in edges:  # strips that reach into the padding
+            lo, hi = max(0, pad - j * step), min(Wc, W + pad - j * step)
+            strip = rows[i, :, :, j]  # (B, h, H, Wc, d)
+            strip[:, :, :, :lo].zero_()
+            strip[:, :, :, max(lo, hi):].zero_()
+            if hi > lo:
+                strip[:, :, :, lo:hi].copy_(t[:, :, :, j * step - pad + lo:j * step - pad + hi])
     size = (2, B * h * nx, gy, span * Wc, d)
     return columns.as_strided(size, (B * h * nx * Hp * Wc * d, Hp * Wc * d, ws * Wc * d, d, 1))
 
@@ -318,14 +337,19 @@ def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: Li
     return out.reshape(B * h * nx, gy, L, span * Wc)
 
 
-def _strided_spans_1d(kv: torch.Tensor, window_size: int, span_pad: Optional[int]) -> torch.Tensor:
+def _strided_spans_1d(k: torch.Tensor, v: torch.Tensor, window_size: int, span_pad: Optional[int]) -> torch.Tensor:
     """Keys and values of every 1D segment's span as strided views of the zero-padded map, (2, B * h, G, K, d):
-    consecutive spans overlap, w positions apart, and nothing is gathered."""
-    _, B, h, n, d = kv.shape
+    consecutive spans overlap, w positions apart, and nothing is gathered (k and v, (B, h, n, d) of any strides, are
+    copied once into the padded map)."""
+    B, h, n, d = k.shape
     pad, span = window_span(window_size, span_pad)
     G = _grid([n], window_size)[0]
     length = (G - 1) * window_size + span
-    padded = F.pad(kv, (0, 0, pad, length - pad - n)).contiguous()
+    padded = k.new_empty(2, B, h, length, d)
+    padded[:, :, :, :pad].zero_()
+    padded[:, :, :, pad + n:].zero_()
+    padded[0, :, :, pad:pad + n] = k
+    padded[1, :, :, pad:pad + n] = v
     return padded.as_strided((2, B * h, G, span, d), (B * h * length * d, length * d, window_size * d, d, 1))
 
 
@@ -346,12 +370,13 @@ def _flash_to_tokens(t: torch.Tensor, B: int, h: int, spatial: List[int], window
     return _untile(t.reshape(B, h, t.shape[1], t.shape[2], t.shape[3]), spatial, window_size)
 
 
-def _flash_keys(kv: torch.Tensor, window_size: int, span_pad: Optional[int], segments_per_block: int
-                ) -> torch.Tensor:
-    """Keys and values in the layout of `_flash_queries`: (2, B * h * nx, gy, K * Wc, d) or (2, B * h, G, K, d)."""
-    if kv.dim() == 6:
-        return _gather_block_keys(kv, window_size, span_pad, segments_per_block)
-    return _strided_spans_1d(kv, window_size, span_pad)
+def _flash_keys(k: torch.Tensor, v: torch.Tensor, window_size: int, span_pad: Optional[int],
+                segments_per_block: int) -> torch.Tensor:
+    """Keys and values (B, h, *spatial, d) each, any strides, in the layout of `_flash_queries`:
+    (2, B * h * nx, gy, K * Wc, d) or (2, B * h, G, K, d)."""
+    if k.dim() == 5:
+        return _gather_block_keys(k, v, window_size, span_pad, segments_per_block)
+    return _strided_spans_1d(k, v, window_size, span_pad)
 
 
 def _flash_fold(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int, span_pad: Optional[int],
@@ -521,7 +546,10 @@ class _SpanAttention(torch.autograd.Function):
         ctx.local_norm, ctx.norm_eps = kv is None, norm_eps
         kv_saved = kv  # None with the local norm: the raw keys and values are kept instead
         if kv is None:
-            kv = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, q.shape[1])[0].to(q.dtype)
+            k, v, _ = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, q.shape[1])
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            k, v = kv[0], kv[1]
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
             # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
@@ -532,7 +560,7 @@ class _SpanAttention(torch.autograd.Function):
             B, h, d = q.shape[0], q.shape[1], q.shape[-1]
             c = ctx.segments_per_block = block_segments(window_size)
             q_f = _flash_queries(q, window_size, c)
-            keys = _flash_keys(kv, window_size, span_pad, c)
+            keys = _flash_keys(k, v, window_size, span_pad, c)
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q_f, keys[0], keys[1], attn_mask=_flash_attn_mask(
                     window_mask, B, h, spatial, window_size, span_pad, c, q.dtype, q.device), scale=scale)
@@ -545,7 +573,8 @@ class _SpanAttention(torch.autograd.Function):
             # the output is saved as returned: the output projection keeps the same storage for its own backward
             ctx.save_for_backward(q, kv_saved, kv_shared, window_mask, *raw, out, lse)
             return out
-        out, keep = _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)
+        out, keep = _span_forward(q, torch.stack([k, v]) if kv is None else kv, kv_shared, window_mask, window_size,
+                                  scale, dropout_p, span_pad)
         ctx.save_for_backward(q, kv_saved, kv_shared, window_mask, *raw, keep)
         return out
 
@@ -556,13 +585,15 @@ class _SpanAttention(torch.autograd.Function):
             q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]
             stats: List[torch.Tensor] = []
             if ctx.local_norm:
-                kv, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, q.shape[1])
-                kv = kv.to(q.dtype)
-            # the spans are all the backward needs of kv: a recomputed kv is freed before the attention backward, and
-            # the spans go in a list that the backward empties, so that it can free them as soon as it is done
-            spans = [_flash_keys(kv, ctx.window_size, ctx.span_pad, ctx.segments_per_block) if ctx.flash
-                     else _gather_spans(kv, ctx.window_size, ctx.span_pad)]
-            del kv
+                k, v, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, q.shape[1])
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            else:
+                k, v = kv[0], kv[1]
+            # the spans are all the backward needs of k and v: recomputed ones are freed before the attention
+            # backward, and the spans go in a list that the backward empties, so that it can free them when done
+            spans = [_flash_keys(k, v, ctx.window_size, ctx.span_pad, ctx.segments_per_block) if ctx.flash
+                     else _gather_spans(torch.stack([k, v]) if kv is None else kv, ctx.window_size, ctx.span_pad)]
+            del k, v, kv
             if ctx.flash:
                 grad_q, grad_k, grad_v, grad_shared = _SpanAttention._flash_backward(
                     ctx, grad_out, q, spans, kv_shared, window_mask, saved[8], saved[9])
