@@ -32,7 +32,8 @@ def dense_long_short_attention_2d(
     def heads(t):  # (B, n, C) -> (B, h, n, d)
         return t.reshape(B, -1, h, d).transpose(1, 2)
 
-    q, k, v = attn.qkv(x, feat_size, g).unbind(0)
+    q, k, v, qkv_prefix = attn.qkv(x, feat_size, g)  # patches (B, Np, C) each, prefix (3, B, g, C)
+    q, k, v = (torch.cat([p, t], dim=1) for p, t in zip(qkv_prefix.unbind(0), (q, k, v)))  # all tokens
     k, v = attn.norm_local(k), attn.norm_local(v)
     logits = attn.dynamic_proj(x[:, g:], feat_size)  # (B, Np, h*r)
     P = logits.transpose(1, 2).reshape(B, h, r, num_patches).softmax(-1)

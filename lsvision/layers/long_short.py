@@ -122,10 +122,18 @@ class LinearQkv(nn.Linear):
     def __init__(self, dim: int, bias: bool = True, device=None, dtype=None):
         super().__init__(dim, 3 * dim, bias=bias, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
-        """Returns q, k, v stacked: (3, B, N, C)."""
+    def forward(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix_tokens: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns q, k, v of the patch tokens, (B, H * W, C) each, and the prefix tokens' q, k, v, (3, B, g, C)."""
         B, N, C = x.shape
-        return F.linear(x, self.weight, self.bias).reshape(B, N, 3, C).permute(2, 0, 1, 3)
+        qkv = F.linear(x, self.weight, self.bias).reshape(B, N, 3, C)
+        patches = qkv[:, num_prefix_tokens:] if num_prefix_tokens > 0 else qkv
+        q, k, v = patches.unbind(2)
+        return q, k, v, qkv[:, :num_prefix_tokens].permute(2, 0, 1, 3)
 
 
 class LinearDynamicProjection(nn.Linear):
@@ -268,10 +276,13 @@ class LongShortAttention2d(FoldableModule):
     from the token count and `feat_size`, so any g >= 0 works.
 
     The q, k, v and projection-logit modules are arguments (the layer knows no model), called as
-    `qkv(x, feat_size, num_prefix_tokens) -> (3, B, N, C)` on all tokens and `dynamic_proj(patches, feat_size) ->
-    (B, H * W, h * r)` on the patch tokens. For inference a qkv module may fuse itself with the projection-logit
-    module: if it has `fuse_projections(dynamic_proj)` and that returns a module, `reparameterize` puts it in
-    their place as `fused_proj`, called as `fused_proj(x, feat_size, num_prefix_tokens) -> (qkv, logits)`.
+    `qkv(x, feat_size, num_prefix_tokens) -> (q, k, v, qkv_prefix)` on all tokens (the patch tokens' q, k and v,
+    (B, H * W, C) each, and the prefix tokens' stacked, (3, B, g, C): the layer uses the two apart, and separate
+    tensors need no slicing, stacking or unbinding, nor their copies in backward) and `dynamic_proj(patches,
+    feat_size) -> (B, H * W, h * r)` on the patch tokens. For inference a qkv module may fuse itself with the
+    projection-logit module: if it has `fuse_projections(dynamic_proj)` and that returns a module, `reparameterize`
+    puts it in their place as `fused_proj`, called as `fused_proj(x, feat_size, num_prefix_tokens) -> (q, k, v,
+    qkv_prefix, logits)`.
     """
 
     def __init__(
@@ -429,36 +440,29 @@ class LongShortAttention2d(FoldableModule):
         h, d, r = self.num_heads, self.head_dim, self.dp_rank
 
         if self.fused_proj is not None:  # reparameterized CvT-LS convs
-            qkv, logits = self.fused_proj(x, feat_size, num_prefix)
+            q, k, v, qkv_prefix, logits = self.fused_proj(x, feat_size, num_prefix)
         else:
-            qkv = self.qkv(x, feat_size, num_prefix)  # (3, B, N, C)
+            q, k, v, qkv_prefix = self.qkv(x, feat_size, num_prefix)  # patches (B, H * W, C); prefix (3, B, g, C)
             logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
-        # unbind, not indexing: the backward of an index zero-fills a gradient of the whole (3, B, N, C) stack
-        q, k, v = qkv.unbind(0)
         proj = projection_weights(logits, h)  # P = softmax over tokens (fp32): (B, h, r, Np)
         norm = self.norm_local  # LN_L on keys and values
-        q_patch = q[:, num_prefix:].reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
+        q_patch = q.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
         dropout_p = self.attn_drop if self.training else 0.
-        # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
-        # q, k, v stack, which the queries keep anyway); their backward normalizes again
-        recompute_norm = recompute_local_norm(qkv, norm.weight)
+        # training: the dynamic projection and the windows take k and v before LN_L and keep only those (the outputs
+        # of the q, k, v projection, which autograd keeps anyway); their backward normalizes again
+        recompute_norm = recompute_local_norm(k, norm.weight)
         if recompute_norm:
-            k_raw, v_raw = k[:, num_prefix:], v[:, num_prefix:]
-            k_prefix, v_prefix = norm(k[:, :num_prefix]), norm(v[:, :num_prefix])
-            kv_bar = local_norm_projection(proj, k_raw, v_raw, norm.weight, norm.bias, norm.eps)
+            kv_bar = local_norm_projection(proj, k, v, norm.weight, norm.bias, norm.eps)
             kv_patch = torch.empty(0)  # unused
         else:
-            k_raw, v_raw = k, v  # unused
             k, v = norm(k), norm(v)
-            k_prefix, v_prefix = k[:, :num_prefix], v[:, :num_prefix]
             # one heads-first copy of the normalized patch keys and values serves the projection and the windows
-            kv_patch = torch.stack([k[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2),
-                                    v[:, num_prefix:].reshape(B, num_patches, h, d).transpose(1, 2)])
+            kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
+                                    v.reshape(B, num_patches, h, d).transpose(1, 2)])
             proj = proj.to(kv_patch.dtype)
             kv_bar = project_keys_values(proj, kv_patch)  # (2, B, h, r, d)
         # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
-        kv_prefix = torch.stack([k_prefix.reshape(B, num_prefix, h, d).transpose(1, 2),
-                                 v_prefix.reshape(B, num_prefix, h, d).transpose(1, 2)])
+        kv_prefix = norm(qkv_prefix[1:]).reshape(2, B, num_prefix, h, d).transpose(2, 3)
         # LN_G on the projected keys and values
         kv_bar = self.norm_global(kv_bar.transpose(2, 3).reshape(2, B, r, C)).reshape(2, B, r, h, d).transpose(2, 3)
         kv_shared = torch.cat([kv_bar, kv_prefix.to(kv_bar.dtype)], dim=3) if num_prefix > 0 else kv_bar
@@ -468,7 +472,7 @@ class LongShortAttention2d(FoldableModule):
         window_mask = self._window_mask(feat_size, q.dtype, q.device)
         if recompute_norm:
             out = span_attention_local_norm(
-                q_patch, k_raw.reshape(B, H, W, C), v_raw.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
+                q_patch, k.reshape(B, H, W, C), v.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
                 kv_shared, window_mask, self.window_size, d ** -0.5, dropout_p, None)
         else:
             out = span_attention(q_patch, kv_patch.reshape(2, B, h, H, W, d), kv_shared, window_mask,
@@ -477,6 +481,6 @@ class LongShortAttention2d(FoldableModule):
 
         x = self.proj(out)
         if num_prefix > 0:
-            x = torch.cat([self.proj(self._prefix_update(q[:, :num_prefix], kv_prefix, out)), x], dim=1)
+            x = torch.cat([self.proj(self._prefix_update(qkv_prefix[0], kv_prefix, out)), x], dim=1)
         x = self.proj_drop(x)
         return x

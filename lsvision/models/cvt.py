@@ -179,14 +179,6 @@ class _SepConvRecompute(torch.autograd.Function):
                 grad_pw_bias, None, None)
 
 
-def _qkv_buffer(x: torch.Tensor, num_prefix_tokens: int) -> torch.Tensor:
-    """An empty (3, B, N, C) q, k, v buffer whose prefix rows already hold the prefix tokens, which are their own q,
-    k and v (they get no conv projection)."""
-    qkv = x.new_empty((3,) + x.shape)
-    qkv[:, :, :num_prefix_tokens] = x[:, :num_prefix_tokens]
-    return qkv
-
-
 class SepConvQkv(nn.Module):
     """q, k, v from three depthwise-separable convs over the patch map (CvT-LS).
 
@@ -200,16 +192,17 @@ class SepConvQkv(nn.Module):
         self.k = SepConv2d(dim, **dd)
         self.v = SepConv2d(dim, **dd)
 
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int) -> torch.Tensor:
-        """Returns q, k, v stacked: (3, B, N, C)."""
+    def forward(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+            num_prefix_tokens: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns q, k, v of the patch tokens, (B, H * W, C) each (separate tensors: nothing is stacked, nor sliced
+        in the layer), and the prefix tokens' q, k, v, (3, B, g, C): the prefix tokens themselves (a view)."""
         feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
-        # a stack, not assignments into a buffer: autograd's backward of each in-place assignment would copy and
-        # zero-fill the gradient of the whole buffer (three times per layer in training)
-        qkv = torch.stack([self.q(feat_map), self.k(feat_map), self.v(feat_map)])
-        if num_prefix_tokens == 0:
-            return qkv
         prefix = x[:, :num_prefix_tokens]
-        return torch.cat([prefix.expand((3,) + prefix.shape), qkv], dim=2)
+        return self.q(feat_map), self.k(feat_map), self.v(feat_map), prefix.expand((3,) + prefix.shape)
 
     def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
         """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
@@ -317,24 +310,22 @@ class FusedConvProjections(FoldableModule):
             x: torch.Tensor,
             feat_size: Tuple[int, int],
             num_prefix_tokens: int,
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Returns q, k, v stacked (3, B, N, C) and the projection logits (B, H * W, h * r)."""
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns q, k, v of the patch tokens (B, H * W, C) each, the prefix tokens' q, k, v (3, B, g, C; the prefix
+        tokens themselves) and the projection logits (B, H * W, h * r)."""
         C = x.shape[2]
         patches = x[:, num_prefix_tokens:]
-        qkv = _qkv_buffer(x, num_prefix_tokens)
+        prefix = x[:, :num_prefix_tokens]
+        prefix_qkv = prefix.expand((3,) + prefix.shape)
         if x.shape[0] * feat_size[0] * feat_size[1] <= self.max_fused_positions:
             maps = F.conv2d(_tokens_to_map(torch.cat([patches, patches, patches, patches], dim=2), feat_size),
                             self.dw_weight, self.dw_bias, padding=1, groups=4 * C)
             maps = maps.flatten(2).transpose(1, 2)  # (B, H * W, 4C) tokens: [q | k | v | projection] channels
-            for i in range(3):
-                qkv[i, :, num_prefix_tokens:] = F.linear(
-                    maps[..., i * C:(i + 1) * C], self.qkv_weight[i], self.qkv_bias[i])
-            return qkv, F.linear(maps[..., 3 * C:], self.proj_weight, self.proj_bias)
+            q, k, v = [F.linear(maps[..., i * C:(i + 1) * C], self.qkv_weight[i], self.qkv_bias[i]) for i in range(3)]
+            return q, k, v, prefix_qkv, F.linear(maps[..., 3 * C:], self.proj_weight, self.proj_bias)
         feat_map = _tokens_to_map(patches, feat_size)
-        for i in range(3):
-            qkv[i, :, num_prefix_tokens:] = F.linear(
-                self._depthwise(feat_map, i, C), self.qkv_weight[i], self.qkv_bias[i])
-        return qkv, F.linear(self._depthwise(feat_map, 3, C), self.proj_weight, self.proj_bias)
+        q, k, v = [F.linear(self._depthwise(feat_map, i, C), self.qkv_weight[i], self.qkv_bias[i]) for i in range(3)]
+        return q, k, v, prefix_qkv, F.linear(self._depthwise(feat_map, 3, C), self.proj_weight, self.proj_bias)
 
     def _depthwise(self, feat_map: torch.Tensor, i: int, C: int) -> torch.Tensor:
         """The i-th depthwise conv (q, k, v, projection) alone, as tokens (B, H * W, C)."""
