@@ -211,7 +211,7 @@ def dynamic_projection(
 def _contiguous_heads(heads: Tuple[torch.Tensor, ...], dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
     """Heads-first views (B, h, N, d) as contiguous tensors of `dtype` (copied only where they are not: one head's
     view is): matmuls with a strided operand cost a copy and more (2-5x in backward, measured on CPU)."""
-    return tuple(t.to(dtype=dtype, memory_format=torch.contiguous_format) for t in heads)
+    return tuple(t.to(dtype).contiguous() for t in heads)  # (`to` alone keeps the strides of a same-dtype view)
 
 
 class _LocalNormProjection(torch.autograd.Function):
