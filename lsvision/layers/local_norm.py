@@ -3,7 +3,7 @@
 The keys and values of a long-short layer (2D, and 1D bidirectional) are LayerNorm-ed (LN_L) before two consumers
 read them: the dynamic projection (P @ LN_L(k)) and the window attention. Through autograd, each consumer keeps the
 normalized keys and values for its backward (two map-sized tensors per layer), while LN_L itself keeps its input, the
-keys and values before the norm, which share storage with the queries and are kept anyway. Instead, the consumers
+keys and values before the norm, the q, k, v projection's outputs, which are kept anyway. Instead, the consumers
 (`long_short.local_norm_projection`, `span_attention.span_attention_local_norm`) take the keys and values before the
 norm and keep only those; their backward normalizes again (a cheap elementwise pass) and ends with LN_L's own backward
 kernel, giving the gradients of the raw keys and values and of LN_L's weight and bias.
