@@ -19,14 +19,14 @@ from .export import is_exporting
 __all__ = ['recompute_local_norm', 'local_norm_heads', 'local_norm_heads_backward']
 
 
-def recompute_local_norm(qkv: torch.Tensor, norm_weight: Optional[torch.Tensor]) -> bool:
+def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Tensor]) -> bool:
     """Whether a long-short layer takes its training path, LN_L applied inside the consumers: gradients are wanted
-    (of the q, k, v projection `qkv` or of LN_L's weight), and neither TorchScript nor torch.export is tracing (an
-    exported or scripted graph is for inference)."""
+    (of `projected`, an output of the q, k, v projection, or of LN_L's weight), and neither TorchScript nor
+    torch.export is tracing (an exported or scripted graph is for inference)."""
     if torch.jit.is_scripting():
         return False
     return torch.is_grad_enabled() and not is_exporting() and (
-        qkv.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
+        projected.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
 
 
 def local_norm_heads(

@@ -172,12 +172,12 @@ def projection_weights(
     return proj.to(dtype)
 
 
-def project_keys_values(proj: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """P @ k and P @ v: (B, h, r, N) weights and (2, B, h, N, d) keys and values -> (2, B, h, r, d).
+def project_keys_values(proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """P @ k and P @ v: (B, h, r, N) weights and (B, h, N, d) keys and values -> (2, B, h, r, d).
 
     One matmul each: a matmul broadcasting P over keys and values would copy P, and autograd would keep the copy.
     """
-    return torch.stack([torch.matmul(proj, kv[0]), torch.matmul(proj, kv[1])])
+    return torch.stack([torch.matmul(proj, k), torch.matmul(proj, v)])
 
 
 def dynamic_projection(
@@ -204,7 +204,7 @@ def dynamic_projection(
     _, B, h, N, d = kv.shape
     proj = projection_weights(logits, h, valid).to(kv.dtype)  # (B, h, r, N)
     r = proj.shape[2]
-    kv_bar = project_keys_values(proj, kv).transpose(2, 3).reshape(2, B, r, h * d)
+    kv_bar = project_keys_values(proj, kv[0], kv[1]).transpose(2, 3).reshape(2, B, r, h * d)
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
@@ -222,7 +222,7 @@ class _LocalNormProjection(torch.autograd.Function):
         k_norm, v_norm = _contiguous_heads(local_norm_heads(k, v, weight, bias, eps, proj.shape[1])[:2], proj.dtype)
         ctx.eps = eps
         ctx.save_for_backward(proj, k, v, weight, bias)
-        return torch.stack([torch.matmul(proj, k_norm), torch.matmul(proj, v_norm)])
+        return project_keys_values(proj, k_norm, v_norm)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -460,7 +460,7 @@ class LongShortAttention2d(FoldableModule):
             kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
                                     v.reshape(B, num_patches, h, d).transpose(1, 2)])
             proj = proj.to(kv_patch.dtype)
-            kv_bar = project_keys_values(proj, kv_patch)  # (2, B, h, r, d)
+            kv_bar = project_keys_values(proj, kv_patch[0], kv_patch[1])  # (2, B, h, r, d)
         # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
         kv_prefix = norm(qkv_prefix[1:]).reshape(2, B, num_prefix, h, d).transpose(2, 3)
         # LN_G on the projected keys and values

@@ -165,7 +165,7 @@ class LongShortAttention1d(nn.Module):
                 global_kv.append(local_norm_projection(proj, k_raw, v_raw, norm.weight, norm.bias, norm.eps))
             else:
                 proj = proj.to(kv.dtype)
-                global_kv.append(project_keys_values(proj, kv))
+                global_kv.append(project_keys_values(proj, kv[0], kv[1]))
         if global_kv:
             kv_bar = torch.cat(global_kv, dim=3) if len(global_kv) > 1 else global_kv[0]
             kv_bar = self._heads(self.norm_global(self._merge(kv_bar)))  # (2, B, h, g, d)

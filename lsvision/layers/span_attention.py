@@ -530,6 +530,23 @@ def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_g
             and not needs_mask_grad)
 
 
+def _keys_values(
+        q: torch.Tensor,
+        kv: Optional[torch.Tensor],
+        k_raw: Optional[torch.Tensor],
+        v_raw: Optional[torch.Tensor],
+        norm_weight: Optional[torch.Tensor],
+        norm_bias: Optional[torch.Tensor],
+        norm_eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """The map's keys and values, (B, h, *spatial, d) each, for `_SpanAttention`'s forward and backward: those of `kv`,
+    or (`kv` None) LN_L of the raw ones in q's dtype, as views of LN_L's outputs, with LN_L's statistics."""
+    if kv is None:
+        k, v, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, q.shape[1])
+        return k.to(q.dtype), v.to(q.dtype), stats
+    return kv[0], kv[1], []
+
+
 class _SpanAttention(torch.autograd.Function):
     """`span_attention` with a backward that recomputes the gathered spans instead of keeping them.
 
@@ -545,11 +562,7 @@ class _SpanAttention(torch.autograd.Function):
         ctx.flash = _use_flash(q, window_size, dropout_p, needs_mask_grad)
         ctx.local_norm, ctx.norm_eps = kv is None, norm_eps
         kv_saved = kv  # None with the local norm: the raw keys and values are kept instead
-        if kv is None:
-            k, v, _ = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, q.shape[1])
-            k, v = k.to(q.dtype), v.to(q.dtype)
-        else:
-            k, v = kv[0], kv[1]
+        k, v, _ = _keys_values(q, kv, k_raw, v_raw, norm_weight, norm_bias, norm_eps)
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
             # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
@@ -583,12 +596,7 @@ class _SpanAttention(torch.autograd.Function):
         with autocast_off(grad_out.device.type):
             saved = ctx.saved_tensors
             q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]
-            stats: List[torch.Tensor] = []
-            if ctx.local_norm:
-                k, v, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, q.shape[1])
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            else:
-                k, v = kv[0], kv[1]
+            k, v, stats = _keys_values(q, kv, k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
             # the spans are all the backward needs of k and v: recomputed ones are freed before the attention
             # backward, and the spans go in a list that the backward empties, so that it can free them when done
             spans = [_flash_keys(k, v, ctx.window_size, ctx.span_pad, ctx.segments_per_block) if ctx.flash
