@@ -227,22 +227,33 @@ def test_backward_keeps_no_gathered_spans():
     assert sum(core) == q.numel() * 4 + kv.numel() * 4 + shared.numel() * 4
 
 
-def test_torch_compile_fullgraph_forward_and_backward_equal_eager():
+@pytest.mark.parametrize('amp', [False, True])
+def test_torch_compile_fullgraph_forward_and_backward_equal_eager(amp):
+    """torch.compile(fullgraph=True) of a tiny cvt_ls model, forward and backward, equals eager; also under bf16
+    autocast (a memory-format query in a custom backward once broke the graph there and left autocast's state
+    changed)."""
     torch.manual_seed(0)
     tiny = dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1), window_sizes=(4, 2, 2),
                 dp_ranks=(4, 2, 2))
     model = timm.create_model('cvt_ls_13', img_size=64, num_classes=5, **tiny).train()
     x = torch.randn(2, 3, 64, 72)
     compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
-    eager_out = model(x)
-    eager_out.square().sum().backward()
+
+    def loss_of(fn):
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=amp):
+            out = fn(x)
+        out.float().square().sum().backward()
+        return out
+
+    eager_out = loss_of(model)
     eager_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    out = compiled(x)
-    out.square().sum().backward()
-    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    out = loss_of(compiled)
+    tol = dict(rtol=2e-2, atol=2e-2) if amp else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, eager_out, **tol)
+    tol = dict(rtol=5e-2, atol=5e-2) if amp else dict(rtol=1e-4, atol=1e-5)
     for (name, p), ref in zip(model.named_parameters(), eager_grads):
-        torch.testing.assert_close(p.grad, ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f'{name}: {m}')
+        torch.testing.assert_close(p.grad, ref, **tol, msg=lambda m, name=name: f'{name}: {m}')
 
 
 @pytest.mark.parametrize('span_pad', [None, 0])

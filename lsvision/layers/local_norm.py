@@ -54,6 +54,7 @@ def local_norm_heads(
         statistics [mean_k, rstd_k, mean_v, rstd_v] that `local_norm_heads_backward` takes.
     """
     C = k.shape[-1]
+    weight, bias = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
     yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
     yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
     k_heads = yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
@@ -81,12 +82,20 @@ def local_norm_heads_backward(
         Gradients of k, v (B, *spatial, C), weight and bias (None where those are None).
     """
     mask = [True, weight is not None, bias is not None]
+    weight_x, bias_x = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
     grads = []
     for i, (x, grad_heads) in enumerate(((k, grad_k_heads), (v, grad_v_heads))):
         grad = grad_heads.movedim(1, -2).flatten(-2).to(x.dtype)  # (B, *spatial, C)
         grads.append(torch.ops.aten.native_layer_norm_backward(
-            grad, x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight, bias, mask))
+            grad, x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight_x, bias_x, mask))
     (grad_k, grad_wk, grad_bk), (grad_v, grad_wv, grad_bv) = grads
-    grad_weight = grad_wk + grad_wv if weight is not None else None
-    grad_bias = grad_bk + grad_bv if bias is not None else None
+    # the two halves summed in the parameters' dtype (float32 under autocast)
+    grad_weight = grad_wk.to(weight.dtype) + grad_wv.to(weight.dtype) if weight is not None else None
+    grad_bias = grad_bk.to(bias.dtype) + grad_bv.to(bias.dtype) if bias is not None else None
     return grad_k, grad_v, grad_weight, grad_bias
+
+
+def _in_dtype(param: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """LN_L's affine parameter in the tokens' dtype: CUDA's LayerNorm kernels take one dtype (under autocast,
+    bfloat16 tokens and float32 parameters are refused); the statistics are computed in float32 either way."""
+    return param if param is None or param.dtype == dtype else param.to(dtype)

@@ -24,7 +24,7 @@ to its own span. Without gradients (inference, TorchScript) the same forward run
 Written for lsvision, Apache-2.0.
 """
 import contextlib
-from typing import ContextManager, List, Optional, Tuple
+from typing import ContextManager, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -36,10 +36,20 @@ __all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_lo
            'autocast_dtype', 'autocast_off']
 
 
+def _autocast_devices() -> FrozenSet[str]:
+    """The device types autocast knows, read once: torch.compile (dynamo, torch < 2.14) cannot trace
+    `torch.amp.is_autocast_available`, so the layers look the answer up in a constant."""
+    names = ['cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia', 'xla', torch._C._get_privateuse1_backend_name()]
+    return frozenset(name for name in names if torch.amp.is_autocast_available(name))
+
+
+_AUTOCAST_DEVICES = _autocast_devices()
+
+
 def autocast_dtype(t: torch.Tensor) -> torch.dtype:
     """The dtype autocast computes in on `t`'s device, or `t`'s own dtype where autocast is off (or unknown)."""
     device = t.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+    if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return t.dtype
 
@@ -47,7 +57,7 @@ def autocast_dtype(t: torch.Tensor) -> torch.dtype:
 def autocast_off(device_type: str) -> ContextManager:
     """Autocast disabled on `device_type` (a custom autograd.Function's backward runs outside autocast, so its
     forward does too, in one explicit dtype)."""
-    if torch.amp.is_autocast_available(device_type):
+    if device_type in _AUTOCAST_DEVICES:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

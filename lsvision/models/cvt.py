@@ -133,6 +133,9 @@ class _SepConvRecompute(torch.autograd.Function):
             z, running_mean, running_var, bn_weight, bn_bias, True, momentum, eps)
         ctx.save_for_backward(x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight)
         ctx.eps = eps
+        # the recomputed z has this layout too (same conv, same input); asked here, since torch.compile (dynamo)
+        # breaks the graph on a memory-format query in backward and then leaves autocast's state changed
+        ctx.z_channels_last = z.is_contiguous(memory_format=torch.channels_last)
         return F.linear(y.flatten(2).transpose(1, 2), pw_weight, pw_bias)
 
     @staticmethod
@@ -156,9 +159,9 @@ class _SepConvRecompute(torch.autograd.Function):
         grad_bn_weight = grad_bn_bias = None
         if bn_weight is None:
             grad_z = grad_y.transpose(1, 2).reshape(B, C, H, W)  # channels-last view of the token gradient
-            if not z.is_contiguous(memory_format=torch.channels_last):
+            if not ctx.z_channels_last:
                 grad_z = grad_z.contiguous()
-        elif z.is_contiguous(memory_format=torch.channels_last):
+        elif ctx.z_channels_last:
             # BatchNorm backward on (B, C, H * W, 1) views of the channels-last maps: the same reduction, and ATen's
             # channels-last kernel is 10-20x slower on (1, C, H, W) (41 ms against 2.6 ms for C = 64, 192 x 192)
             grad_z, grad_bn_weight, grad_bn_bias = torch.ops.aten.native_batch_norm_backward(

@@ -1,0 +1,194 @@
+"""Long-short attention on a GPU: gradients against the dense references, kernels batched over the whole batch (no
+loop sized by the batch or the map), torch.compile with inductor, bf16 autocast and a full-size training step.
+
+Skipped where there is no CUDA device (CI has none). `LSVISION_TEST_DEVICE=cpu` runs the same checks on the CPU (to
+work on them without a GPU).
+"""
+import os
+from typing import Tuple
+
+import pytest
+import torch
+from reference_attention import (
+    dense_causal_long_short_attention,
+    dense_long_short_attention_1d,
+    dense_long_short_attention_2d,
+)
+from test_span_attention import GRAD_CASES, LAYERS, _assert_grads_equal, _grads, _perturb
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import timm
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
+
+DEVICE = torch.device(os.environ.get('LSVISION_TEST_DEVICE', 'cuda'))
+pytestmark = pytest.mark.skipif(DEVICE.type == 'cuda' and not torch.cuda.is_available(), reason='no CUDA device')
+
+
+def _reference(fn):
+    """A dense reference run with its index tensors and masks made on DEVICE."""
+    def run(*args):
+        with DEVICE:
+            return fn(*args)
+    return run
+
+
+@pytest.mark.parametrize('feat_size,w,r,heads,g,layer,rpe', GRAD_CASES)
+def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, layer, rpe):
+    torch.manual_seed(0)
+    C = heads * 8
+    attn = LongShortAttention2d(C, heads, w, r, rel_pos_bias=rpe, **LAYERS[layer])
+    attn = _perturb(attn).double().to(DEVICE).train()
+    x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64, device=DEVICE)
+    weight = torch.randn_like(x)
+    fast = _grads(attn, x, lambda t: attn(t, feat_size), weight)
+    dense = _grads(attn, x, lambda t: _reference(dense_long_short_attention_2d)(attn, t, feat_size), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+
+
+@pytest.mark.parametrize('n,w,r,pads,with_cls', [(37, 3, 2, 4, True), (50, 20, 3, 7, True)])
+def test_1d_bidirectional_gradients_match_dense_reference_fp64(n, w, r, pads, with_cls):
+    torch.manual_seed(0)
+    attn = _perturb(LongShortAttention1d(32, 2, w, r), 0.1).double().to(DEVICE).train()
+    x = torch.randn(3, n, 32, dtype=torch.float64, device=DEVICE)
+    mask = torch.ones(3, n, dtype=torch.bool, device=DEVICE)
+    mask[0, n - pads:] = False
+    cls = torch.randn(3, 1, 32, dtype=torch.float64, device=DEVICE) if with_cls else None
+    weight = torch.randn(3, n + with_cls, 32, dtype=torch.float64, device=DEVICE)
+    fast = _grads(attn, x, lambda t: attn(t, mask, cls), weight)
+    dense = _grads(attn, x, lambda t: _reference(dense_long_short_attention_1d)(attn, t, mask, cls), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+
+
+@pytest.mark.parametrize('chunk', [None, 16])
+def test_causal_gradients_match_dense_reference_fp64(chunk):
+    torch.manual_seed(0)
+    attn = CausalLongShortAttention(32, 2, 8, 4, 2, query_chunk_size=chunk)
+    attn = _perturb(attn, 0.1).double().to(DEVICE).train()
+    x = torch.randn(2, 32, 32, dtype=torch.float64, device=DEVICE)
+    cache = torch.randn(2, 16, 32, dtype=torch.float64, device=DEVICE)
+    weight = torch.randn_like(x)
+    fast = _grads(attn, x, lambda t: attn(t, cache), weight)
+    dense = _grads(attn, x, lambda t: _reference(dense_causal_long_short_attention)(attn, t, cache), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+    # the future stays exactly out of reach: the loss at position 10 has no gradient from later inputs
+    xg = x.clone().requires_grad_()
+    attn(xg, cache)[:, 10].sum().backward()
+    assert (xg.grad[:, 11:] == 0).all()
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the operators dispatched to ATen (what Python code calls, below autograd)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launches(attn: torch.nn.Module, x: torch.Tensor, feat_size) -> Tuple[int, int]:
+    """Operators dispatched to ATen and device kernels (CUDA; 0 on CPU) of one training forward and backward."""
+    attn(x, feat_size).sum().backward()  # warm: lazy init of cuBLAS and the like stays out of the count
+    attn.zero_grad(set_to_none=True)  # the counted pass sets the gradients, as the warm one did
+    x.grad = None
+    activities = [ProfilerActivity.CUDA] if DEVICE.type == 'cuda' else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof, _CountOps() as ops:
+        attn(x, feat_size).sum().backward()
+        if DEVICE.type == 'cuda':
+            torch.cuda.synchronize()
+    kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return ops.count, kernels
+
+
+@pytest.mark.parametrize('w,r,heads', [(8, 16, 1), (2, 8, 4)])  # CvT-LS stage 1 and stage 3 windows
+def test_window_attention_launches_as_many_kernels_for_any_batch_and_map(w, r, heads):
+    """One forward and backward of the 2D layer dispatches the same operators for batch 2 and 8 and for a 24 x 24 and
+    a 48 x 40 map: the window attention runs batched over the whole batch, with no loop sized by the batch, the map or
+    a cache size. The CUDA kernels they launch vary a little with the sizes (cuBLAS and cuDNN choose their kernels by
+    shape), far from the 4x a loop over the batch would make."""
+    torch.manual_seed(0)
+    C = 16 * heads
+    attn = LongShortAttention2d(C, heads, w, r, **LAYERS['conv']).to(DEVICE).train()
+    ops, kernels = {}, {}
+    for B, feat_size in [(2, (24, 24)), (8, (24, 24)), (2, (48, 40))]:
+        x = torch.randn(B, 1 + feat_size[0] * feat_size[1], C, device=DEVICE, requires_grad=True)
+        ops[(B, feat_size)], kernels[(B, feat_size)] = _launches(attn, x, feat_size)
+    print(f'one layer (w={w}) forward + backward: ATen operators {ops}, CUDA kernels {kernels}')
+    assert len(set(ops.values())) == 1, ops
+    if DEVICE.type == 'cuda':
+        assert max(kernels.values()) <= 1.25 * min(kernels.values()), kernels
+
+
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='inductor on the CPU needs a C++ compiler; CPU compile is '
+                    'tested with aot_eager in test_span_attention')
+def test_torch_compile_inductor_fullgraph_forward_and_backward_equal_eager():
+    torch.manual_seed(0)
+    tiny = dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1), window_sizes=(4, 2, 2),
+                dp_ranks=(4, 2, 2))
+    model = timm.create_model('cvt_ls_13', img_size=64, num_classes=5, **tiny).to(DEVICE).train()
+    x = torch.randn(2, 3, 64, 72, device=DEVICE)
+    allow_tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # eager and compiled convs in the same precision
+    try:
+        eager_out = model(x)
+        eager_out.square().sum().backward()
+        eager_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        compiled = torch.compile(model, fullgraph=True)
+        out = compiled(x)
+        out.square().sum().backward()
+    finally:
+        torch.backends.cudnn.allow_tf32 = allow_tf32
+    torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
+    for (name, p), ref in zip(model.named_parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f'{name}: {m}')
+
+
+def test_layer_trains_under_bf16_autocast():
+    """Gradients under bfloat16 autocast on the device are close to float32's; parameter gradients stay float32."""
+    torch.manual_seed(0)
+    attn = _perturb(LongShortAttention2d(32, 2, 2, 3, **LAYERS['conv']), 0.1).to(DEVICE).train()
+    x = torch.randn(2, 1 + 6 * 10, 32, device=DEVICE)
+    weight = torch.randn_like(x)
+    ref = _grads(attn, x, lambda t: attn(t, (6, 10)), weight)
+
+    def under_autocast(t):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            return attn(t, (6, 10)).float()
+
+    grads = _grads(attn, x, under_autocast, weight)
+    scale = max(g.norm() for g in ref)
+    compared = 0
+    for name, a, b in zip(['x'] + [n for n, _ in attn.named_parameters()], grads, ref):
+        assert a.dtype == torch.float32, name
+        if b.norm() < 1e-4 * scale:
+            continue  # zero in exact math (a bias before BatchNorm): noise
+        assert (a - b).norm() <= 0.05 * b.norm() + 1e-6, (name, (a - b).norm().item(), b.norm().item())
+        compared += 1
+    assert compared >= len(ref) - 6
+
+
+def test_full_size_cvt_ls_13_trains_a_step_under_bf16():
+    """cvt_ls_13 at 224 px, batch 4: one SGD step under bf16 autocast gives finite float32 gradients everywhere and
+    lowers the loss on the same batch."""
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', num_classes=10).to(DEVICE).train()
+    x = torch.randn(4, 3, 224, 224, device=DEVICE)
+    y = torch.arange(4, device=DEVICE)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(2):
+        with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all(), name
+        opt.step()
+        losses.append(loss.item())
+    assert losses[1] < losses[0], losses
