@@ -293,17 +293,17 @@ def test_layer_keeps_keys_and_values_once(batch, g):
     assert large == pytest.approx([1 + g / (H * W), 1, 1, 1, 1], rel=0.002), large
 
 
-def test_layer_trains_under_bf16_autocast():
-    """Gradients of the training path under bfloat16 autocast (every custom backward runs outside it, in one dtype)
-    are close to float32's, and parameter gradients stay float32."""
+def assert_layer_trains_under_bf16_autocast(device: torch.device) -> None:
+    """Gradients of the 2D layer's training path under bfloat16 autocast on `device` (every custom backward runs
+    outside it, in one dtype) are close to float32's, and parameter gradients stay float32."""
     torch.manual_seed(0)
-    attn = _perturb(LongShortAttention2d(32, 2, 2, 3, **LAYERS['conv']), 0.1).train()
-    x = torch.randn(2, 1 + 6 * 10, 32)
+    attn = _perturb(LongShortAttention2d(32, 2, 2, 3, **LAYERS['conv']), 0.1).to(device).train()
+    x = torch.randn(2, 1 + 6 * 10, 32, device=device)
     weight = torch.randn_like(x)
     ref = _grads(attn, x, lambda t: attn(t, (6, 10)), weight)
 
     def under_autocast(t):
-        with torch.autocast('cpu', dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             return attn(t, (6, 10)).float()
 
     grads = _grads(attn, x, under_autocast, weight)
@@ -316,6 +316,10 @@ def test_layer_trains_under_bf16_autocast():
         assert (a - b).norm() <= 0.05 * b.norm() + 1e-6, (name, (a - b).norm().item(), b.norm().item())
         compared += 1
     assert compared >= len(ref) - 6  # all but the q, k, v and projection conv biases
+
+
+def test_layer_trains_under_bf16_autocast():
+    assert_layer_trains_under_bf16_autocast(torch.device('cpu'))
 
 
 def test_1d_layer_keeps_keys_and_values_once():
