@@ -16,7 +16,8 @@ import torch
 
 from .export import is_exporting
 
-__all__ = ['recompute_local_norm', 'local_norm_heads', 'local_norm_heads_backward']
+__all__ = ['recompute_local_norm', 'local_norm_tokens', 'local_norm_heads', 'local_norm_backward',
+           'local_norm_heads_backward']
 
 
 def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Tensor]) -> bool:
@@ -27,6 +28,31 @@ def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Te
         return False
     return torch.is_grad_enabled() and not is_exporting() and (
         projected.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
+
+
+def local_norm_tokens(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """LN_L of keys and values over their channels.
+
+    Args:
+        k, v: Tokens before the norm, (B, *spatial, C), any strides.
+        weight, bias: LN_L's affine parameters (C,), or None.
+        eps: LN_L's epsilon.
+
+    Returns:
+        The normalized keys and values, (B, *spatial, C) tokens each, and the statistics [mean_k, rstd_k, mean_v,
+        rstd_v] that `local_norm_backward` takes.
+    """
+    C = k.shape[-1]
+    weight, bias = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
+    yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
+    yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
+    return yk, yv, [mean_k, rstd_k, mean_v, rstd_v]
 
 
 def local_norm_heads(
@@ -40,26 +66,53 @@ def local_norm_heads(
     """LN_L of keys and values over their channels, as heads-first views.
 
     The normalized tokens are not copied into a heads-first layout here: each consumer lays them out as its kernels
-    want (the dynamic projection's matmuls want them contiguous, the window attention's key gather reads any strides),
-    and with one head the views are contiguous already.
+    want (the window attention's key gather reads any strides), and with one head the views are contiguous already.
 
     Args:
-        k, v: Tokens before the norm, (B, *spatial, C), any strides.
-        weight, bias: LN_L's affine parameters (C,), or None.
-        eps: LN_L's epsilon.
+        k, v, weight, bias, eps: As `local_norm_tokens`.
         num_heads: h; the head dim is C / h.
 
     Returns:
         The normalized keys and values, each a (B, h, *spatial, d) view of a (B, *spatial, C) tensor, and the
-        statistics [mean_k, rstd_k, mean_v, rstd_v] that `local_norm_heads_backward` takes.
+        statistics that `local_norm_heads_backward` takes.
     """
     C = k.shape[-1]
-    weight, bias = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
-    yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
-    yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
+    yk, yv, stats = local_norm_tokens(k, v, weight, bias, eps)
     k_heads = yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
     v_heads = yv.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
-    return k_heads, v_heads, [mean_k, rstd_k, mean_v, rstd_v]
+    return k_heads, v_heads, stats
+
+
+def local_norm_backward(
+        grad_k: torch.Tensor,
+        grad_v: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        stats: List[torch.Tensor],
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """LN_L's backward for the gradient of `local_norm_tokens`' output.
+
+    Args:
+        grad_k, grad_v: (B, *spatial, C) gradients of the normalized keys and values.
+        k, v, weight, bias: As given to `local_norm_tokens`.
+        stats: The statistics `local_norm_tokens` returned.
+
+    Returns:
+        Gradients of k, v (B, *spatial, C), weight and bias (None where those are None).
+    """
+    mask = [True, weight is not None, bias is not None]
+    weight_x, bias_x = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
+    grads = []
+    for i, (x, grad) in enumerate(((k, grad_k), (v, grad_v))):
+        grads.append(torch.ops.aten.native_layer_norm_backward(
+            grad.to(x.dtype), x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight_x, bias_x, mask))
+    (grad_k, grad_wk, grad_bk), (grad_v, grad_wv, grad_bv) = grads
+    # the two halves summed in the parameters' dtype (float32 under autocast)
+    grad_weight = grad_wk.to(weight.dtype) + grad_wv.to(weight.dtype) if weight is not None else None
+    grad_bias = grad_bk.to(bias.dtype) + grad_bv.to(bias.dtype) if bias is not None else None
+    return grad_k, grad_v, grad_weight, grad_bias
 
 
 def local_norm_heads_backward(
@@ -71,28 +124,10 @@ def local_norm_heads_backward(
         bias: Optional[torch.Tensor],
         stats: List[torch.Tensor],
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """LN_L's backward for the gradient of `local_norm_heads`' output.
-
-    Args:
-        grad_k_heads, grad_v_heads: (B, h, *spatial, d) gradients of the normalized keys and values.
-        k, v, weight, bias: As given to `local_norm_heads`.
-        stats: The statistics `local_norm_heads` returned.
-
-    Returns:
-        Gradients of k, v (B, *spatial, C), weight and bias (None where those are None).
-    """
-    mask = [True, weight is not None, bias is not None]
-    weight_x, bias_x = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
-    grads = []
-    for i, (x, grad_heads) in enumerate(((k, grad_k_heads), (v, grad_v_heads))):
-        grad = grad_heads.movedim(1, -2).flatten(-2).to(x.dtype)  # (B, *spatial, C)
-        grads.append(torch.ops.aten.native_layer_norm_backward(
-            grad, x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight_x, bias_x, mask))
-    (grad_k, grad_wk, grad_bk), (grad_v, grad_wv, grad_bv) = grads
-    # the two halves summed in the parameters' dtype (float32 under autocast)
-    grad_weight = grad_wk.to(weight.dtype) + grad_wv.to(weight.dtype) if weight is not None else None
-    grad_bias = grad_bk.to(bias.dtype) + grad_bv.to(bias.dtype) if bias is not None else None
-    return grad_k, grad_v, grad_weight, grad_bias
+    """LN_L's backward for the gradient of `local_norm_heads`' output, (B, h, *spatial, d) each (`local_norm_backward`
+    on them as tokens)."""
+    return local_norm_backward(grad_k_heads.movedim(1, -2).flatten(-2), grad_v_heads.movedim(1, -2).flatten(-2),
+                               k, v, weight, bias, stats)
 
 
 def _in_dtype(param: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

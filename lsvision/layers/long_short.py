@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_
 
 from .export import refuse_legacy_onnx_export
-from .local_norm import local_norm_heads, local_norm_heads_backward, recompute_local_norm
+from .local_norm import local_norm_backward, local_norm_tokens, recompute_local_norm
 from .reparam import FoldableModule
 from .span_attention import (
     autocast_dtype,
@@ -208,36 +208,65 @@ def dynamic_projection(
     return norm_global(kv_bar).reshape(2, B, r, h, d).transpose(2, 3)
 
 
-def _contiguous_heads(heads: Tuple[torch.Tensor, ...], dtype: torch.dtype) -> Tuple[torch.Tensor, ...]:
-    """Heads-first views (B, h, N, d) as contiguous tensors of `dtype` (copied only where they are not: one head's
-    view is): matmuls with a strided operand cost a copy and more (2-5x in backward, measured on CPU)."""
-    return tuple(t.to(dtype).contiguous() for t in heads)  # (`to` alone keeps the strides of a same-dtype view)
+def _head_slice(i: int, head_dim: int) -> slice:
+    return slice(i * head_dim, (i + 1) * head_dim)
+
+
+def _bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """out = a @ b for a strided view `out` (a head's slice): BLAS writes it in place; a compiled graph (dynamo takes
+    no strided `out=`) copies the product in."""
+    if torch.compiler.is_compiling():
+        out.copy_(torch.bmm(a, b))
+    else:
+        torch.bmm(a, b, out=out)
 
 
 class _LocalNormProjection(torch.autograd.Function):
-    """P @ LN_L(k), P @ LN_L(v), keeping P and the keys and values before the norm (`local_norm_projection`)."""
+    """P @ LN_L(k), P @ LN_L(v), keeping P and the keys and values before the norm (`local_norm_projection`).
+
+    The normalized keys and values stay tokens, (B, N, C): each head's products are batched matmuls on its channel
+    slice (a strided view that BLAS reads as it lies, and that the key gradient is written into), so nothing is copied
+    into a heads-first layout, in forward or backward.
+    """
 
     @staticmethod
     def forward(ctx, proj, k, v, weight, bias, eps: float):
-        k_norm, v_norm = _contiguous_heads(local_norm_heads(k, v, weight, bias, eps, proj.shape[1])[:2], proj.dtype)
+        k_norm, v_norm, _ = local_norm_tokens(k, v, weight, bias, eps)
+        k_norm, v_norm = k_norm.to(proj.dtype), v_norm.to(proj.dtype)
+        B, h, r, _ = proj.shape
+        d = k_norm.shape[-1] // h
+        out = proj.new_empty(2, B, h, r, d)
+        for i in range(h):
+            _bmm_into(proj[:, i], k_norm[..., _head_slice(i, d)], out[0, :, i])
+            _bmm_into(proj[:, i], v_norm[..., _head_slice(i, d)], out[1, :, i])
         ctx.eps = eps
         ctx.save_for_backward(proj, k, v, weight, bias)
-        return project_keys_values(proj, k_norm, v_norm)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         with autocast_off(grad_out.device.type):
             proj, k, v, weight, bias = ctx.saved_tensors
-            k_norm, v_norm, stats = local_norm_heads(k, v, weight, bias, ctx.eps, proj.shape[1])
+            k_norm, v_norm, stats = local_norm_tokens(k, v, weight, bias, ctx.eps)
             grad_out = grad_out.to(proj.dtype)
+            h = proj.shape[1]
+            d = k_norm.shape[-1] // h
             grad_proj = None
             if ctx.needs_input_grad[0]:
-                k_norm, v_norm = _contiguous_heads((k_norm, v_norm), proj.dtype)
-                grad_proj = torch.matmul(grad_out[0], k_norm.transpose(-1, -2))
-                grad_proj.add_(torch.matmul(grad_out[1], v_norm.transpose(-1, -2)))
-            proj_t = proj.transpose(-1, -2)
-            grad_k, grad_v, grad_weight, grad_bias = local_norm_heads_backward(
-                torch.matmul(proj_t, grad_out[0]), torch.matmul(proj_t, grad_out[1]), k, v, weight, bias, stats)
+                k_norm, v_norm = k_norm.to(proj.dtype), v_norm.to(proj.dtype)
+                grad_proj = torch.empty_like(proj)
+                for i in range(h):
+                    heads = _head_slice(i, d)
+                    _bmm_into(grad_out[0, :, i], k_norm[..., heads].transpose(1, 2), grad_proj[:, i])
+                    grad_proj[:, i].baddbmm_(grad_out[1, :, i], v_norm[..., heads].transpose(1, 2))
+            # the gradients of the normalized keys and values, written head by head into token maps
+            grad_norm = proj.new_empty((2,) + k.shape)
+            for i in range(h):
+                proj_t = proj[:, i].transpose(1, 2)  # (B, N, r)
+                _bmm_into(proj_t, grad_out[0, :, i], grad_norm[0, ..., _head_slice(i, d)])
+                _bmm_into(proj_t, grad_out[1, :, i], grad_norm[1, ..., _head_slice(i, d)])
+            grad_k, grad_v, grad_weight, grad_bias = local_norm_backward(
+                grad_norm[0], grad_norm[1], k, v, weight, bias, stats)
         return grad_proj, grad_k, grad_v, grad_weight, grad_bias, None
 
 
