@@ -541,7 +541,8 @@ def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_g
 
 
 def _keys_values(
-        q: torch.Tensor,
+        num_heads: int,
+        dtype: torch.dtype,
         kv: Optional[torch.Tensor],
         k_raw: Optional[torch.Tensor],
         v_raw: Optional[torch.Tensor],
@@ -550,10 +551,11 @@ def _keys_values(
         norm_eps: float,
 ) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
     """The map's keys and values, (B, h, *spatial, d) each, for `_SpanAttention`'s forward and backward: those of `kv`,
-    or (`kv` None) LN_L of the raw ones in q's dtype, as views of LN_L's outputs, with LN_L's statistics."""
+    or (`kv` None) LN_L of the raw ones in `dtype` (the queries'), as views of LN_L's outputs, with LN_L's
+    statistics."""
     if kv is None:
-        k, v, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, q.shape[1])
-        return k.to(q.dtype), v.to(q.dtype), stats
+        k, v, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, num_heads)
+        return k.to(dtype), v.to(dtype), stats
     return kv[0], kv[1], []
 
 
@@ -572,7 +574,8 @@ class _SpanAttention(torch.autograd.Function):
         ctx.flash = _use_flash(q, window_size, dropout_p, needs_mask_grad)
         ctx.local_norm, ctx.norm_eps = kv is None, norm_eps
         kv_saved = kv  # None with the local norm: the raw keys and values are kept instead
-        k, v, _ = _keys_values(q, kv, k_raw, v_raw, norm_weight, norm_bias, norm_eps)
+        k, v, _ = _keys_values(q.shape[1], q.dtype, kv, k_raw, v_raw, norm_weight, norm_bias, norm_eps)
+        ctx.q_shape = q.shape
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
             # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
@@ -593,8 +596,9 @@ class _SpanAttention(torch.autograd.Function):
                 out, lse = _join_shared(q_f.reshape(rows + (d,)), kv_shared, out.reshape(rows + (d,)),
                                         lse.reshape(rows), scale)
             out = _flash_to_tokens(out.reshape(q_f.shape), B, h, spatial, window_size, c)
-            # the output is saved as returned: the output projection keeps the same storage for its own backward
-            ctx.save_for_backward(q, kv_saved, kv_shared, window_mask, *raw, out, lse)
+            # the queries are kept in the kernel's layout (q itself is kept by nothing else, so no more memory); the
+            # output as returned: the output projection keeps the same storage for its own backward
+            ctx.save_for_backward(q_f, kv_saved, kv_shared, window_mask, *raw, out, lse)
             return out
         out, keep = _span_forward(q, torch.stack([k, v]) if kv is None else kv, kv_shared, window_mask, window_size,
                                   scale, dropout_p, span_pad)
@@ -605,8 +609,8 @@ class _SpanAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         with autocast_off(grad_out.device.type):
             saved = ctx.saved_tensors
-            q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]
-            k, v, stats = _keys_values(q, kv, k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
+            q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]  # q: in blocks if flash
+            k, v, stats = _keys_values(ctx.q_shape[1], q.dtype, kv, k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
             # the spans are all the backward needs of k and v: recomputed ones are freed before the attention
             # backward, and the spans go in a list that the backward empties, so that it can free them when done
             spans = [_flash_keys(k, v, ctx.window_size, ctx.span_pad, ctx.segments_per_block) if ctx.flash
@@ -627,22 +631,22 @@ class _SpanAttention(torch.autograd.Function):
         return (grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None) + tuple(grad_raw) + (None,)
 
     @staticmethod
-    def _flash_backward(ctx, grad_out, q, spans: List[torch.Tensor], kv_shared, window_mask, out, lse):
-        """The flash path's backward, given the keys and values in the flash layout (popped from `spans`, from
-        `_flash_keys`): gradients of q, the map's k and v, and the shared keys."""
+    def _flash_backward(ctx, grad_out, q_f, spans: List[torch.Tensor], kv_shared, window_mask, out, lse):
+        """The flash path's backward, given the queries in the flash layout (`_flash_queries`, as saved) and the keys
+        and values in it (popped from `spans`, from `_flash_keys`): gradients of q, the map's k and v, and the shared
+        keys."""
         keys = spans.pop()
         ws, span_pad, scale, c = ctx.window_size, ctx.span_pad, ctx.scale, ctx.segments_per_block
-        spatial = list(q.shape[2:-1])
-        B, h, d = q.shape[0], q.shape[1], q.shape[-1]
+        spatial = list(ctx.q_shape[2:-1])
+        B, h, d = ctx.q_shape[0], ctx.q_shape[1], ctx.q_shape[-1]
         num_shared = kv_shared.shape[3]
-        q_f = _flash_queries(q, ws, c)
-        go = _flash_queries(grad_out.to(q.dtype).movedim(-2, 1), ws, c)
+        go = _flash_queries(grad_out.to(q_f.dtype).movedim(-2, 1), ws, c)
         out_f = _flash_queries(out.movedim(-2, 1), ws, c)
         # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
         # its gradients of the span keys and its part of dq are exact
         grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             go, q_f, keys[0], keys[1], out_f, lse.reshape(q_f.shape[:-1]), 0., False,
-            attn_mask=_flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q.dtype, q.device), scale=scale)
+            attn_mask=_flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q_f.dtype, q_f.device), scale=scale)
         del keys
         grad_k = _flash_fold(grad_k, B, h, spatial, ws, span_pad, c)
         grad_v = _flash_fold(grad_v, B, h, spatial, ws, span_pad, c)
@@ -656,10 +660,10 @@ class _SpanAttention(torch.autograd.Function):
             attn = attn.sub_(lse[..., None]).exp_()  # (B, h, R, S)
             delta = (go_rows * out_f.reshape(rows + (d,))).sum(-1, keepdim=True, dtype=lse.dtype)
             grad_scores = torch.matmul(go_rows, kv_shared[1].transpose(-1, -2)).to(lse.dtype)
-            grad_scores = grad_scores.sub_(delta).mul_(attn).mul_(scale).to(q.dtype)
+            grad_scores = grad_scores.sub_(delta).mul_(attn).mul_(scale).to(q_f.dtype)
             grad_q = grad_q.reshape(rows + (d,)) + torch.matmul(grad_scores, kv_shared[0])
             grad_shared[0] = torch.matmul(grad_scores.transpose(-1, -2), q_rows)
-            grad_shared[1] = torch.matmul(attn.to(q.dtype).transpose(-1, -2), go_rows)
+            grad_shared[1] = torch.matmul(attn.to(q_f.dtype).transpose(-1, -2), go_rows)
         grad_q = _flash_to_tokens(grad_q.reshape(q_f.shape), B, h, spatial, ws, c).movedim(-2, 1)
         return grad_q, grad_k, grad_v, grad_shared
 
