@@ -180,17 +180,24 @@ def _gather_spans(kv: torch.Tensor, window_size: int, span_pad: Optional[int] = 
     return _gather_keys(kv, kv.new_empty(kv.shape[:3] + (0, kv.shape[-1])), window_size, span_pad)
 
 
-def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: int) -> torch.Tensor:
+def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: int,
+               memory_order: Optional[List[int]] = None) -> torch.Tensor:
     """Sum the span gradients of one axis back onto it: dims (dim, dim + 1) = (segment, span offset) -> `length`.
 
     Span offset k of segment i sits at padded position i * w + k, i.e. in block i + k // w; each w-wide piece of the
     span is one strided add. The padding (s before, the rest after) is cropped.
+
+    Args:
+        memory_order: The output's dims from outermost to innermost in memory (default: as they are numbered).
     """
     G, K = t.shape[dim], t.shape[dim + 1]
     pieces = (K + window_size - 1) // window_size
     shape = list(t.shape)
     shape[dim:dim + 2] = [G + pieces - 1, window_size]
-    out = t.new_empty(shape)
+    if memory_order is None:
+        out = t.new_empty(shape)
+    else:
+        out = t.new_empty([shape[i] for i in memory_order]).permute([memory_order.index(i) for i in range(len(shape))])
     # the first piece is whole (K >= w) and covers blocks 0..G-1: a copy, so only the last blocks need zeros
     out.narrow(dim, 0, G).copy_(t.narrow(dim + 1, 0, window_size))
     out.narrow(dim, G, pieces - 1).zero_()
@@ -302,12 +309,15 @@ def _gather_block_keys(k: torch.Tensor, v: torch.Tensor, window_size: int, span_
 
 def _fold_block_keys(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int,
                      span_pad: Optional[int], segments_per_block: int) -> torch.Tensor:
-    """The adjoint of `_gather_block_keys` for keys or values: (B * h * nx, gy, K * Wc, d) -> (B, h, H, W, d)."""
+    """The adjoint of `_gather_block_keys` for keys or values: (B * h * nx, gy, K * Wc, d) -> (B, h, H, W, d), a
+    heads-first view of a token map (B, H, W', h, d) (W' >= W: the map's width, or more where blocks pad it), the
+    layout LN_L's backward reads."""
     ws, c, d = window_size, segments_per_block, grad.shape[-1]
     pad, span = window_span(ws, span_pad)
     gy, gx, nx, Hp, Wc = _block_grid(spatial, ws, span_pad, c)
     rows = _fold_axis(grad.reshape(B, h, nx, gy, span, Wc, d), 3, ws, spatial[0], pad)  # (B, h, nx, H, Wc, d)
-    return _fold_axis(rows.transpose(2, 3), 3, c * ws, spatial[1], pad)  # (B, h, H, W, d)
+    # (B, h, H, W, d), from (B, h, H, x blocks, c * w, d) laid out (B, H, x blocks, c * w, h, d)
+    return _fold_axis(rows.transpose(2, 3), 3, c * ws, spatial[1], pad, memory_order=[0, 2, 3, 4, 1, 5])
 
 
 def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: List[int], window_size: int,
