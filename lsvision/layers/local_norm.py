@@ -1,12 +1,13 @@
-"""LN_L of long-short attention applied inside its consumers, recomputed in backward instead of kept.
+"""LN_L of long-short attention, recomputed in its consumers' backward instead of kept.
 
 The keys and values of a long-short layer (2D, and 1D bidirectional) are LayerNorm-ed (LN_L) before two consumers
-read them: the dynamic projection (P @ LN_L(k)) and the window attention. Through autograd, each consumer keeps the
-normalized keys and values for its backward (two map-sized tensors per layer), while LN_L itself keeps its input, the
-keys and values before the norm, the q, k, v projection's outputs, which are kept anyway. Instead, the consumers
-(`long_short.local_norm_projection`, `span_attention.span_attention_local_norm`) take the keys and values before the
-norm and keep only those; their backward normalizes again (a cheap elementwise pass) and ends with LN_L's own backward
-kernel, giving the gradients of the raw keys and values and of LN_L's weight and bias.
+read them: the dynamic projection (P @ LN_L(k)) and the window attention. Through autograd, each consumer would keep
+the normalized keys and values for its backward (two map-sized tensors per layer), while LN_L itself keeps its input,
+the keys and values before the norm, the q, k, v projection's outputs, which are kept anyway, and its statistics.
+Instead, LN_L runs once in forward (`long_short.local_norm_keys_values`, plain autograd) and the consumers
+(`long_short.local_norm_projection`, `span_attention.span_attention_local_norm`) take its outputs together with the
+keys and values before the norm, and keep only the latter: their backward normalizes again (`local_norm_tokens`, the
+same kernel as in forward) and returns the gradients of LN_L's outputs, whose sum LN_L's own backward takes once.
 
 Written for lsvision, Apache-2.0.
 """
@@ -16,8 +17,7 @@ import torch
 
 from .export import is_exporting
 
-__all__ = ['recompute_local_norm', 'local_norm_tokens', 'local_norm_heads', 'local_norm_backward',
-           'local_norm_heads_backward']
+__all__ = ['recompute_local_norm', 'local_norm_tokens', 'local_norm_heads']
 
 
 def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Tensor]) -> bool:
@@ -46,7 +46,7 @@ def local_norm_tokens(
 
     Returns:
         The normalized keys and values, (B, *spatial, C) tokens each, and the statistics [mean_k, rstd_k, mean_v,
-        rstd_v] that `local_norm_backward` takes.
+        rstd_v].
     """
     C = k.shape[-1]
     weight, bias = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
@@ -74,60 +74,13 @@ def local_norm_heads(
 
     Returns:
         The normalized keys and values, each a (B, h, *spatial, d) view of a (B, *spatial, C) tensor, and the
-        statistics that `local_norm_heads_backward` takes.
+        statistics.
     """
     C = k.shape[-1]
     yk, yv, stats = local_norm_tokens(k, v, weight, bias, eps)
     k_heads = yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
     v_heads = yv.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
     return k_heads, v_heads, stats
-
-
-def local_norm_backward(
-        grad_k: torch.Tensor,
-        grad_v: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        weight: Optional[torch.Tensor],
-        bias: Optional[torch.Tensor],
-        stats: List[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """LN_L's backward for the gradient of `local_norm_tokens`' output.
-
-    Args:
-        grad_k, grad_v: (B, *spatial, C) gradients of the normalized keys and values.
-        k, v, weight, bias: As given to `local_norm_tokens`.
-        stats: The statistics `local_norm_tokens` returned.
-
-    Returns:
-        Gradients of k, v (B, *spatial, C), weight and bias (None where those are None).
-    """
-    mask = [True, weight is not None, bias is not None]
-    weight_x, bias_x = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
-    grads = []
-    for i, (x, grad) in enumerate(((k, grad_k), (v, grad_v))):
-        grads.append(torch.ops.aten.native_layer_norm_backward(
-            grad.to(x.dtype), x, [x.shape[-1]], stats[2 * i], stats[2 * i + 1], weight_x, bias_x, mask))
-    (grad_k, grad_wk, grad_bk), (grad_v, grad_wv, grad_bv) = grads
-    # the two halves summed in the parameters' dtype (float32 under autocast)
-    grad_weight = grad_wk.to(weight.dtype) + grad_wv.to(weight.dtype) if weight is not None else None
-    grad_bias = grad_bk.to(bias.dtype) + grad_bv.to(bias.dtype) if bias is not None else None
-    return grad_k, grad_v, grad_weight, grad_bias
-
-
-def local_norm_heads_backward(
-        grad_k_heads: torch.Tensor,
-        grad_v_heads: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        weight: Optional[torch.Tensor],
-        bias: Optional[torch.Tensor],
-        stats: List[torch.Tensor],
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """LN_L's backward for the gradient of `local_norm_heads`' output, (B, h, *spatial, d) each (`local_norm_backward`
-    on them as tokens)."""
-    return local_norm_backward(grad_k_heads.movedim(1, -2).flatten(-2), grad_v_heads.movedim(1, -2).flatten(-2),
-                               k, v, weight, bias, stats)
 
 
 def _in_dtype(param: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

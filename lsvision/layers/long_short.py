@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_
 
 from .export import refuse_legacy_onnx_export
-from .local_norm import local_norm_backward, local_norm_tokens, recompute_local_norm
+from .local_norm import local_norm_tokens, recompute_local_norm
 from .reparam import FoldableModule
 from .span_attention import (
     autocast_dtype,
@@ -222,7 +222,7 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 class _LocalNormProjection(torch.autograd.Function):
-    """P @ LN_L(k), P @ LN_L(v), keeping P and the keys and values before the norm (`local_norm_projection`).
+    """P @ k_norm, P @ v_norm, keeping P and the keys and values before LN_L (`local_norm_projection`).
 
     The normalized keys and values stay tokens, (B, N, C): each head's products are batched matmuls on its channel
     slice (a strided view that BLAS reads as it lies, and that the key gradient is written into), so nothing is copied
@@ -230,8 +230,7 @@ class _LocalNormProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, proj, k, v, weight, bias, eps: float):
-        k_norm, v_norm, _ = local_norm_tokens(k, v, weight, bias, eps)
+    def forward(ctx, proj, k_norm, v_norm, k, v, weight, bias, eps: float):
         k_norm, v_norm = k_norm.to(proj.dtype), v_norm.to(proj.dtype)
         B, h, r, _ = proj.shape
         d = k_norm.shape[-1] // h
@@ -240,6 +239,7 @@ class _LocalNormProjection(torch.autograd.Function):
             _bmm_into(proj[:, i], k_norm[..., _head_slice(i, d)], out[0, :, i])
             _bmm_into(proj[:, i], v_norm[..., _head_slice(i, d)], out[1, :, i])
         ctx.eps = eps
+        ctx.norm_dtype = k.dtype
         ctx.save_for_backward(proj, k, v, weight, bias)
         return out
 
@@ -247,12 +247,12 @@ class _LocalNormProjection(torch.autograd.Function):
     def backward(ctx, grad_out):
         with autocast_off(grad_out.device.type):
             proj, k, v, weight, bias = ctx.saved_tensors
-            k_norm, v_norm, stats = local_norm_tokens(k, v, weight, bias, ctx.eps)
             grad_out = grad_out.to(proj.dtype)
             h = proj.shape[1]
-            d = k_norm.shape[-1] // h
+            d = k.shape[-1] // h
             grad_proj = None
             if ctx.needs_input_grad[0]:
+                k_norm, v_norm, _ = local_norm_tokens(k, v, weight, bias, ctx.eps)  # as in forward
                 k_norm, v_norm = k_norm.to(proj.dtype), v_norm.to(proj.dtype)
                 grad_proj = torch.empty_like(proj)
                 for i in range(h):
@@ -265,27 +265,57 @@ class _LocalNormProjection(torch.autograd.Function):
                 proj_t = proj[:, i].transpose(1, 2)  # (B, N, r)
                 _bmm_into(proj_t, grad_out[0, :, i], grad_norm[0, ..., _head_slice(i, d)])
                 _bmm_into(proj_t, grad_out[1, :, i], grad_norm[1, ..., _head_slice(i, d)])
-            grad_k, grad_v, grad_weight, grad_bias = local_norm_backward(
-                grad_norm[0], grad_norm[1], k, v, weight, bias, stats)
-        return grad_proj, grad_k, grad_v, grad_weight, grad_bias, None
+            grad_norm = grad_norm.to(ctx.norm_dtype)
+        return grad_proj, grad_norm[0], grad_norm[1], None, None, None, None, None
+
+
+@torch.jit.unused  # training only (TorchScript runs the plain path)
+def local_norm_keys_values(
+        k: torch.Tensor,
+        v: torch.Tensor,
+        weight: Optional[torch.Tensor],
+        bias: Optional[torch.Tensor],
+        eps: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """LN_L of the keys and values for training, computed once for both of its consumers.
+
+    Autograd keeps LN_L's input (the q, k, v projection's outputs, kept anyway) and statistics, not its outputs: the
+    consumers (`local_norm_projection`, `span_attention_local_norm`) do not keep them either, their backward normalizes
+    again, and LN_L's backward runs once, on the sum of their gradients. Computed in k's dtype outside autocast, as
+    the consumers' backward computes it.
+
+    Args:
+        k, v: Keys and values before LN_L, (B, *spatial, C); any strides.
+        weight, bias, eps: LN_L's parameters.
+
+    Returns:
+        LN_L(k), LN_L(v) as tokens (B, *spatial, C).
+    """
+    with autocast_off(k.device.type):
+        k_norm, v_norm, _ = local_norm_tokens(k, v, weight, bias, eps)
+    return k_norm, v_norm
 
 
 @torch.jit.unused  # training only (TorchScript runs the plain path)
 def local_norm_projection(
         proj: torch.Tensor,
+        k_norm: torch.Tensor,
+        v_norm: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         weight: Optional[torch.Tensor],
         bias: Optional[torch.Tensor],
         eps: float,
 ) -> torch.Tensor:
-    """The dynamic projection of the LN_L-normed keys and values, P @ LN_L(k) and P @ LN_L(v), for training.
+    """The dynamic projection of the LN_L-normed keys and values, P @ k_norm and P @ v_norm, for training.
 
-    The same as ``proj @ LN_L(k, v) heads first``, but autograd keeps P and the keys and values before the norm
-    (views of the q, k, v projections, kept anyway), not the normalized ones (`lsvision.layers.local_norm`).
+    The same as ``proj @ (k_norm, v_norm) heads first``, but autograd keeps P and the keys and values before the norm
+    (views of the q, k, v projections, kept anyway), not the normalized ones: the backward normalizes again
+    (`lsvision.layers.local_norm`) and returns the gradients of `k_norm` and `v_norm`, for LN_L's own backward.
 
     Args:
         proj: Projection weights P (B, h, r, N).
+        k_norm, v_norm: LN_L(k), LN_L(v) (`local_norm_keys_values`), (B, N, C).
         k, v: Keys and values before LN_L, (B, N, C); any strides.
         weight, bias, eps: LN_L's parameters.
 
@@ -294,7 +324,7 @@ def local_norm_projection(
     """
     dtype = autocast_dtype(proj)
     with autocast_off(proj.device.type):
-        return _LocalNormProjection.apply(proj.to(dtype), k, v, weight, bias, eps)
+        return _LocalNormProjection.apply(proj.to(dtype), k_norm, v_norm, k, v, weight, bias, eps)
 
 
 @register_notrace_module  # shape arithmetic on the map size: keep it a leaf for torch.fx
@@ -477,13 +507,15 @@ class LongShortAttention2d(FoldableModule):
         norm = self.norm_local  # LN_L on keys and values
         q_patch = q.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
         dropout_p = self.attn_drop if self.training else 0.
-        # training: the dynamic projection and the windows take k and v before LN_L and keep only those (the outputs
-        # of the q, k, v projection, which autograd keeps anyway); their backward normalizes again
+        # training: LN_L once for the dynamic projection and the windows, which keep only k and v before LN_L (the
+        # outputs of the q, k, v projection, which autograd keeps anyway); their backward normalizes again
         recompute_norm = recompute_local_norm(k, norm.weight)
         if recompute_norm:
-            kv_bar = local_norm_projection(proj, k, v, norm.weight, norm.bias, norm.eps)
+            k_norm, v_norm = local_norm_keys_values(k, v, norm.weight, norm.bias, norm.eps)
+            kv_bar = local_norm_projection(proj, k_norm, v_norm, k, v, norm.weight, norm.bias, norm.eps)
             kv_patch = torch.empty(0)  # unused
         else:
+            k_norm = v_norm = torch.empty(0)  # unused
             k, v = norm(k), norm(v)
             # one heads-first copy of the normalized patch keys and values serves the projection and the windows
             kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
@@ -501,7 +533,8 @@ class LongShortAttention2d(FoldableModule):
         window_mask = self._window_mask(feat_size, q.dtype, q.device)
         if recompute_norm:
             out = span_attention_local_norm(
-                q_patch, k.reshape(B, H, W, C), v.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
+                q_patch, k_norm.reshape(B, H, W, C), v_norm.reshape(B, H, W, C), k.reshape(B, H, W, C),
+                v.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
                 kv_shared, window_mask, self.window_size, d ** -0.5, dropout_p, None)
         else:
             out = span_attention(q_patch, kv_patch.reshape(2, B, h, H, W, d), kv_shared, window_mask,

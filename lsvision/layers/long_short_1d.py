@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .local_norm import recompute_local_norm
-from .long_short import local_norm_projection, project_keys_values, projection_weights
+from .long_short import local_norm_keys_values, local_norm_projection, project_keys_values, projection_weights
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
@@ -147,9 +147,11 @@ class LongShortAttention1d(nn.Module):
         # training: the dynamic projection and the windows take k and v before LN_L and keep only those (views of the
         # qkv output, which the queries keep anyway); their backward normalizes again (`lsvision.layers.local_norm`)
         recompute_norm = recompute_local_norm(qkv, norm.weight)
-        kv = qkv.new_empty(0)  # unused when recomputing
+        kv = k_norm = v_norm = qkv.new_empty(0)  # kv unused when recomputing, k_norm and v_norm otherwise
         if not recompute_norm:
             kv = self._heads(norm(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d)
+        elif r > 0 or w > 0:  # LN_L once for the projection and the windows (tokens, kept by neither)
+            k_norm, v_norm = local_norm_keys_values(k_raw, v_raw, norm.weight, norm.bias, norm.eps)
 
         # global keys: [cls k/v (without LN_L) | P K, P V], then LN_G over D
         global_kv = []
@@ -162,7 +164,8 @@ class LongShortAttention1d(nn.Module):
         if r > 0:
             proj = projection_weights(self.dynamic_proj(x), h, valid)  # (B, h, r, n)
             if recompute_norm:
-                global_kv.append(local_norm_projection(proj, k_raw, v_raw, norm.weight, norm.bias, norm.eps))
+                global_kv.append(local_norm_projection(
+                    proj, k_norm, v_norm, k_raw, v_raw, norm.weight, norm.bias, norm.eps))
             else:
                 proj = proj.to(kv.dtype)
                 global_kv.append(project_keys_values(proj, kv[0], kv[1]))
@@ -187,8 +190,8 @@ class LongShortAttention1d(nn.Module):
             # one joint softmax over [global | window span] keys; the backward gathers the spans again
             win_mask = win_mask[:, None, :, None, :]
             if recompute_norm:
-                out = span_attention_local_norm(qh, k_raw, v_raw, norm.weight, norm.bias, norm.eps, kv_bar, win_mask,
-                                                w, 1., dropout_p, None)
+                out = span_attention_local_norm(qh, k_norm, v_norm, k_raw, v_raw, norm.weight, norm.bias, norm.eps,
+                                                kv_bar, win_mask, w, 1., dropout_p, None)
             else:
                 out = span_attention(qh, kv, kv_bar, win_mask, w, 1., dropout_p)
             out = out.transpose(1, 2)

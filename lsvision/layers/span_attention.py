@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .export import is_exporting
-from .local_norm import local_norm_heads, local_norm_heads_backward
+from .local_norm import local_norm_heads
 
 __all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask',
            'autocast_dtype', 'autocast_off']
@@ -550,41 +550,30 @@ def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_g
             and not needs_mask_grad)
 
 
-def _keys_values(
-        num_heads: int,
-        dtype: torch.dtype,
-        kv: Optional[torch.Tensor],
-        k_raw: Optional[torch.Tensor],
-        v_raw: Optional[torch.Tensor],
-        norm_weight: Optional[torch.Tensor],
-        norm_bias: Optional[torch.Tensor],
-        norm_eps: float,
-) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
-    """The map's keys and values, (B, h, *spatial, d) each, for `_SpanAttention`'s forward and backward: those of `kv`,
-    or (`kv` None) LN_L of the raw ones in `dtype` (the queries'), as views of LN_L's outputs, with LN_L's
-    statistics."""
-    if kv is None:
-        k, v, stats = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, norm_eps, num_heads)
-        return k.to(dtype), v.to(dtype), stats
-    return kv[0], kv[1], []
+def _heads(tokens: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, *spatial, h * d) tokens -> (B, h, *spatial, d), a view where the dtype is already `dtype`."""
+    return tokens.unflatten(-1, (num_heads, tokens.shape[-1] // num_heads)).movedim(-2, 1).to(dtype)
 
 
 class _SpanAttention(torch.autograd.Function):
     """`span_attention` with a backward that recomputes the gathered spans instead of keeping them.
 
-    With `kv` None, the keys and values are LN_L(k_raw), LN_L(v_raw) (`span_attention_local_norm`): they are
-    normalized here, and only the raw keys and values are kept; the backward normalizes them again.
+    With `kv` None, the keys and values are `k_norm`, `v_norm` = LN_L(k_raw), LN_L(v_raw) as tokens
+    (`span_attention_local_norm`): only the raw ones are kept, and the backward normalizes them again.
     """
 
     @staticmethod
     def forward(ctx, q, kv, kv_shared, window_mask, window_size: int, scale: float, dropout_p: float,
-                span_pad: Optional[int], k_raw, v_raw, norm_weight, norm_bias, norm_eps: float):
+                span_pad: Optional[int], k_norm, v_norm, k_raw, v_raw, norm_weight, norm_bias, norm_eps: float):
         ctx.window_size, ctx.scale, ctx.dropout_p, ctx.span_pad = window_size, scale, dropout_p, span_pad
         needs_mask_grad = window_mask is not None and window_mask.requires_grad
         ctx.flash = _use_flash(q, window_size, dropout_p, needs_mask_grad)
         ctx.local_norm, ctx.norm_eps = kv is None, norm_eps
         kv_saved = kv  # None with the local norm: the raw keys and values are kept instead
-        k, v, _ = _keys_values(q.shape[1], q.dtype, kv, k_raw, v_raw, norm_weight, norm_bias, norm_eps)
+        if kv is None:
+            k, v = _heads(k_norm, q.shape[1], q.dtype), _heads(v_norm, q.shape[1], q.dtype)
+        else:
+            k, v = kv[0], kv[1]
         ctx.q_shape = q.shape
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
@@ -620,7 +609,11 @@ class _SpanAttention(torch.autograd.Function):
         with autocast_off(grad_out.device.type):
             saved = ctx.saved_tensors
             q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]  # q: in blocks if flash
-            k, v, stats = _keys_values(ctx.q_shape[1], q.dtype, kv, k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
+            if kv is None:  # LN_L again, as in forward
+                k, v, _ = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, ctx.q_shape[1])
+                k, v = k.to(q.dtype), v.to(q.dtype)
+            else:
+                k, v = kv[0], kv[1]
             # the spans are all the backward needs of k and v: recomputed ones are freed before the attention
             # backward, and the spans go in a list that the backward empties, so that it can free them when done
             spans = [_flash_keys(k, v, ctx.window_size, ctx.span_pad, ctx.segments_per_block) if ctx.flash
@@ -633,12 +626,13 @@ class _SpanAttention(torch.autograd.Function):
             else:
                 grad_q, grad_k, grad_v, grad_shared, grad_mask = _SpanAttention._backward(
                     ctx, grad_out, q, spans, kv_shared, window_mask, saved[8])
-            grad_kv, grad_raw = None, (None, None, None, None)
-            if ctx.local_norm:
-                grad_raw = local_norm_heads_backward(grad_k, grad_v, k_raw, v_raw, norm_weight, norm_bias, stats)
+            grad_kv = grad_k_norm = grad_v_norm = None
+            if ctx.local_norm:  # as tokens, the normalized keys' and values' layout
+                grad_k_norm, grad_v_norm = grad_k.movedim(1, -2).flatten(-2), grad_v.movedim(1, -2).flatten(-2)
             else:
                 grad_kv = torch.stack([grad_k, grad_v])
-        return (grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None) + tuple(grad_raw) + (None,)
+        return (grad_q, grad_kv, grad_shared, grad_mask, None, None, None, None, grad_k_norm, grad_v_norm,
+                None, None, None, None, None)
 
     @staticmethod
     def _flash_backward(ctx, grad_out, q_f, spans: List[torch.Tensor], kv_shared, window_mask, out, lse):
@@ -776,12 +770,14 @@ def span_attention(
     q, kv, kv_shared = q.to(dtype), kv.to(dtype), kv_shared.to(dtype)
     with autocast_off(q.device.type):
         return _SpanAttention.apply(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad,
-                                    None, None, None, None, 0.)
+                                    None, None, None, None, None, None, 0.)
 
 
 @torch.jit.unused  # training only (TorchScript runs `span_attention`)
 def span_attention_local_norm(
         q: torch.Tensor,
+        k_norm: torch.Tensor,
+        v_norm: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         norm_weight: Optional[torch.Tensor],
@@ -796,12 +792,14 @@ def span_attention_local_norm(
 ) -> torch.Tensor:
     """`span_attention` of the keys and values after a LayerNorm over their channels (LN_L), for training.
 
-    The same as ``span_attention(q, LN_L(k), LN_L(v) heads first, ...)``, but autograd keeps k and v as given (in
-    the long-short layers, views of the q, k, v projections that are kept anyway) instead of the normalized keys and
-    values: the backward normalizes them again (`lsvision.layers.local_norm`).
+    The same as ``span_attention(q, k_norm, v_norm heads first, ...)``, but autograd keeps k and v, the keys and values
+    before the norm (in the long-short layers, views of the q, k, v projections that are kept anyway), instead of the
+    normalized ones: the backward normalizes them again (`lsvision.layers.local_norm`) and returns the gradients of
+    `k_norm` and `v_norm`, for LN_L's own backward.
 
     Args:
         q: Queries (B, h, *spatial, d).
+        k_norm, v_norm: LN_L(k), LN_L(v) (`local_norm.local_norm_tokens`, in k's dtype), (B, *spatial, h * d).
         k, v: Keys and values before LN_L, as tokens (B, *spatial, h * d); any strides.
         norm_weight, norm_bias, norm_eps: LN_L's parameters.
         Others: as `span_attention`.
@@ -812,4 +810,4 @@ def span_attention_local_norm(
     dtype = autocast_dtype(q)
     with autocast_off(q.device.type):
         return _SpanAttention.apply(q.to(dtype), None, kv_shared.to(dtype), window_mask, window_size, scale,
-                                    dropout_p, span_pad, k, v, norm_weight, norm_bias, norm_eps)
+                                    dropout_p, span_pad, k_norm, v_norm, k, v, norm_weight, norm_bias, norm_eps)
