@@ -17,7 +17,7 @@ import torch
 
 from .export import is_exporting
 
-__all__ = ['recompute_local_norm', 'local_norm_tokens', 'local_norm_heads']
+__all__ = ['recompute_local_norm', 'local_norm_tokens']
 
 
 def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Tensor]) -> bool:
@@ -53,34 +53,6 @@ def local_norm_tokens(
     yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
     yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
     return yk, yv, [mean_k, rstd_k, mean_v, rstd_v]
-
-
-def local_norm_heads(
-        k: torch.Tensor,
-        v: torch.Tensor,
-        weight: Optional[torch.Tensor],
-        bias: Optional[torch.Tensor],
-        eps: float,
-        num_heads: int,
-) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
-    """LN_L of keys and values over their channels, as heads-first views.
-
-    The normalized tokens are not copied into a heads-first layout here: each consumer lays them out as its kernels
-    want (the window attention's key gather reads any strides), and with one head the views are contiguous already.
-
-    Args:
-        k, v, weight, bias, eps: As `local_norm_tokens`.
-        num_heads: h; the head dim is C / h.
-
-    Returns:
-        The normalized keys and values, each a (B, h, *spatial, d) view of a (B, *spatial, C) tensor, and the
-        statistics.
-    """
-    C = k.shape[-1]
-    yk, yv, stats = local_norm_tokens(k, v, weight, bias, eps)
-    k_heads = yk.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
-    v_heads = yv.unflatten(-1, (num_heads, C // num_heads)).movedim(-2, 1)
-    return k_heads, v_heads, stats
 
 
 def _in_dtype(param: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

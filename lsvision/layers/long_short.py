@@ -239,7 +239,6 @@ class _LocalNormProjection(torch.autograd.Function):
             _bmm_into(proj[:, i], k_norm[..., _head_slice(i, d)], out[0, :, i])
             _bmm_into(proj[:, i], v_norm[..., _head_slice(i, d)], out[1, :, i])
         ctx.eps = eps
-        ctx.norm_dtype = k.dtype
         ctx.save_for_backward(proj, k, v, weight, bias)
         return out
 
@@ -265,7 +264,7 @@ class _LocalNormProjection(torch.autograd.Function):
                 proj_t = proj[:, i].transpose(1, 2)  # (B, N, r)
                 _bmm_into(proj_t, grad_out[0, :, i], grad_norm[0, ..., _head_slice(i, d)])
                 _bmm_into(proj_t, grad_out[1, :, i], grad_norm[1, ..., _head_slice(i, d)])
-            grad_norm = grad_norm.to(ctx.norm_dtype)
+            grad_norm = grad_norm.to(k.dtype)  # the normalized keys' dtype (LN_L runs in k's)
         return grad_proj, grad_norm[0], grad_norm[1], None, None, None, None, None
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .export import is_exporting
-from .local_norm import local_norm_heads
+from .local_norm import local_norm_tokens
 
 __all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask',
            'autocast_dtype', 'autocast_off']
@@ -610,8 +610,8 @@ class _SpanAttention(torch.autograd.Function):
             saved = ctx.saved_tensors
             q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]  # q: in blocks if flash
             if kv is None:  # LN_L again, as in forward
-                k, v, _ = local_norm_heads(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps, ctx.q_shape[1])
-                k, v = k.to(q.dtype), v.to(q.dtype)
+                k, v, _ = local_norm_tokens(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
+                k, v = _heads(k, ctx.q_shape[1], q.dtype), _heads(v, ctx.q_shape[1], q.dtype)
             else:
                 k, v = kv[0], kv[1]
             # the spans are all the backward needs of k and v: recomputed ones are freed before the attention
