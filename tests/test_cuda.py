@@ -55,6 +55,82 @@ def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, laye
     _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
 
 
+class _OpNames(TorchDispatchMode):
+    """Records the names of the operators dispatched to ATen."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# the fused kernels the float32 training path runs on: forward and backward
+FUSED_KERNELS = {
+    'cuda': ('_scaled_dot_product_efficient_attention.default',
+             '_scaled_dot_product_efficient_attention_backward.default'),
+    'cpu': ('_scaled_dot_product_flash_attention_for_cpu.default',
+            '_scaled_dot_product_flash_attention_for_cpu_backward.default'),
+}
+
+
+def _assert_float32_grads_match_float64(module, x, run, reference, weight, names):
+    """Gradients of the float32 training path, which runs on the fused kernels (checked by their operator names),
+    against the float64 dense reference at the same parameters."""
+    module = module.float()
+    with _OpNames() as ops:
+        fast = _grads(module, x.float(), run, weight.float())
+    assert set(FUSED_KERNELS[DEVICE.type]) <= ops.names, sorted(n for n in ops.names if 'attention' in n)
+    dense = _grads(module.double(), x, reference, weight)
+    # each tensor to 2e-4 of its largest value; gradients that cancel to ~0 (a bias before a BatchNorm) to 2e-6 of the
+    # largest of all
+    floor = 1e-2 * max(float(b.abs().max()) for b in dense)
+    scales = [max(float(b.abs().max()), floor) for b in dense]
+    worst = max(float((a.double() - b).abs().max()) / scale for a, b, scale in zip(fast, dense, scales))
+    print(f"largest gradient error relative to its tensor's largest value: {worst:.2e}")
+    for name, a, b, scale in zip(names, fast, dense, scales):
+        torch.testing.assert_close(a.double(), b, rtol=2e-4, atol=2e-4 * scale, msg=lambda m, name=name: f'{name}: {m}')
+
+
+@pytest.mark.parametrize('feat_size,w,r,heads,g,layer', [case[:-1] for case in GRAD_CASES if not case[-1]])
+def test_2d_float32_gradients_on_fused_kernels_match_dense_reference(feat_size, w, r, heads, g, layer):
+    """In float32 the training path runs on the fused kernels (CUDA: memory-efficient attention, CPU: flash), whose
+    log-sum-exp joins the dynamic projection's keys: its gradients match the float64 dense reference's. (A window
+    relative-position bias is a mask with a gradient, which the kernels do not give: the batched matmuls run it.)"""
+    torch.manual_seed(0)
+    C = heads * 8
+    attn = LongShortAttention2d(C, heads, w, r, **LAYERS[layer])
+    attn = _perturb(attn).double().to(DEVICE).train()
+    x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64, device=DEVICE)
+    weight = torch.randn_like(x)
+    allow_tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the convolutions in float32, as the reference's in float64
+    try:
+        _assert_float32_grads_match_float64(
+            attn, x, lambda t: attn(t, feat_size),
+            lambda t: _reference(dense_long_short_attention_2d)(attn, t, feat_size), weight,
+            ['x'] + [n for n, _ in attn.named_parameters()])
+    finally:
+        torch.backends.cudnn.allow_tf32 = allow_tf32
+
+
+def test_1d_float32_gradients_on_fused_kernels_match_dense_reference():
+    torch.manual_seed(0)
+    n, pads = 50, 7
+    attn = _perturb(LongShortAttention1d(32, 2, 20, 3), 0.1).double().to(DEVICE).train()
+    x = torch.randn(3, n, 32, dtype=torch.float64, device=DEVICE)
+    mask = torch.ones(3, n, dtype=torch.bool, device=DEVICE)
+    mask[0, n - pads:] = False
+    cls = torch.randn(3, 1, 32, dtype=torch.float64, device=DEVICE)
+    weight = torch.randn(3, n + 1, 32, dtype=torch.float64, device=DEVICE)
+    _assert_float32_grads_match_float64(
+        attn, x, lambda t: attn(t, mask, cls.to(t.dtype)),
+        lambda t: _reference(dense_long_short_attention_1d)(attn, t, mask, cls), weight,
+        ['x'] + [n for n, _ in attn.named_parameters()])
+
+
 @pytest.mark.parametrize('n,w,r,pads,with_cls', [(37, 3, 2, 4, True), (50, 20, 3, 7, True)])
 def test_1d_bidirectional_gradients_match_dense_reference_fp64(n, w, r, pads, with_cls):
     torch.manual_seed(0)

@@ -14,12 +14,13 @@ and v in their own layout, views of tensors the layer keeps anyway) and, where d
 backward gathers the spans again and runs the attention backward as batched matmuls over the whole batch (P is
 recomputed from the scores, as flash attention does), then folds the span gradients back onto the map with a few
 strided adds. The shared keys are never copied per segment: their scores, and their part of every product, are one
-matmul over all queries. On CPU, training runs on the CPU flash-attention kernels instead (spans only; the shared part
-joins through the log-sum-exps), which also keep the output and one log-sum-exp per query: in 1D for segments of more
-than 16 queries, whose spans are strided views of the padded map (nothing gathered); in 2D for every window size, on
-blocks of c segments along x (`block_segments`) whose keys are strided views of one gather of column strips (one
-copy of (c * w + 2s) / (c * w) times the map, where the segment spans were (K / w)^2), a band mask keeping each query
-to its own span. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
+matmul over all queries. Training runs on fused attention kernels instead where it can (`_use_flash`; CPU's
+flash-attention kernels, CUDA's memory-efficient ones, on the spans only; the shared part joins through the
+log-sum-exps), which also keep the output and one log-sum-exp per query: in 1D the spans are strided views of the
+padded map (nothing gathered); in 2D, blocks of c segments along x (`block_segments`) whose keys are strided views of
+one gather of column strips (one copy of (c * w + 2s) / (c * w) times the map, where the segment spans were
+(K / w)^2), a band mask keeping each query to its own span. Without gradients (inference, TorchScript) the same
+forward runs with no autograd at all.
 
 Written for lsvision, Apache-2.0.
 """
@@ -541,13 +542,67 @@ def _join_shared(q_rows: torch.Tensor, kv_shared: torch.Tensor, out_span: torch.
 
 
 def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_grad: bool) -> bool:
-    """Whether a training step runs on the CPU flash-attention kernels (forward and backward): on CPU, without dropout
-    (the kernel has none) and without a gradient for the mask (the kernel gives none); in 1D, for segments of more
-    than 16 queries. In 2D the kernel runs on blocks of segments (`block_segments`) of at least 16 queries; in 1D,
-    segments of 16 and 4 queries took 1.25-1.9x the time of the batched-matmul backward on 2 cores, so they stay with
-    the matmuls."""
-    return (q.device.type == 'cpu' and (q.dim() == 5 or window_size > 16) and dropout_p == 0.
-            and not needs_mask_grad)
+    """Whether a training step runs on fused attention kernels that keep one log-sum-exp per query (forward and
+    backward without a score buffer): without dropout (the CPU kernel has none) and without a gradient for the mask
+    (neither kernel gives one). On CPU, the flash kernels: in 2D on blocks of segments (`block_segments`) of at least
+    16 queries; in 1D for segments of more than 16 queries (segments of 16 and 4 queries took 1.25-1.9x the time of
+    the batched-matmul backward on 2 cores). On CUDA, the memory-efficient kernels for float32, float16 and bfloat16
+    with a head dim that is a multiple of 8 (their alignment); float64 stays with the batched matmuls."""
+    if dropout_p != 0. or needs_mask_grad:
+        return False
+    if q.device.type == 'cpu':
+        return q.dim() == 5 or window_size > 16
+    return (q.device.type == 'cuda' and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and q.shape[-1] % 8 == 0)
+
+
+def _efficient_bias(mask: Optional[torch.Tensor], shape: Tuple[int, int, int, int]) -> Optional[torch.Tensor]:
+    """An additive mask as CUDA's memory-efficient kernel reads it: expanded to the (B', H', M, N) of its queries and
+    keys (broadcast dims stay stride-0 views) with every stride aligned to 16 elements, as
+    `F.scaled_dot_product_attention` pads it (the key axis is padded in a copy and sliced back)."""
+    if mask is None:
+        return None
+    mask = mask.expand(shape)
+    if mask.stride(-1) == 1 and all(st % 16 == 0 for st in mask.stride()[:-1]):
+        return mask
+    n = shape[-1]
+    compact = mask[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.stride())]
+    padded = mask.new_empty(compact.shape[:-1] + (-(-n // 16) * 16,))
+    padded[..., :n].copy_(compact)
+    return padded[..., :n].expand(shape)
+
+
+def _blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float
+                      ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fused attention kernel over blocks of queries (B', H', M, d) and their keys (B', H', N, d), any strides with
+    the last one 1: the output (B', H', M, d) and the log-sum-exp of every query's scores, (B', H', M'), M' >= M
+    (CUDA pads it to a multiple of 32). CPU runs the flash kernel, CUDA the memory-efficient one (its bias and
+    log-sum-exp, which the flash kernel lacks)."""
+    if q.device.type == 'cpu':
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, _efficient_bias(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])), True, scale=scale)[:2]
+    return out, lse
+
+
+def _blocks_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float
+                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of `_blocks_attention`, given its output and log-sum-exp (in the kernel's layout): gradients of q,
+    k and v."""
+    if q.device.type == 'cpu':
+        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0., False, attn_mask=mask, scale=scale)
+        return grad_q, grad_k, grad_v
+    # the kernel reads the output with the row stride of its forward's layout, (B', M, H', d) in memory, whatever
+    # `out`'s strides (it takes those of the batch and head axes only)
+    out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    no_rng = torch.empty((), dtype=torch.long)  # the dropout RNG's seed and offset: read only with dropout
+    grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, _efficient_bias(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])), out, lse,
+        no_rng, no_rng, 0., [True, True, True, False], False, scale=scale)
+    return grad_q, grad_k, grad_v
 
 
 def _heads(tokens: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -577,23 +632,24 @@ class _SpanAttention(torch.autograd.Function):
         ctx.q_shape = q.shape
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
-            # the CPU flash kernel keeps the log-sum-exp of every query's scores: its backward recomputes P blockwise
-            # from it, without a (queries x keys) buffer. It runs on the spans only (in 2D, on blocks of segments whose
-            # keys are strided views of one column gather); the shared keys are scored once over all queries, and the
-            # two parts join through their log-sum-exps (the joint softmax, exactly)
+            # the fused kernel (`_blocks_attention`) keeps the log-sum-exp of every query's scores: its backward
+            # recomputes P blockwise from it, without a (queries x keys) buffer. It runs on the spans only (in 2D, on
+            # blocks of segments whose keys are strided views of one column gather); the shared keys are scored once
+            # over all queries, and the two parts join through their log-sum-exps (the joint softmax, exactly)
             spatial = list(q.shape[2:-1])
             B, h, d = q.shape[0], q.shape[1], q.shape[-1]
             c = ctx.segments_per_block = block_segments(window_size)
             q_f = _flash_queries(q, window_size, c)
             keys = _flash_keys(k, v, window_size, span_pad, c)
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q_f, keys[0], keys[1], attn_mask=_flash_attn_mask(
-                    window_mask, B, h, spatial, window_size, span_pad, c, q.dtype, q.device), scale=scale)
+            out, lse = _blocks_attention(q_f, keys[0], keys[1], _flash_attn_mask(
+                window_mask, B, h, spatial, window_size, span_pad, c, q.dtype, q.device), scale)
             del keys
             if kv_shared.shape[3] > 0:
-                rows = (B, h, out.numel() // (B * h * d))
-                out, lse = _join_shared(q_f.reshape(rows + (d,)), kv_shared, out.reshape(rows + (d,)),
-                                        lse.reshape(rows), scale)
+                rows = (B, h, q_f.numel() // (B * h * d))
+                lse_q = lse[..., :q_f.shape[-2]]  # the kernel's own buffer: the joint log-sum-exp goes back in it
+                out, lse_joint = _join_shared(q_f.reshape(rows + (d,)), kv_shared, out.reshape(rows + (d,)),
+                                              lse_q.reshape(rows), scale)
+                lse_q.copy_(lse_joint.view(lse_q.shape))
             out = _flash_to_tokens(out.reshape(q_f.shape), B, h, spatial, window_size, c)
             # the queries are kept in the kernel's layout (q itself is kept by nothing else, so no more memory); the
             # output as returned: the output projection keeps the same storage for its own backward
@@ -648,9 +704,9 @@ class _SpanAttention(torch.autograd.Function):
         out_f = _flash_queries(out.movedim(-2, 1), ws, c)
         # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
         # its gradients of the span keys and its part of dq are exact
-        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            go, q_f, keys[0], keys[1], out_f, lse.reshape(q_f.shape[:-1]), 0., False,
-            attn_mask=_flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q_f.dtype, q_f.device), scale=scale)
+        grad_q, grad_k, grad_v = _blocks_attention_backward(
+            go, q_f, keys[0], keys[1], _flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q_f.dtype,
+                                                        q_f.device), out_f, lse, scale)
         del keys
         grad_k = _flash_fold(grad_k, B, h, spatial, ws, span_pad, c)
         grad_v = _flash_fold(grad_v, B, h, spatial, ws, span_pad, c)
@@ -659,7 +715,7 @@ class _SpanAttention(torch.autograd.Function):
             # the shared keys' part: P = exp(s - lse), dS = P (dP - rowsum(dO * O)), as matmuls over all queries
             rows = (B, h, q_f.numel() // (B * h * d))
             q_rows, go_rows = q_f.reshape(rows + (d,)), go.reshape(rows + (d,))
-            lse = lse.reshape(rows)
+            lse = lse[..., :q_f.shape[-2]].reshape(rows)
             attn = torch.matmul(q_rows, kv_shared[0].transpose(-1, -2)).to(lse.dtype).mul_(scale)
             attn = attn.sub_(lse[..., None]).exp_()  # (B, h, R, S)
             delta = (go_rows * out_f.reshape(rows + (d,))).sum(-1, keepdim=True, dtype=lse.dtype)
