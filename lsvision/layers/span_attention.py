@@ -543,15 +543,16 @@ def _join_shared(q_rows: torch.Tensor, kv_shared: torch.Tensor, out_span: torch.
 
 def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_grad: bool) -> bool:
     """Whether a training step runs on fused attention kernels that keep one log-sum-exp per query (forward and
-    backward without a score buffer): without dropout (the CPU kernel has none) and without a gradient for the mask
-    (neither kernel gives one). On CPU, the flash kernels: in 2D on blocks of segments (`block_segments`) of at least
-    16 queries; in 1D for segments of more than 16 queries (segments of 16 and 4 queries took 1.25-1.9x the time of
-    the batched-matmul backward on 2 cores). On CUDA, the memory-efficient kernels for float32, float16 and bfloat16
-    with a head dim that is a multiple of 8 (their alignment); float64 stays with the batched matmuls."""
-    if dropout_p != 0. or needs_mask_grad:
+    backward without a score buffer): without dropout (the CPU kernel has none), without a gradient for the mask
+    (neither kernel gives one), in 2D on blocks of segments (`block_segments`) of at least 16 queries, in 1D for
+    segments of more than 16 queries (on CPU, segments of 16 and 4 queries took 1.25-1.9x the time of the
+    batched-matmul backward on 2 cores; not yet measured on CUDA, so the same rule). CPU runs its flash kernels; CUDA
+    the memory-efficient ones for float32, float16 and bfloat16 with a head dim that is a multiple of 8 (their
+    alignment); float64 stays with the batched matmuls there."""
+    if dropout_p != 0. or needs_mask_grad or (q.dim() == 4 and window_size <= 16):
         return False
     if q.device.type == 'cpu':
-        return q.dim() == 5 or window_size > 16
+        return True
     return (q.device.type == 'cuda' and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and q.shape[-1] % 8 == 0)
 
