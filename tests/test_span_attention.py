@@ -13,6 +13,7 @@ import timm
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
 from lsvision.layers.span_attention import (
+    _efficient_bias,
     _gather_block_keys,
     _span_forward,
     block_segments,
@@ -166,6 +167,26 @@ def test_block_key_gather_equals_cutting_the_padded_map(H, W, w, span_pad):
         for y in range(gy):
             expected = padded[:, :, :, y * w:y * w + span, j * step:j * step + Wc].reshape(2, B, h, span * Wc, d)
             assert torch.equal(got[:, :, :, j, y], expected), (j, y)
+
+
+@pytest.mark.parametrize('shape,stored', [
+    ((6, 3, 16, 45), (6, 3, 16, 45)),  # rows of 45: padded to 48 in a copy
+    ((6, 3, 16, 45), (6, 3, 1, 45)),  # one row per block, broadcast over the queries
+    ((6, 3, 16, 45), (1, 3, 16, 45)),  # broadcast over the batch
+    ((6, 3, 16, 64), (6, 3, 16, 64)),  # aligned already: the mask itself
+])
+def test_efficient_bias_is_the_mask_with_aligned_strides(shape, stored):
+    """CUDA's memory-efficient kernel reads its bias with every stride a multiple of 16 elements and a contiguous
+    last axis (`_efficient_bias`, on any device): the values are the broadcast mask's, broadcast axes stay stride 0
+    (no copy per batch or query), and an aligned mask is passed as it is."""
+    mask = torch.randn(stored)
+    bias = _efficient_bias(mask, shape)
+    assert bias.shape == shape and torch.equal(bias, mask.expand(shape))
+    assert bias.stride(-1) == 1 and all(st % 16 == 0 for st in bias.stride()[:-1]), bias.stride()
+    assert [st == 0 for st in bias.stride()] == [n == 1 and m > 1 for n, m in zip(stored, shape)]
+    if shape[-1] % 16 == 0 and stored == shape:
+        assert bias.data_ptr() == mask.data_ptr()
+    assert _efficient_bias(None, shape) is None
 
 
 def test_dropout_drops_the_same_weights_in_forward_and_backward():
