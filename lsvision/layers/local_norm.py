@@ -4,17 +4,19 @@ The keys and values of a long-short layer (2D, and 1D bidirectional) are LayerNo
 read them: the dynamic projection (P @ LN_L(k)) and the window attention. Through autograd, each consumer would keep
 the normalized keys and values for its backward (two map-sized tensors per layer), while LN_L itself keeps its input,
 the keys and values before the norm, the q, k, v projection's outputs, which are kept anyway, and its statistics.
-Instead, LN_L runs once in forward (`long_short.local_norm_keys_values`, plain autograd) and the consumers
+Instead, LN_L runs once in forward (`local_norm_tokens`, plain autograd) and the consumers
 (`long_short.local_norm_projection`, `span_attention.span_attention_local_norm`) take its outputs together with the
-keys and values before the norm, and keep only the latter: their backward normalizes again (`local_norm_tokens`, the
-same kernel as in forward) and returns the gradients of LN_L's outputs, whose sum LN_L's own backward takes once.
+keys and values before the norm, and keep only the latter: their backward normalizes again (`local_norm_tokens`, as
+in forward) and returns the gradients of LN_L's outputs, whose sum LN_L's own backward takes once.
 
 Written for lsvision, Apache-2.0.
 """
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
+from .autocast import autocast_off
 from .export import is_exporting
 
 __all__ = ['recompute_local_norm', 'local_norm_tokens']
@@ -30,14 +32,17 @@ def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Te
         projected.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
 
 
+@torch.jit.unused  # training only (TorchScript runs the plain path)
 def local_norm_tokens(
         k: torch.Tensor,
         v: torch.Tensor,
         weight: Optional[torch.Tensor],
         bias: Optional[torch.Tensor],
         eps: float,
-) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
-    """LN_L of keys and values over their channels.
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """LN_L of keys and values over their channels, in k's dtype with autocast off: the same in the training forward,
+    where it runs once for both consumers (plain autograd keeps its input and statistics, not its outputs), and in
+    the consumers' backward, which normalizes again.
 
     Args:
         k, v: Tokens before the norm, (B, *spatial, C), any strides.
@@ -45,14 +50,12 @@ def local_norm_tokens(
         eps: LN_L's epsilon.
 
     Returns:
-        The normalized keys and values, (B, *spatial, C) tokens each, and the statistics [mean_k, rstd_k, mean_v,
-        rstd_v].
+        The normalized keys and values, (B, *spatial, C) tokens each.
     """
     C = k.shape[-1]
     weight, bias = _in_dtype(weight, k.dtype), _in_dtype(bias, k.dtype)
-    yk, mean_k, rstd_k = torch.native_layer_norm(k, [C], weight, bias, eps)
-    yv, mean_v, rstd_v = torch.native_layer_norm(v, [C], weight, bias, eps)
-    return yk, yv, [mean_k, rstd_k, mean_v, rstd_v]
+    with autocast_off(k.device.type):
+        return F.layer_norm(k, [C], weight, bias, eps), F.layer_norm(v, [C], weight, bias, eps)
 
 
 def _in_dtype(param: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -23,12 +23,11 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_
 
+from .autocast import autocast_dtype, autocast_off
 from .export import refuse_legacy_onnx_export
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .reparam import FoldableModule
 from .span_attention import (
-    autocast_dtype,
-    autocast_off,
     span_attention,
     span_attention_local_norm,
     span_window_key_mask,
@@ -251,7 +250,7 @@ class _LocalNormProjection(torch.autograd.Function):
             d = k.shape[-1] // h
             grad_proj = None
             if ctx.needs_input_grad[0]:
-                k_norm, v_norm, _ = local_norm_tokens(k, v, weight, bias, ctx.eps)  # as in forward
+                k_norm, v_norm = local_norm_tokens(k, v, weight, bias, ctx.eps)  # as in forward
                 k_norm, v_norm = k_norm.to(proj.dtype), v_norm.to(proj.dtype)
                 grad_proj = torch.empty_like(proj)
                 for i in range(h):
@@ -266,33 +265,6 @@ class _LocalNormProjection(torch.autograd.Function):
                 _bmm_into(proj_t, grad_out[1, :, i], grad_norm[1, ..., _head_slice(i, d)])
             grad_norm = grad_norm.to(k.dtype)  # the normalized keys' dtype (LN_L runs in k's)
         return grad_proj, grad_norm[0], grad_norm[1], None, None, None, None, None
-
-
-@torch.jit.unused  # training only (TorchScript runs the plain path)
-def local_norm_keys_values(
-        k: torch.Tensor,
-        v: torch.Tensor,
-        weight: Optional[torch.Tensor],
-        bias: Optional[torch.Tensor],
-        eps: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """LN_L of the keys and values for training, computed once for both of its consumers.
-
-    Autograd keeps LN_L's input (the q, k, v projection's outputs, kept anyway) and statistics, not its outputs: the
-    consumers (`local_norm_projection`, `span_attention_local_norm`) do not keep them either, their backward normalizes
-    again, and LN_L's backward runs once, on the sum of their gradients. Computed in k's dtype outside autocast, as
-    the consumers' backward computes it.
-
-    Args:
-        k, v: Keys and values before LN_L, (B, *spatial, C); any strides.
-        weight, bias, eps: LN_L's parameters.
-
-    Returns:
-        LN_L(k), LN_L(v) as tokens (B, *spatial, C).
-    """
-    with autocast_off(k.device.type):
-        k_norm, v_norm, _ = local_norm_tokens(k, v, weight, bias, eps)
-    return k_norm, v_norm
 
 
 @torch.jit.unused  # training only (TorchScript runs the plain path)
@@ -314,7 +286,7 @@ def local_norm_projection(
 
     Args:
         proj: Projection weights P (B, h, r, N).
-        k_norm, v_norm: LN_L(k), LN_L(v) (`local_norm_keys_values`), (B, N, C).
+        k_norm, v_norm: LN_L(k), LN_L(v) (`local_norm.local_norm_tokens`), (B, N, C).
         k, v: Keys and values before LN_L, (B, N, C); any strides.
         weight, bias, eps: LN_L's parameters.
 
@@ -510,7 +482,7 @@ class LongShortAttention2d(FoldableModule):
         # outputs of the q, k, v projection, which autograd keeps anyway); their backward normalizes again
         recompute_norm = recompute_local_norm(k, norm.weight)
         if recompute_norm:
-            k_norm, v_norm = local_norm_keys_values(k, v, norm.weight, norm.bias, norm.eps)
+            k_norm, v_norm = local_norm_tokens(k, v, norm.weight, norm.bias, norm.eps)
             kv_bar = local_norm_projection(proj, k_norm, v_norm, k, v, norm.weight, norm.bias, norm.eps)
             kv_patch = torch.empty(0)  # unused
         else:

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .local_norm import recompute_local_norm
-from .long_short import local_norm_keys_values, local_norm_projection, project_keys_values, projection_weights
+from .local_norm import local_norm_tokens, recompute_local_norm
+from .long_short import local_norm_projection, project_keys_values, projection_weights
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
@@ -151,7 +151,7 @@ class LongShortAttention1d(nn.Module):
         if not recompute_norm:
             kv = self._heads(norm(qkv[:, :, 1:].movedim(2, 0)))  # (2, B, h, n, d)
         elif r > 0 or w > 0:  # LN_L once for the projection and the windows (tokens, kept by neither)
-            k_norm, v_norm = local_norm_keys_values(k_raw, v_raw, norm.weight, norm.bias, norm.eps)
+            k_norm, v_norm = local_norm_tokens(k_raw, v_raw, norm.weight, norm.bias, norm.eps)
 
         # global keys: [cls k/v (without LN_L) | P K, P V], then LN_G over D
         global_kv = []

@@ -24,43 +24,16 @@ forward runs with no autograd at all.
 
 Written for lsvision, Apache-2.0.
 """
-import contextlib
-from typing import ContextManager, FrozenSet, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from .autocast import autocast_dtype, autocast_off
 from .export import is_exporting
 from .local_norm import local_norm_tokens
 
-__all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask',
-           'autocast_dtype', 'autocast_off']
-
-
-def _autocast_devices() -> FrozenSet[str]:
-    """The device types autocast knows, read once: torch.compile (dynamo, torch < 2.14) cannot trace
-    `torch.amp.is_autocast_available`, so the layers look the answer up in a constant."""
-    names = ['cpu', 'cuda', 'xpu', 'mps', 'hpu', 'mtia', 'xla', torch._C._get_privateuse1_backend_name()]
-    return frozenset(name for name in names if torch.amp.is_autocast_available(name))
-
-
-_AUTOCAST_DEVICES = _autocast_devices()
-
-
-def autocast_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype autocast computes in on `t`'s device, or `t`'s own dtype where autocast is off (or unknown)."""
-    device = t.device.type
-    if device in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device):
-        return torch.get_autocast_dtype(device)
-    return t.dtype
-
-
-def autocast_off(device_type: str) -> ContextManager:
-    """Autocast disabled on `device_type` (a custom autograd.Function's backward runs outside autocast, so its
-    forward does too, in one explicit dtype)."""
-    if device_type in _AUTOCAST_DEVICES:
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+__all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask']
 
 
 def window_span(window_size: int, span_pad: Optional[int] = None) -> Tuple[int, int]:
@@ -667,7 +640,7 @@ class _SpanAttention(torch.autograd.Function):
             saved = ctx.saved_tensors
             q, kv, kv_shared, window_mask, k_raw, v_raw, norm_weight, norm_bias = saved[:8]  # q: in blocks if flash
             if kv is None:  # LN_L again, as in forward
-                k, v, _ = local_norm_tokens(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
+                k, v = local_norm_tokens(k_raw, v_raw, norm_weight, norm_bias, ctx.norm_eps)
                 k, v = _heads(k, ctx.q_shape[1], q.dtype), _heads(v, ctx.q_shape[1], q.dtype)
             else:
                 k, v = kv[0], kv[1]

@@ -38,8 +38,8 @@ from timm.layers import QuickGELU, StdConv2d, register_notrace_module
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d
+from lsvision.layers.autocast import autocast_dtype, autocast_off
 from lsvision.layers.reparam import FoldableModule
-from lsvision.layers.span_attention import autocast_dtype, autocast_off
 
 from ._checkpoint import check_filtered_keys
 from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
