@@ -65,8 +65,11 @@ __all__ = [
     'parse_curve',
     'without_attention',
     'NoOpAttention',
+    'ProjectionsOnly',
+    'projections_only',
     'FULL_ATTENTION',
     'NO_ATTENTION',
+    'PROJECTIONS_ONLY',
     'plot_sweep',
     'resolution_sweep',
     'resolve_model_names',
@@ -88,6 +91,10 @@ FULL_ATTENTION = '@full'
 NO_ATTENTION = '@noattn'
 """Suffix of a model whose blocks' attention is a no-op of the same output shape: the floor of a training step or
 pass that any attention implementation adds to (see :func:`without_attention`)."""
+PROJECTIONS_ONLY = '@projonly'
+"""Suffix of a model whose blocks' attention runs its own projections only (q, k, v, and in long-short attention the
+dynamic-projection logits; then the output projection), the attention math between them a no-op: the floor that any
+implementation of the attention math adds to, given the model's projections (see :func:`projections_only`)."""
 TIME_KEYS = {'wall': 'time_per_image_s', 'cpu': 'cpu_time_per_image_s'}
 """The point field holding the time per image of each clock."""
 
@@ -251,16 +258,71 @@ def without_attention(model: nn.Module) -> nn.Module:
     return model
 
 
+class ProjectionsOnly(nn.Module):
+    """Stands in for a block's attention: runs that attention's own projections (the same modules, parameters and
+    training paths) and joins their outputs by sums instead of attention, then its output projection.
+
+    Every projection reaches every output token through a mean over the tokens (as attention mixes them), so that a
+    training step runs each one's backward with gradients as in the model (a classifier reading the cls token sees
+    all patches); the sums and means that join them are elementwise, a small fraction of any attention's work. Known
+    attentions: long-short (`LongShortAttention2d`: q, k, v and the dynamic-projection logits) and CvT's
+    (`ConvAttention`: q, and k, v from the strided map).
+    """
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        from lsvision.layers import LongShortAttention2d
+        attn = self.attn
+        if isinstance(attn, LongShortAttention2d):
+            q, k, v, qkv_prefix, logits = attn.projections(x, feat_size)
+            patches = q + k + v + logits.mean(-1, keepdim=True)
+            mixed = patches.mean(1, keepdim=True)
+            out = patches + mixed
+            if qkv_prefix.shape[2] > 0:
+                out = torch.cat([qkv_prefix.sum(0) + mixed, out], dim=1)
+        else:  # CvT: keys and values of the strided map, fewer tokens than queries
+            q, k, v = attn.projections(x, feat_size)
+            out = q + (q.mean(1, keepdim=True) + k.mean(1, keepdim=True) + v.mean(1, keepdim=True))
+        return attn.proj_drop(attn.proj(out))
+
+
+def projections_only(model: nn.Module) -> nn.Module:
+    """Wraps the `attn` module of every block in a `ProjectionsOnly`, in place (the floor of the attention math).
+
+    Raises:
+        ValueError: If the model has no block with an `attn` module, or one whose attention has no known projections.
+    """
+    from lsvision.layers import LongShortAttention2d
+    from lsvision.models.cvt import ConvAttention
+    blocks = [m for m in model.modules() if isinstance(getattr(m, 'attn', None), nn.Module)]
+    if not blocks:
+        raise ValueError(f'{type(model).__name__} has no block with an `attn` module to replace')
+    for block in blocks:
+        if not isinstance(block.attn, (LongShortAttention2d, ConvAttention)):
+            raise ValueError(
+                f'{type(block.attn).__name__} has no projections-only floor: {PROJECTIONS_ONLY} knows long-short '
+                f'attention (LongShortAttention2d) and CvT attention (ConvAttention); {NO_ATTENTION} works for any')
+        block.attn = ProjectionsOnly(block.attn)
+    return model
+
+
 def create_benchmark_model(
         name: str,
         device: str,
         model_kwargs: Optional[Dict[str, Any]] = None,
         no_attention: bool = False,
+        projections_only_floor: bool = False,
 ) -> nn.Module:
-    """Creates a model without pretrained weights, in eval mode, on ``device`` (its attention a no-op if asked)."""
+    """Creates a model without pretrained weights, in eval mode, on ``device`` (its attention a no-op, or its
+    projections only, if asked)."""
     model = timm.create_model(name, pretrained=False, **(model_kwargs or {}))
     if no_attention:
         without_attention(model)
+    if projections_only_floor:
+        projections_only(model)
     return model.to(device).eval()
 
 
@@ -282,6 +344,7 @@ def benchmark_model(
         config: Optional[BenchmarkConfig] = None,
         model_kwargs: Optional[Dict[str, Any]] = None,
         no_attention: bool = False,
+        projections_only_floor: bool = False,
 ) -> Dict[str, Any]:
     """Measures one model: parameters, FLOPs, activations, inference latency, throughput and peak memory, and the time
     and activation memory of a training step.
@@ -305,7 +368,7 @@ def benchmark_model(
         not measured.
     """
     config = config or BenchmarkConfig()
-    model = create_benchmark_model(name, config.device, model_kwargs, no_attention)
+    model = create_benchmark_model(name, config.device, model_kwargs, no_attention, projections_only_floor)
     input_size = input_size_of(model, config.img_size)
     row: Dict[str, Any] = {
         'model': name,
@@ -501,11 +564,13 @@ class SweepCurve:
     model: str
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
     no_attention: bool = False
+    projections_only: bool = False
 
 
 def parse_curve(spec: str) -> SweepCurve:
     """Parses a curve spec: a model name, or a model name with ``@full`` for its full-attention counterpart or
-    ``@noattn`` for the model with every block's attention a no-op (the floor).
+    ``@noattn`` for the model with every block's attention a no-op (the floor), or ``@projonly`` for the model whose
+    attention runs its projections only (the floor of the attention math, :func:`projections_only`).
 
     ``vil_ls_medium@full`` is ViL-LS-Medium with full attention (relative-position bias) in every stage instead of
     long-short attention in stages 1-2. CvT's full-attention counterpart is a model of its own (``cvt_13``).
@@ -519,12 +584,14 @@ def parse_curve(spec: str) -> SweepCurve:
     Raises:
         ValueError: If the model is unknown or has no full-attention switch.
     """
-    suffix = next((s for s in (FULL_ATTENTION, NO_ATTENTION) if spec.endswith(s)), '')
+    suffix = next((s for s in (FULL_ATTENTION, NO_ATTENTION, PROJECTIONS_ONLY) if spec.endswith(s)), '')
     name = spec[:len(spec) - len(suffix)]
     if not timm.is_model(name):
         raise ValueError(f'unknown model {name!r} in curve {spec!r}; lsvision models: {", ".join(list_models())}')
     if suffix == NO_ATTENTION:
         return SweepCurve(f'{name} (attention no-op)', name, no_attention=True)
+    if suffix == PROJECTIONS_ONLY:
+        return SweepCurve(f'{name} (projections only)', name, projections_only=True)
     if not suffix:
         return SweepCurve(spec, name)
     for prefix, kwargs in _FULL_ATTENTION_KWARGS.items():
@@ -627,7 +694,8 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
         'time_per_image_s': None, 'cpu_time_per_image_s': None, 'peak_mib': None, 'gflops': None, 'exceeded': [],
         'error': None,
     }
-    model = create_benchmark_model(job['model'], config.device, job['model_kwargs'])
+    model = create_benchmark_model(job['model'], config.device, job['model_kwargs'], job.get('no_attention', False),
+                                   job.get('projections_only', False))
     if config.memory_limit_mib is not None and config.device == 'cpu':
         _limit_address_space(config.memory_limit_mib)
     input_size = (3, size, size)
@@ -715,6 +783,7 @@ def resolution_sweep(
             stopped_at = None
             for size in sizes:
                 job = {'label': curve.label, 'model': curve.model, 'model_kwargs': curve.model_kwargs, 'size': size,
+                       'no_attention': curve.no_attention, 'projections_only': curve.projections_only,
                        'config': asdict(config), 'budget': asdict(budget)}
                 t0 = time.perf_counter()
                 point = _run_point(job, config)

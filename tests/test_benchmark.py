@@ -202,6 +202,15 @@ def test_sweep_within_budget_runs_every_size(tmp_path):
     assert 'fitted again from 64' in (tmp_path / 'stored.md').read_text() and (tmp_path / 'stored.png').exists()
 
 
+def test_sweep_measures_floor_curves():
+    """A sweep curve NAME@noattn or NAME@projonly measures that floor model, not NAME itself."""
+    curves = [parse_curve(spec) for spec in ('cvt_ls_13', 'cvt_ls_13@projonly', 'cvt_ls_13@noattn')]
+    config = SweepConfig(threads=1, warmup=0, iters=1, isolate=False)
+    result = resolution_sweep(curves, [32], SweepBudget(time_per_image_s=100.0), config)
+    gflops = {p['label']: p['gflops'] for p in result['points']}
+    assert gflops['cvt_ls_13'] > gflops['cvt_ls_13 (projections only)'] > gflops['cvt_ls_13 (attention no-op)'] > 0
+
+
 def test_no_attention_floor_model():
     """``NAME@noattn``: every block's attention is a no-op of the same output shape; the rest of the model runs."""
     from lsvision.benchmark import NoOpAttention, create_benchmark_model, parse_curve
@@ -217,3 +226,32 @@ def test_no_attention_floor_model():
         assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
     with pytest.raises(ValueError, match='no block'):
         create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), no_attention=True)
+
+
+def test_projections_only_floor_model():
+    """``NAME@projonly``: each block's attention runs its own projections (and their backward in training) but none of
+    the attention math; long-short and CvT attention; other attentions are refused, naming what works."""
+    from lsvision.benchmark import ProjectionsOnly, create_benchmark_model, parse_curve
+    curve = parse_curve('cvt_ls_13@projonly')
+    assert curve.projections_only and not curve.no_attention and curve.label == 'cvt_ls_13 (projections only)'
+    tiny = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 2), depths=(1, 1, 1), num_classes=3)
+    x = torch.randn(2, 3, 64, 64)
+    for name in ('cvt_ls_13', 'cvt_13'):
+        model = create_benchmark_model(name, 'cpu', tiny, projections_only_floor=True).train()
+        full = create_benchmark_model(name, 'cpu', tiny)
+        floors = [m.attn for m in model.modules() if isinstance(getattr(m, 'attn', None), ProjectionsOnly)]
+        assert len(floors) == 3
+        # the attention's own modules, so the same parameters
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in full.parameters())
+        model(x).square().sum().backward()
+        last = floors[-1].attn  # stage 3: a prefix (cls) token
+        projections = ([last.qkv.k.dw.weight, last.qkv.v.pw.weight, last.dynamic_proj.pw.weight]
+                       if name == 'cvt_ls_13' else [last.conv_proj_k.conv.weight, last.proj_v.weight])
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in projections + [last.proj.weight])
+        if name == 'cvt_ls_13':  # the attention math (DualLN onwards) did not run
+            assert last.norm_local.weight.grad is None and last.norm_global.weight.grad is None
+    swin = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), num_classes=3)
+    with pytest.raises(ValueError, match='no projections-only floor.*@noattn'):
+        create_benchmark_model('swin_tiny_patch4_window7_224', 'cpu', swin, projections_only_floor=True)
+    with pytest.raises(ValueError, match='no block'):
+        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), projections_only_floor=True)

@@ -58,6 +58,7 @@ from lsvision.benchmark import (  # noqa: E402
     BENCH_KINDS,
     FULL_ATTENTION,
     NO_ATTENTION,
+    PROJECTIONS_ONLY,
     BenchmarkConfig,
     SweepBudget,
     SweepConfig,
@@ -133,7 +134,8 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "(default: inference, or the suite's)")
     parser.add_argument('--models', '--model', '-m', nargs='+', default=None,
                         help="model names or wildcards, e.g. 'cvt_ls_*', NAME@full (ViL-LS with full attention) or "
-                             "NAME@noattn (every block's attention a no-op: the floor)")
+                             "NAME@noattn (every block's attention a no-op: the floor) or NAME@projonly (the "
+                             "attention runs its projections only: the floor of the attention math)")
     parser.add_argument('--baseline', default=None,
                         help="report each model's time and memory relative to this model (added to --models if "
                              'missing)')
@@ -290,7 +292,7 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
             config = bench_config(args, size, batch, kind)
             config.flops = config.flops and kind == kinds[0]  # counted once per model and point
             jobs = [dict(model=c.model, label=c.label, model_kwargs=c.model_kwargs, no_attention=c.no_attention,
-                         batch_size=batch,
+                         projections_only=c.projections_only, batch_size=batch,
                          threads=args.threads, reparam=args.reparam, config=asdict(config))
                     for c in curves]
             results[kind] = _bench_cpu.run_alternating(
@@ -319,11 +321,12 @@ def row_summary(row: Dict[str, Any]) -> str:
 
 
 def model_specs(patterns: Sequence[str], baseline: Optional[str]) -> List[str]:
-    """Model names from names and wildcards (``NAME@full`` and ``NAME@noattn`` kept as is), with the baseline added if
-    missing."""
+    """Model names from names and wildcards (``NAME@full``, ``NAME@noattn`` and ``NAME@projonly`` kept as is), with the
+    baseline added if missing."""
     specs: List[str] = []
     for pattern in patterns:
-        specs += [pattern] if pattern.endswith((FULL_ATTENTION, NO_ATTENTION)) else resolve_model_names([pattern])
+        kept = pattern.endswith((FULL_ATTENTION, NO_ATTENTION, PROJECTIONS_ONLY))
+        specs += [pattern] if kept else resolve_model_names([pattern])
     if baseline is not None and baseline not in specs:
         specs.append(baseline)
     return list(dict.fromkeys(specs))

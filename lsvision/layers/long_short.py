@@ -452,6 +452,27 @@ class LongShortAttention2d(FoldableModule):
             out_patch = torch.matmul(attn[..., g:], out.reshape(B, -1, h, d).transpose(1, 2))
         return (out_prefix + out_patch).transpose(1, 2).reshape(B, g, C)
 
+    def projections(
+            self,
+            x: torch.Tensor,
+            feat_size: Tuple[int, int],
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's input projections, before any attention math (`fused_proj` once reparameterized).
+
+        Args:
+            x: Tokens (B, g + H * W, C).
+            feat_size: Map size (H, W).
+
+        Returns:
+            q, k, v of the patch tokens, (B, H * W, C) each; the prefix tokens' q, k, v, (3, B, g, C); the
+            dynamic-projection logits of the patch tokens, (B, H * W, h * r).
+        """
+        num_prefix = x.shape[1] - feat_size[0] * feat_size[1]
+        if self.fused_proj is not None:  # reparameterized CvT-LS convs
+            return self.fused_proj(x, feat_size, num_prefix)
+        q, k, v, qkv_prefix = self.qkv(x, feat_size, num_prefix)
+        return q, k, v, qkv_prefix, self.dynamic_proj(x[:, num_prefix:], feat_size)
+
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         """
         Args:
@@ -469,11 +490,7 @@ class LongShortAttention2d(FoldableModule):
         torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
         h, d, r = self.num_heads, self.head_dim, self.dp_rank
 
-        if self.fused_proj is not None:  # reparameterized CvT-LS convs
-            q, k, v, qkv_prefix, logits = self.fused_proj(x, feat_size, num_prefix)
-        else:
-            q, k, v, qkv_prefix = self.qkv(x, feat_size, num_prefix)  # patches (B, H * W, C); prefix (3, B, g, C)
-            logits = self.dynamic_proj(x[:, num_prefix:], feat_size)
+        q, k, v, qkv_prefix, logits = self.projections(x, feat_size)
         proj = projection_weights(logits, h)  # P = softmax over tokens (fp32): (B, h, r, Np)
         norm = self.norm_local  # LN_L on keys and values
         q_patch = q.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view

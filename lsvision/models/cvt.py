@@ -383,18 +383,20 @@ class ConvAttention(nn.Module):
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0], x.shape[1], self.num_heads, -1).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        B, N, C = x.shape
-        num_prefix = N - feat_size[0] * feat_size[1]
+    def projections(self, x: torch.Tensor, feat_size: Tuple[int, int]
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v before the attention: (B, N, C) queries and (B, N', C) keys and values (the map strided, N' < N)."""
+        num_prefix = x.shape[1] - feat_size[0] * feat_size[1]
         prefix = x[:, :num_prefix]
         feat_map = _tokens_to_map(x[:, num_prefix:], feat_size)
-
         q = torch.cat([prefix, self.conv_proj_q(feat_map).flatten(2).transpose(1, 2)], dim=1)
         k = torch.cat([prefix, self.conv_proj_k(feat_map).flatten(2).transpose(1, 2)], dim=1)
         v = torch.cat([prefix, self.conv_proj_v(feat_map).flatten(2).transpose(1, 2)], dim=1)
-        q = self._split_heads(self.proj_q(q))
-        k = self._split_heads(self.proj_k(k))
-        v = self._split_heads(self.proj_v(v))
+        return self.proj_q(q), self.proj_k(k), self.proj_v(v)
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        B, N, C = x.shape
+        q, k, v = (self._split_heads(t) for t in self.projections(x, feat_size))
         x = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
