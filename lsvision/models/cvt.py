@@ -396,7 +396,8 @@ class ConvAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
         B, N, C = x.shape
-        q, k, v = (self._split_heads(t) for t in self.projections(x, feat_size))
+        q, k, v = self.projections(x, feat_size)
+        q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
         x = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
