@@ -36,6 +36,7 @@ import torch.nn as nn
 import timm
 
 from lsvision.flops import count_activations, count_flops, parameter_count
+from lsvision.layers import LongShortAttention2d
 from lsvision.measure import (
     _read_status_kb,
     machine_description,
@@ -45,6 +46,7 @@ from lsvision.measure import (
     time_train_step,
 )
 from lsvision.models import list_models
+from lsvision.models.cvt import ConvAttention
 
 __all__ = [
     'AMP_DTYPES',
@@ -67,6 +69,7 @@ __all__ = [
     'NoOpAttention',
     'ProjectionsOnly',
     'projections_only',
+    'CURVE_SUFFIXES',
     'FULL_ATTENTION',
     'NO_ATTENTION',
     'PROJECTIONS_ONLY',
@@ -95,6 +98,8 @@ PROJECTIONS_ONLY = '@projonly'
 """Suffix of a model whose blocks' attention runs its own projections only (q, k, v, and in long-short attention the
 dynamic-projection logits; then the output projection), the attention math between them a no-op: the floor that any
 implementation of the attention math adds to, given the model's projections (see :func:`projections_only`)."""
+CURVE_SUFFIXES = (FULL_ATTENTION, NO_ATTENTION, PROJECTIONS_ONLY)
+"""The suffixes a model spec may carry (see :func:`parse_curve`); the last two name floors."""
 TIME_KEYS = {'wall': 'time_per_image_s', 'cpu': 'cpu_time_per_image_s'}
 """The point field holding the time per image of each clock."""
 
@@ -274,7 +279,6 @@ class ProjectionsOnly(nn.Module):
         self.attn = attn
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        from lsvision.layers import LongShortAttention2d
         attn = self.attn
         if isinstance(attn, LongShortAttention2d):
             q, k, v, qkv_prefix, logits = attn.projections(x, feat_size)
@@ -295,8 +299,6 @@ def projections_only(model: nn.Module) -> nn.Module:
     Raises:
         ValueError: If the model has no block with an `attn` module, or one whose attention has no known projections.
     """
-    from lsvision.layers import LongShortAttention2d
-    from lsvision.models.cvt import ConvAttention
     blocks = [m for m in model.modules() if isinstance(getattr(m, 'attn', None), nn.Module)]
     if not blocks:
         raise ValueError(f'{type(model).__name__} has no block with an `attn` module to replace')
@@ -309,20 +311,26 @@ def projections_only(model: nn.Module) -> nn.Module:
     return model
 
 
+_FLOORS: Dict[str, Tuple[str, Callable[[nn.Module], nn.Module]]] = {
+    NO_ATTENTION: ('attention no-op', without_attention),
+    PROJECTIONS_ONLY: ('projections only', projections_only),
+}
+"""Each floor suffix: the label it adds to the model's name, and what it does to the model (in place)."""
+
+
 def create_benchmark_model(
         name: str,
         device: str,
         model_kwargs: Optional[Dict[str, Any]] = None,
-        no_attention: bool = False,
-        projections_only_floor: bool = False,
+        floor: str = '',
 ) -> nn.Module:
-    """Creates a model without pretrained weights, in eval mode, on ``device`` (its attention a no-op, or its
-    projections only, if asked)."""
+    """Creates a model without pretrained weights, in eval mode, on ``device``; ``floor`` (`NO_ATTENTION` or
+    `PROJECTIONS_ONLY`, '' for none) turns it into that floor."""
     model = timm.create_model(name, pretrained=False, **(model_kwargs or {}))
-    if no_attention:
-        without_attention(model)
-    if projections_only_floor:
-        projections_only(model)
+    if floor:
+        if floor not in _FLOORS:
+            raise ValueError(f'unknown floor {floor!r}; floors: {", ".join(_FLOORS)}')
+        _FLOORS[floor][1](model)
     return model.to(device).eval()
 
 
@@ -343,8 +351,7 @@ def benchmark_model(
         name: str,
         config: Optional[BenchmarkConfig] = None,
         model_kwargs: Optional[Dict[str, Any]] = None,
-        no_attention: bool = False,
-        projections_only_floor: bool = False,
+        floor: str = '',
 ) -> Dict[str, Any]:
     """Measures one model: parameters, FLOPs, activations, inference latency, throughput and peak memory, and the time
     and activation memory of a training step.
@@ -368,7 +375,7 @@ def benchmark_model(
         not measured.
     """
     config = config or BenchmarkConfig()
-    model = create_benchmark_model(name, config.device, model_kwargs, no_attention, projections_only_floor)
+    model = create_benchmark_model(name, config.device, model_kwargs, floor)
     input_size = input_size_of(model, config.img_size)
     row: Dict[str, Any] = {
         'model': name,
@@ -563,8 +570,7 @@ class SweepCurve:
     label: str
     model: str
     model_kwargs: Dict[str, Any] = field(default_factory=dict)
-    no_attention: bool = False
-    projections_only: bool = False
+    floor: str = ''  # NO_ATTENTION or PROJECTIONS_ONLY for a floor model (`create_benchmark_model`), '' for the model
 
 
 def parse_curve(spec: str) -> SweepCurve:
@@ -584,14 +590,12 @@ def parse_curve(spec: str) -> SweepCurve:
     Raises:
         ValueError: If the model is unknown or has no full-attention switch.
     """
-    suffix = next((s for s in (FULL_ATTENTION, NO_ATTENTION, PROJECTIONS_ONLY) if spec.endswith(s)), '')
+    suffix = next((s for s in CURVE_SUFFIXES if spec.endswith(s)), '')
     name = spec[:len(spec) - len(suffix)]
     if not timm.is_model(name):
         raise ValueError(f'unknown model {name!r} in curve {spec!r}; lsvision models: {", ".join(list_models())}')
-    if suffix == NO_ATTENTION:
-        return SweepCurve(f'{name} (attention no-op)', name, no_attention=True)
-    if suffix == PROJECTIONS_ONLY:
-        return SweepCurve(f'{name} (projections only)', name, projections_only=True)
+    if suffix in _FLOORS:
+        return SweepCurve(f'{name} ({_FLOORS[suffix][0]})', name, floor=suffix)
     if not suffix:
         return SweepCurve(spec, name)
     for prefix, kwargs in _FULL_ATTENTION_KWARGS.items():
@@ -694,8 +698,7 @@ def _measure_point(job: Dict[str, Any]) -> Dict[str, Any]:
         'time_per_image_s': None, 'cpu_time_per_image_s': None, 'peak_mib': None, 'gflops': None, 'exceeded': [],
         'error': None,
     }
-    model = create_benchmark_model(job['model'], config.device, job['model_kwargs'], job.get('no_attention', False),
-                                   job.get('projections_only', False))
+    model = create_benchmark_model(job['model'], config.device, job['model_kwargs'], job.get('floor', ''))
     if config.memory_limit_mib is not None and config.device == 'cpu':
         _limit_address_space(config.memory_limit_mib)
     input_size = (3, size, size)
@@ -783,7 +786,7 @@ def resolution_sweep(
             stopped_at = None
             for size in sizes:
                 job = {'label': curve.label, 'model': curve.model, 'model_kwargs': curve.model_kwargs, 'size': size,
-                       'no_attention': curve.no_attention, 'projections_only': curve.projections_only,
+                       'floor': curve.floor,
                        'config': asdict(config), 'budget': asdict(budget)}
                 t0 = time.perf_counter()
                 point = _run_point(job, config)

@@ -213,11 +213,11 @@ def test_sweep_measures_floor_curves():
 
 def test_no_attention_floor_model():
     """``NAME@noattn``: every block's attention is a no-op of the same output shape; the rest of the model runs."""
-    from lsvision.benchmark import NoOpAttention, create_benchmark_model, parse_curve
+    from lsvision.benchmark import NO_ATTENTION, NoOpAttention, create_benchmark_model, parse_curve
     curve = parse_curve('cvt_ls_13@noattn')
-    assert curve.no_attention and curve.model == 'cvt_ls_13'
+    assert curve.floor == NO_ATTENTION and curve.model == 'cvt_ls_13'
     tiny = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1), num_classes=3)
-    model = create_benchmark_model('cvt_ls_13', 'cpu', tiny, no_attention=True)
+    model = create_benchmark_model('cvt_ls_13', 'cpu', tiny, floor=NO_ATTENTION)
     full = create_benchmark_model('cvt_ls_13', 'cpu', tiny)
     attns = [m.attn for m in model.modules() if hasattr(m, 'attn')]
     assert len(attns) == 3 and all(isinstance(a, NoOpAttention) for a in attns)
@@ -225,19 +225,19 @@ def test_no_attention_floor_model():
     with torch.no_grad():
         assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
     with pytest.raises(ValueError, match='no block'):
-        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), no_attention=True)
+        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), floor=NO_ATTENTION)
 
 
 def test_projections_only_floor_model():
     """``NAME@projonly``: each block's attention runs its own projections (and their backward in training) but none of
     the attention math; long-short and CvT attention; other attentions are refused, naming what works."""
-    from lsvision.benchmark import ProjectionsOnly, create_benchmark_model, parse_curve
+    from lsvision.benchmark import PROJECTIONS_ONLY, ProjectionsOnly, create_benchmark_model, parse_curve
     curve = parse_curve('cvt_ls_13@projonly')
-    assert curve.projections_only and not curve.no_attention and curve.label == 'cvt_ls_13 (projections only)'
+    assert curve.floor == PROJECTIONS_ONLY and curve.label == 'cvt_ls_13 (projections only)'
     tiny = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 2), depths=(1, 1, 1), num_classes=3)
     x = torch.randn(2, 3, 64, 64)
     for name in ('cvt_ls_13', 'cvt_13'):
-        model = create_benchmark_model(name, 'cpu', tiny, projections_only_floor=True).train()
+        model = create_benchmark_model(name, 'cpu', tiny, floor=PROJECTIONS_ONLY).train()
         full = create_benchmark_model(name, 'cpu', tiny)
         floors = [m.attn for m in model.modules() if isinstance(getattr(m, 'attn', None), ProjectionsOnly)]
         assert len(floors) == 3
@@ -252,6 +252,6 @@ def test_projections_only_floor_model():
             assert last.norm_local.weight.grad is None and last.norm_global.weight.grad is None
     swin = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), num_classes=3)
     with pytest.raises(ValueError, match='no projections-only floor.*@noattn'):
-        create_benchmark_model('swin_tiny_patch4_window7_224', 'cpu', swin, projections_only_floor=True)
+        create_benchmark_model('swin_tiny_patch4_window7_224', 'cpu', swin, floor=PROJECTIONS_ONLY)
     with pytest.raises(ValueError, match='no block'):
-        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), projections_only_floor=True)
+        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), floor=PROJECTIONS_ONLY)

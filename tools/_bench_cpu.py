@@ -251,8 +251,7 @@ def measure_job(job: Dict[str, Any]) -> Dict[str, Any]:
         torch.set_num_threads(job['threads'])
     config = BenchmarkConfig(**{**job['config'], 'batch_size': job['batch_size']})
     config.flops = config.flops and job.get('repeat', 0) == 0  # the same in every run: counted in the first
-    row = benchmark_model(job['model'], config, job.get('model_kwargs'), job.get('no_attention', False),
-                          job.get('projections_only', False))
+    row = benchmark_model(job['model'], config, job.get('model_kwargs'), job.get('floor', ''))
     if job.get('reparam') and config.bench != 'train':
         row.update(reparam_fields(job['model'], config, job.get('model_kwargs')))
     row.update(label=job.get('label', job['model']), pid=os.getpid())

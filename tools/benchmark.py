@@ -56,9 +56,7 @@ import _bench_suites  # noqa: E402
 from lsvision.benchmark import (  # noqa: E402
     AMP_DTYPES,
     BENCH_KINDS,
-    FULL_ATTENTION,
-    NO_ATTENTION,
-    PROJECTIONS_ONLY,
+    CURVE_SUFFIXES,
     BenchmarkConfig,
     SweepBudget,
     SweepConfig,
@@ -291,8 +289,7 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
         for kind in kinds:
             config = bench_config(args, size, batch, kind)
             config.flops = config.flops and kind == kinds[0]  # counted once per model and point
-            jobs = [dict(model=c.model, label=c.label, model_kwargs=c.model_kwargs, no_attention=c.no_attention,
-                         projections_only=c.projections_only, batch_size=batch,
+            jobs = [dict(model=c.model, label=c.label, model_kwargs=c.model_kwargs, floor=c.floor, batch_size=batch,
                          threads=args.threads, reparam=args.reparam, config=asdict(config))
                     for c in curves]
             results[kind] = _bench_cpu.run_alternating(
@@ -325,8 +322,7 @@ def model_specs(patterns: Sequence[str], baseline: Optional[str]) -> List[str]:
     baseline added if missing."""
     specs: List[str] = []
     for pattern in patterns:
-        kept = pattern.endswith((FULL_ATTENTION, NO_ATTENTION, PROJECTIONS_ONLY))
-        specs += [pattern] if kept else resolve_model_names([pattern])
+        specs += [pattern] if pattern.endswith(CURVE_SUFFIXES) else resolve_model_names([pattern])
     if baseline is not None and baseline not in specs:
         specs.append(baseline)
     return list(dict.fromkeys(specs))
