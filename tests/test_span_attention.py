@@ -108,11 +108,11 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     ((7,), 3, 0., 0, 2), ((7,), 3, 0.3, 0, 0), ((3, 5), 2, 0., 0, 1),
     # segments of more than 16 queries: CPU flash kernels
     ((20,), 17, 0., None, 2), ((6, 5), 5, 0., None, 2), ((9,), 17, 0., 0, 0),
-    # 2D blocks of c segments on the flash kernels (`block_segments`): c = 2 (w = 3), c = 4 with segments padding the
-    # last block (w = 2, 5 segments across), c = 16 (w = 1)
-    ((5, 11), 3, 0., None, 2), ((4, 9), 2, 0., None, 1), ((3, 7), 1, 0., None, 0),
-    # x blocks inside the map and at both edges (w = 2: 4 blocks of 4 segments)
-    ((3, 27), 2, 0., None, 1),
+    # 2D blocks of c segments on the flash kernels (`block_segments`): c = 2 (w = 3, 4 segments across), c = 7 with
+    # a segment padding the last block (w = 2, 13 segments across, the map cropped), c = 7 (w = 1: one block a row)
+    ((5, 11), 3, 0., None, 2), ((4, 25), 2, 0., None, 1), ((3, 7), 1, 0., None, 0),
+    # x blocks inside the map and at both edges (w = 2: 6 blocks of 5 segments)
+    ((3, 60), 2, 0., None, 1),
 ])
 def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     """The recomputing backward against finite differences, every input including the mask and, with dropout, the
@@ -143,16 +143,31 @@ def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
                                     atol=1e-6)
 
 
-@pytest.mark.parametrize('H,W,w,span_pad', [
-    (5, 11, 3, None), (3, 27, 2, None), (6, 40, 8, None), (4, 9, 2, None), (7, 7, 1, None), (5, 17, 4, 0),
+def test_block_width_within_the_row_and_without_tiny_or_padded_blocks():
+    """`block_segments` keeps a block within a row of segments (1 <= c <= gx), runs large windows (w >= 4) one segment a
+    block, and takes CvT-LS's stage-3 windows at 224 px (w = 2, 7 segments across) as whole rows: no segment padding
+    the last block and no block of fewer than 16 queries. Without a map it gives the narrowest block of 16 queries."""
+    for w in range(1, 9):
+        for gx in range(1, 40):
+            c = block_segments(w, gx)
+            assert 1 <= c <= gx, (w, gx, c)
+            if w >= 4:
+                assert c == 1, (w, gx, c)
+    c = block_segments(2, 7)
+    assert 7 % c == 0 and 2 * c * 2 >= 16, c
+    assert [block_segments(w) for w in (1, 2, 3, 4, 8)] == [16, 4, 2, 1, 1]
+
+
+@pytest.mark.parametrize('H,W,w,span_pad,c', [
+    (5, 11, 3, None, 2), (3, 27, 2, None, 4), (3, 26, 2, None, 7), (6, 40, 8, None, 1), (4, 9, 2, None, 4),
+    (7, 7, 1, None, 7), (5, 17, 4, 0, 1),
 ])
-def test_block_key_gather_equals_cutting_the_padded_map(H, W, w, span_pad):
+def test_block_key_gather_equals_cutting_the_padded_map(H, W, w, span_pad, c):
     """The 2D flash path's column-strip gather reads k and v with any strides (here heads-first views of token maps,
     as LN_L gives them) and zero-fills only the padding: every block's keys are the K rows x Wc columns of the
-    zero-padded map, as cut from it directly."""
+    zero-padded map, as cut from it directly, for blocks inside the map, at its edges and padding it."""
     torch.manual_seed(0)
     B, h, d = 2, 3, 4
-    c = block_segments(w)
     pad, span = window_span(w, span_pad)
     k, v = (t.unflatten(-1, (h, d)).movedim(-2, 1) for t in torch.randn(2, B, H, W, h * d))  # (B, h, H, W, d) views
     got = _gather_block_keys(k, v, w, span_pad, c)

@@ -198,14 +198,38 @@ def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, s
     return _fold_axis(window, seg, ws, spatial[0], pad)
 
 
-def block_segments(window_size: int) -> int:
-    """Segments per block (c) along x in the 2D training path on the CPU flash kernels: the fewest with at least
-    16 queries per block (w x c * w). Each block's keys are its K rows x (c * w + 2s) columns, c * w + 2s against the
-    K that each of its queries sees: small segments trade that waste for fewer, larger kernel blocks (the kernel
-    costs a few microseconds per block). CvT-LS at 384 px, batch 2, 2 cores, forward + backward of the window
-    attention of one layer: w = 2 (4 queries a segment) 27-28 ms with per-segment batched matmuls, 21-26 ms with
-    blocks of c = 2 to 6; w = 4: c = 1 and 2 within noise of each other."""
-    return max(1, -(-16 // (window_size * window_size)))
+# The fixed cost of one kernel block in `block_segments`, in query-key pairs of work (head dim 64): the CPU flash
+# kernels' forward + backward spend ~20 us a block on 2 cores, the time of ~720 pairs (fit to CvT-LS's stage-3 windows
+# over c = 1..gx at 224 px batch 8 and 384 px batch 2)
+_BLOCK_COST_PAIRS = 720
+
+
+def block_segments(window_size: int, grid_x: Optional[int] = None, span_pad: Optional[int] = None) -> int:
+    """Segments per block (c) along x in the 2D training path on the fused kernels.
+
+    A block of c segments holds w x c * w queries; its keys are K rows x Wc = c * w + 2s columns, against the K x K that
+    each query sees, so wider blocks waste key work, while every block costs the kernel a fixed overhead
+    (`_BLOCK_COST_PAIRS`), and the segments that pad the last block cost as much as real ones. The width is the c in
+    1..gx with the least estimated work, nx * (overhead + w * c * w * K * Wc) over the nx = ceil(gx / c) blocks of a
+    row (ties: the narrower). CvT-LS's stage-3 window attention forward + backward on 2 cores, kernels and layouts: 224
+    px batch 8 (w = 2, gx = 7) c = 7 21 ms against 28 ms for c = 4 (the earlier rule, at least 16 queries, padding one
+    segment) and 44 ms for c = 1; 384 px batch 2 (w = 3, gx = 8) c = 2 15 ms, c = 4 17 ms, c = 8 19 ms, c = 1 21 ms.
+    Larger windows (w >= 4) keep c = 1.
+
+    Args:
+        window_size: Segment size w.
+        grid_x: Segments across the map, gx; None for the narrowest block of at least 16 queries (no map at hand).
+        span_pad: Key padding s of the span (`window_span`).
+    """
+    if grid_x is None:
+        return max(1, -(-16 // (window_size * window_size)))
+    pad, span = window_span(window_size, span_pad)
+
+    def work(c: int) -> int:
+        pairs = window_size * c * window_size * span * (c * window_size + 2 * pad)  # queries x keys of a block
+        return -(-grid_x // c) * (_BLOCK_COST_PAIRS + pairs)
+
+    return min(range(1, max(grid_x, 1) + 1), key=work)
 
 
 def _block_grid(spatial: List[int], window_size: int, span_pad: Optional[int], segments_per_block: int
@@ -321,9 +345,13 @@ def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: Li
     m = m.reshape(Bm * hm, gy, nx, c, qw, qw, span, span).permute(0, 2, 1, 4, 3, 5, 6, 7)  # (M, nx, gy, qy, c, qx..)
     # with c > 1 the band differs by query column, so the mask has every query of the block
     qb = ws if c > 1 or qw > 1 else 1
-    out = m.new_full((Bm * hm, nx, gy, qb, c, qb, span, Wc), float('-inf'))
-    for t in range(c):
-        out[:, :, :, :, t, :, :, t * ws:t * ws + span] = m[:, :, :, :, t]
+    m = m.expand(Bm * hm, nx, gy, qb, c, qb, span, span)
+    # segment t's span keys are the columns t * w + [0, K) of its block rows of Wc: with each segment's K columns
+    # padded with -inf to Wc + w and the c segments laid end to end, column j of segment t lands at t * (Wc + w) + j =
+    # t * Wc + (t * w + j), so cutting that line into rows of Wc places every band (one pad and one cut for any c)
+    rows = F.pad(m.permute(0, 1, 2, 3, 5, 6, 4, 7), (0, Wc + ws - span), value=float('-inf'))  # (.., c, Wc + w)
+    rows = rows.reshape(rows.shape[:6] + (c * (Wc + ws),))[..., :c * Wc].reshape(rows.shape[:6] + (c, Wc))
+    out = rows.permute(0, 1, 2, 3, 6, 4, 5, 7)  # (M, nx, gy, qy, c, qx, K, Wc)
     if nx * c != gx:
         out[:, -1, :, :, gx - (nx - 1) * c:] = 0.
     L = qb * c * qb
@@ -517,7 +545,7 @@ def _join_shared(q_rows: torch.Tensor, kv_shared: torch.Tensor, out_span: torch.
 def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_grad: bool) -> bool:
     """Whether a training step runs on fused attention kernels that keep one log-sum-exp per query (forward and
     backward without a score buffer): without dropout (the CPU kernel has none), without a gradient for the mask
-    (neither kernel gives one), in 2D on blocks of segments (`block_segments`) of at least 16 queries, in 1D for
+    (neither kernel gives one), in 2D on blocks of segments (`block_segments`, widths by estimated work), in 1D for
     segments of more than 16 queries (on CPU, segments of 16 and 4 queries took 1.25-1.9x the time of the
     batched-matmul backward on 2 cores; not yet measured on CUDA, so the same rule). CPU runs its flash kernels; CUDA
     the memory-efficient ones for float32, float16 and bfloat16 with a head dim that is a multiple of 8 (their
@@ -612,7 +640,9 @@ class _SpanAttention(torch.autograd.Function):
             # over all queries, and the two parts join through their log-sum-exps (the joint softmax, exactly)
             spatial = list(q.shape[2:-1])
             B, h, d = q.shape[0], q.shape[1], q.shape[-1]
-            c = ctx.segments_per_block = block_segments(window_size)
+            # blocks of c segments along x in 2D (1D runs on segments)
+            c = ctx.segments_per_block = block_segments(
+                window_size, _grid(spatial, window_size)[1], span_pad) if len(spatial) == 2 else 1
             q_f = _flash_queries(q, window_size, c)
             keys = _flash_keys(k, v, window_size, span_pad, c)
             out, lse = _blocks_attention(q_f, keys[0], keys[1], _flash_attn_mask(
