@@ -12,6 +12,7 @@ import timm
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
+from lsvision.layers import long_short as long_short_module
 from lsvision.layers.span_attention import (
     _efficient_bias,
     _gather_block_keys,
@@ -70,6 +71,31 @@ def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, laye
     weight = torch.randn_like(x)
     fast = _grads(attn, x, lambda t: attn(t, feat_size), weight)
     dense = _grads(attn, x, lambda t: dense_long_short_attention_2d(attn, t, feat_size), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+
+
+@pytest.mark.parametrize('block_diagonal', [False, True])
+def test_dynamic_projection_head_paths_match_dense_reference_fp64(monkeypatch, block_diagonal):
+    """The dynamic projection's products in training, per head or block-diagonal over the heads
+    (`_block_diagonal_heads`, by size): each gives the dense reference's gradients, in 2D (3 heads, a prefix token)
+    and 1D (2 heads, padding, cls)."""
+    monkeypatch.setattr(long_short_module, '_BLOCK_DIAGONAL_MAX_MACS', 2 ** 40 if block_diagonal else 0)
+    assert long_short_module._block_diagonal_heads(torch.empty(1, 3, 2, 10), 24) == block_diagonal
+    torch.manual_seed(0)
+    attn = _perturb(LongShortAttention2d(24, 3, 4, 2, **LAYERS['conv'])).double().train()
+    x = torch.randn(2, 1 + 9 * 13, 24, dtype=torch.float64)
+    weight = torch.randn_like(x)
+    fast = _grads(attn, x, lambda t: attn(t, (9, 13)), weight)
+    dense = _grads(attn, x, lambda t: dense_long_short_attention_2d(attn, t, (9, 13)), weight)
+    _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
+    attn = _perturb(LongShortAttention1d(32, 2, 3, 2), 0.1).double().train()
+    x = torch.randn(3, 37, 32, dtype=torch.float64)
+    mask = torch.ones(3, 37, dtype=torch.bool)
+    mask[0, 33:] = False
+    cls = torch.randn(3, 1, 32, dtype=torch.float64)
+    weight = torch.randn(3, 38, 32, dtype=torch.float64)
+    fast = _grads(attn, x, lambda t: attn(t, mask, cls), weight)
+    dense = _grads(attn, x, lambda t: dense_long_short_attention_1d(attn, t, mask, cls), weight)
     _assert_grads_equal(fast, dense, ['x'] + [n for n, _ in attn.named_parameters()])
 
 
