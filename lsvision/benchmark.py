@@ -455,8 +455,11 @@ _TABLE_COLUMNS: List[Tuple[str, str, Optional[Callable[[Any], str]]]] = [
     ('train act. MiB', 'train_memory_mib', lambda v: f'{v:.0f}'),
     ('train time / baseline', 'train_step_ratio', _ratio),
     ('train mem. / baseline', 'train_memory_ratio', _ratio),
+    ('latency / baseline, paired', 'latency_ratio_paired', None),
+    ('train time / baseline, paired', 'train_step_ratio_paired', None),
 ]
 _SPREAD_KEYS = {'latency_ms': 'latency', 'reparam_latency_ms': 'reparam_latency', 'train_step_ms': 'train_step'}
+_PAIRED_KEYS = ('latency_ratio_paired', 'train_step_ratio_paired')  # shown with the range of the rounds' ratios
 _ALWAYS_SHOWN = 3  # model, input, batch
 
 
@@ -473,6 +476,9 @@ def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
                 cells.append(str(r.get('label') or r['model']))
             elif r.get(key) is None:
                 cells.append('-')
+            elif key in _PAIRED_KEYS:
+                rounds = r[key.replace('_paired', '_rounds')]
+                cells.append(f'{r[key]:.2f}x ({min(rounds):.2f}-{max(rounds):.2f})')
             elif key in _SPREAD_KEYS:
                 p = _SPREAD_KEYS[key]
                 cells.append(f"{r[key]:.1f} ({r[p + '_p10_ms']:.1f}-{r[p + '_p90_ms']:.1f})")

@@ -10,6 +10,7 @@ process pays for importing torch and timm (several seconds on a busy machine), s
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -142,11 +143,35 @@ def test_train_benchmark_runs_each_model_in_fresh_processes_in_alternating_order
         assert r['train_memory_mib'] > 0 and r['latency_ms'] is None  # train only
     assert resnet['train_step_ratio'] == resnet['train_memory_ratio'] == 1.0
     assert vit['train_step_ratio'] == pytest.approx(vit['train_step_ms'] / resnet['train_step_ms'])
+    # paired: each round's ratio from its two processes (each process's median step), then their median
+    for r in rows:  # the pooled median lies between the two processes' medians
+        assert len(r['train_step_runs_ms']) == 2
+        assert min(r['train_step_runs_ms']) <= r['train_step_ms'] <= max(r['train_step_runs_ms'])
+    rounds = [v / b for v, b in zip(vit['train_step_runs_ms'], resnet['train_step_runs_ms'])]
+    assert vit['train_step_ratio_rounds'] == pytest.approx(rounds)
+    assert vit['train_step_ratio_paired'] == pytest.approx(statistics.median(rounds))
+    assert resnet['train_step_ratio_rounds'] == [1.0, 1.0] and resnet['train_step_ratio_paired'] == 1.0
     assert vit['train_memory_ratio'] == pytest.approx(vit['train_memory_mib'] / resnet['train_memory_mib'])
     header = ('| train step ms (p10-p90) | train img/s | train act. MiB | train time / baseline '
-              '| train mem. / baseline |')
+              '| train mem. / baseline | train time / baseline, paired |')
     assert header in proc.stdout and 'latency' not in proc.stdout
+    paired = f"{vit['train_step_ratio_paired']:.2f}x ({min(rounds):.2f}-{max(rounds):.2f}) |"
+    assert paired in proc.stdout and 'Paired: the median (and range)' in proc.stdout
     assert 'Ratios to test_resnet' in proc.stdout
+
+
+def test_paired_ratios_are_per_round_per_image_and_need_two_rounds():
+    tool = load_tool('benchmark')
+    row = {'train_step_runs_ms': [300., 500.], 'train_batch_size': 4}
+    base = {'train_step_runs_ms': [100., 200.], 'train_batch_size': 2}  # e.g. the baseline retried at a smaller batch
+    assert tool._round_ratios(row, base, 'train_step_runs_ms', 'train_batch_size') == [1.5, 1.25]
+    assert tool._round_ratios({**row, 'train_step_runs_ms': [300.]}, {**base, 'train_step_runs_ms': [100.]},
+                              'train_step_runs_ms', 'train_batch_size') == []  # one round: nothing to pair
+    assert tool._round_ratios(row, None, 'train_step_runs_ms', 'train_batch_size') == []
+    rows = [dict(row, spec='a', point=[64, 4]), dict(base, spec='b', point=[64, 4])]
+    tool.add_ratios(rows, 'b')
+    assert rows[0]['train_step_ratio_paired'] == pytest.approx(1.375)
+    assert rows[0]['latency_ratio_paired'] is None  # not measured
 
 
 def test_points_and_bad_input(tmp_path, capsys):

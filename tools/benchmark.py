@@ -229,7 +229,7 @@ def combine_runs(by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
             latency_ms=t.median_s * 1e3, latency_p10_ms=t.p10_s * 1e3, latency_p90_ms=t.p90_s * 1e3,
             latency_std_ms=t.std_s * 1e3, ms_per_image=t.per_image_s * 1e3, images_per_s=t.images_per_s,
             timed_passes=t.iters, peak_mib=_median_or_none([r['peak_mib'] for r in runs]), timing=t.to_dict(),
-            batch_size=t.batch_size)
+            batch_size=t.batch_size, latency_runs_ms=_run_medians_ms(runs, 'timing'))
         if runs[0].get('reparam_ratio') is not None:
             f = _pooled(runs, 'reparam_timing')
             row.update(
@@ -242,8 +242,14 @@ def combine_runs(by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
         row.update(
             train_step_ms=t.median_s * 1e3, train_step_p10_ms=t.p10_s * 1e3, train_step_p90_ms=t.p90_s * 1e3,
             train_images_per_s=t.images_per_s, train_memory_mib=_median_or_none([r['train_memory_mib'] for r in runs]),
-            train_timing=t.to_dict(), train_batch_size=t.batch_size)
+            train_timing=t.to_dict(), train_batch_size=t.batch_size,
+            train_step_runs_ms=_run_medians_ms(runs, 'train_timing'))
     return row
+
+
+def _run_medians_ms(runs: Sequence[Dict[str, Any]], key: str) -> List[float]:
+    """The median time of each run (fresh process) of a measurement, in ms, in the order of the rounds."""
+    return [statistics.median(r[key]['times_s']) * 1e3 for r in runs]
 
 
 _RATIOS = [  # (ratio field, measured field, its batch field, per image)
@@ -268,6 +274,25 @@ def add_ratios(rows: List[Dict[str, Any]], baseline: str) -> None:
                 elif row[batch_key] == base[batch_key]:
                     value = row[key] / base[key]
             row[ratio] = value
+        for ratio, key, batch_key in _PAIRED_RATIOS:
+            rounds = _round_ratios(row, base, key, batch_key)
+            row[ratio + '_rounds'] = rounds
+            row[ratio + '_paired'] = statistics.median(rounds) if rounds else None
+
+
+_PAIRED_RATIOS = [  # (ratio field, per-run medians field, its batch field): time per image, round by round
+    ('latency_ratio', 'latency_runs_ms', 'batch_size'),
+    ('train_step_ratio', 'train_step_runs_ms', 'train_batch_size'),
+]
+
+
+def _round_ratios(row: Dict[str, Any], base: Optional[Dict[str, Any]], key: str, batch_key: str) -> List[float]:
+    """Each round's ratio of a row's time per image to the baseline's, from the two processes of that round (run
+    within one pass over the models, so that a drift of the machine's speed between rounds cancels out); empty with
+    fewer than 2 rounds or without the baseline."""
+    if base is None or not row.get(key) or not base.get(key) or len(row[key]) != len(base[key]) or len(row[key]) < 2:
+        return []
+    return [(a / row[batch_key]) / (b / base[batch_key]) for a, b in zip(row[key], base[key])]
 
 
 def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argparse.Namespace,
@@ -362,7 +387,9 @@ def run_models(args: argparse.Namespace) -> int:
     write_rows(rows, args)
     print(benchmark_table(rows))
     if args.baseline is not None:
-        print(f'\nRatios to {args.baseline} at the same input size: time per image, memory at the same batch size.')
+        print(f'\nRatios to {args.baseline} at the same input size: time per image, memory at the same batch size. '
+              "Paired: the median (and range) over the rounds of each round's ratio, its processes run in one pass "
+              "over the models, so that the machine's drift between rounds cancels out.")
     return 0
 
 
@@ -474,7 +501,8 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
             'pooled timed passes, memory the median over the processes (inference: peak of one forward pass; '
             'training: peak resident (CPU) or allocated (CUDA) memory of the steps above the memory once the model, '
             f"input and optimizer exist). Ratios to the baseline ({', '.join(baselines) or 'none'}) at the same "
-            'input size: time per image, memory at the same batch size.\n\n' + benchmark_table(rows) + '\n')
+            'input size: time per image, memory at the same batch size; paired: the median (and range) over the '
+            "rounds of each round's ratio.\n\n" + benchmark_table(rows) + '\n')
     stem.with_suffix('.md').write_text(text)
     plot_rows(rows, stem.with_suffix('.png'), suite['title'])
     print(text)
