@@ -172,7 +172,7 @@ def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
 def test_block_width_within_the_row_and_without_tiny_or_padded_blocks():
     """`block_segments` keeps a block within a row of segments (1 <= c <= gx), runs large windows (w >= 4) one segment a
     block, and takes CvT-LS's stage-3 windows at 224 px (w = 2, 7 segments across) as whole rows: no segment padding
-    the last block and no block of fewer than 16 queries. Without a map it gives the narrowest block of 16 queries."""
+    the last block and no block of fewer than 16 queries."""
     for w in range(1, 9):
         for gx in range(1, 40):
             c = block_segments(w, gx)
@@ -181,7 +181,6 @@ def test_block_width_within_the_row_and_without_tiny_or_padded_blocks():
                 assert c == 1, (w, gx, c)
     c = block_segments(2, 7)
     assert 7 % c == 0 and 2 * c * 2 >= 16, c
-    assert [block_segments(w) for w in (1, 2, 3, 4, 8)] == [16, 4, 2, 1, 1]
 
 
 @pytest.mark.parametrize('H,W,w,span_pad,c', [

@@ -204,7 +204,7 @@ def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, s
 _BLOCK_COST_PAIRS = 720
 
 
-def block_segments(window_size: int, grid_x: Optional[int] = None, span_pad: Optional[int] = None) -> int:
+def block_segments(window_size: int, grid_x: int, span_pad: Optional[int] = None) -> int:
     """Segments per block (c) along x in the 2D training path on the fused kernels.
 
     A block of c segments holds w x c * w queries; its keys are K rows x Wc = c * w + 2s columns, against the K x K that
@@ -218,11 +218,9 @@ def block_segments(window_size: int, grid_x: Optional[int] = None, span_pad: Opt
 
     Args:
         window_size: Segment size w.
-        grid_x: Segments across the map, gx; None for the narrowest block of at least 16 queries (no map at hand).
+        grid_x: Segments across the map, gx.
         span_pad: Key padding s of the span (`window_span`).
     """
-    if grid_x is None:
-        return max(1, -(-16 // (window_size * window_size)))
     pad, span = window_span(window_size, span_pad)
 
     def work(c: int) -> int:
