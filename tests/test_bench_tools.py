@@ -156,7 +156,7 @@ def test_train_benchmark_runs_each_model_in_fresh_processes_in_alternating_order
               '| train mem. / baseline | train time / baseline, paired |')
     assert header in proc.stdout and 'latency' not in proc.stdout
     paired = f"{vit['train_step_ratio_paired']:.2f}x ({min(rounds):.2f}-{max(rounds):.2f}) |"
-    assert paired in proc.stdout and 'Paired: the median (and range)' in proc.stdout
+    assert paired in proc.stdout and 'paired: the median (and range)' in proc.stdout
     assert 'Ratios to test_resnet' in proc.stdout
 
 

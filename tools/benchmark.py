@@ -260,6 +260,17 @@ _RATIOS = [  # (ratio field, measured field, its batch field, per image)
 ]
 
 
+def _per_image_ratio(value: float, batch: int, base_value: float, base_batch: int) -> float:
+    """A time's ratio to the baseline's per image, so that a batch retried smaller still compares."""
+    return (value / batch) / (base_value / base_batch)
+
+
+# What the ratio columns are, after "Ratios to <baseline>" in the printout and in a suite's markdown
+_RATIOS_EXPLAINED = ("at the same input size: time per image, memory at the same batch size; paired: the median (and "
+                     "range) over the rounds of each round's ratio, its two processes run in one pass over the models, "
+                     "so that the machine's drift between rounds cancels out.")
+
+
 def add_ratios(rows: List[Dict[str, Any]], baseline: str) -> None:
     """Adds each row's ratios to the baseline's row at the same point: time per image (so that a batch retried
     smaller still compares), memory only where both ran at the same batch size."""
@@ -270,7 +281,7 @@ def add_ratios(rows: List[Dict[str, Any]], baseline: str) -> None:
             value = None
             if base is not None and row.get(key) is not None and base.get(key):
                 if per_image:
-                    value = (row[key] / row[batch_key]) / (base[key] / base[batch_key])
+                    value = _per_image_ratio(row[key], row[batch_key], base[key], base[batch_key])
                 elif row[batch_key] == base[batch_key]:
                     value = row[key] / base[key]
             row[ratio] = value
@@ -292,7 +303,7 @@ def _round_ratios(row: Dict[str, Any], base: Optional[Dict[str, Any]], key: str,
     fewer than 2 rounds or without the baseline."""
     if base is None or not row.get(key) or not base.get(key) or len(row[key]) != len(base[key]) or len(row[key]) < 2:
         return []
-    return [(a / row[batch_key]) / (b / base[batch_key]) for a, b in zip(row[key], base[key])]
+    return [_per_image_ratio(a, row[batch_key], b, base[batch_key]) for a, b in zip(row[key], base[key])]
 
 
 def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argparse.Namespace,
@@ -387,9 +398,7 @@ def run_models(args: argparse.Namespace) -> int:
     write_rows(rows, args)
     print(benchmark_table(rows))
     if args.baseline is not None:
-        print(f'\nRatios to {args.baseline} at the same input size: time per image, memory at the same batch size. '
-              "Paired: the median (and range) over the rounds of each round's ratio, its processes run in one pass "
-              "over the models, so that the machine's drift between rounds cancels out.")
+        print(f'\nRatios to {args.baseline} {_RATIOS_EXPLAINED}')
     return 0
 
 
@@ -500,9 +509,8 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
             'order; times are medians of the '
             'pooled timed passes, memory the median over the processes (inference: peak of one forward pass; '
             'training: peak resident (CPU) or allocated (CUDA) memory of the steps above the memory once the model, '
-            f"input and optimizer exist). Ratios to the baseline ({', '.join(baselines) or 'none'}) at the same "
-            'input size: time per image, memory at the same batch size; paired: the median (and range) over the '
-            "rounds of each round's ratio.\n\n" + benchmark_table(rows) + '\n')
+            f"input and optimizer exist). Ratios to the baseline ({', '.join(baselines) or 'none'}) "
+            f'{_RATIOS_EXPLAINED}\n\n' + benchmark_table(rows) + '\n')
     stem.with_suffix('.md').write_text(text)
     plot_rows(rows, stem.with_suffix('.png'), suite['title'])
     print(text)
