@@ -259,6 +259,11 @@ _RATIOS = [  # (ratio field, measured field, its batch field, per image)
     ('train_memory_ratio', 'train_memory_mib', 'train_batch_size', False),
 ]
 
+_PAIRED_RATIOS = [  # (ratio field, per-run medians field, its batch field): time per image, round by round
+    ('latency_ratio', 'latency_runs_ms', 'batch_size'),
+    ('train_step_ratio', 'train_step_runs_ms', 'train_batch_size'),
+]
+
 
 def _per_image_ratio(value: float, batch: int, base_value: float, base_batch: int) -> float:
     """A time's ratio to the baseline's per image, so that a batch retried smaller still compares."""
@@ -289,12 +294,6 @@ def add_ratios(rows: List[Dict[str, Any]], baseline: str) -> None:
             rounds = _round_ratios(row, base, key, batch_key)
             row[ratio + '_rounds'] = rounds
             row[ratio + '_paired'] = statistics.median(rounds) if rounds else None
-
-
-_PAIRED_RATIOS = [  # (ratio field, per-run medians field, its batch field): time per image, round by round
-    ('latency_ratio', 'latency_runs_ms', 'batch_size'),
-    ('train_step_ratio', 'train_step_runs_ms', 'train_batch_size'),
-]
 
 
 def _round_ratios(row: Dict[str, Any], base: Optional[Dict[str, Any]], key: str, batch_key: str) -> List[float]:
