@@ -239,40 +239,45 @@ def test_model_built_under_inference_mode_runs():
     torch.testing.assert_close(out, plain(x).detach(), rtol=1e-5, atol=1e-5)  # grad enabled: the module path
 
 
-@pytest.mark.parametrize('batch', [1, 2])
-def test_sep_conv_training_keeps_only_its_input_and_matches_autograd(batch):
+@pytest.mark.parametrize('batch,num_prefix', [(1, 0), (2, 0), (1, 1), (2, 1)])
+def test_sep_conv_training_keeps_only_its_input_and_matches_autograd(batch, num_prefix):
     """CvT-LS's q/k/v convs recompute conv and BatchNorm in backward: same gradients and running statistics as
-    autograd through the modules, and nothing map-sized saved but the input. Batch 1 too: there ATen's BatchNorm
-    backward returns wrong gradients for an NCHW input with a channels-last gradient (torch 2.14)."""
-    from lsvision.models.cvt import SepConv2d
+    autograd through the modules, and nothing map-sized saved but the input, as given: with a prefix token, a view of
+    the tokens (no copy of the patch map kept). Batch 1 too: there ATen's BatchNorm backward returns wrong gradients
+    for an NCHW input with a channels-last gradient (torch 2.14)."""
+    from lsvision.models.cvt import SepConv2d, _map_view
     torch.manual_seed(0)
     conv = SepConv2d(8).double().train()
     with torch.no_grad():
         for p in conv.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     plain = copy.deepcopy(conv)
-    # the layout the layer passes: a channels-last view of the tokens
-    x = torch.randn(batch, 12 * 13, 8, dtype=torch.float64).transpose(1, 2).reshape(batch, 8, 12, 13)
+    # the layout the layer passes: a channels-last view of the patch tokens (after the prefix tokens)
+    tokens = torch.randn(batch, num_prefix + 12 * 13, 8, dtype=torch.float64)
     weight = torch.randn(batch, 12 * 13, 8, dtype=torch.float64)
     saved = []
-    xa = x.clone().requires_grad_()
+    ta = tokens.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        (conv(xa) * weight).sum().backward()
-    assert max(t.numel() for t in saved) == x.numel()  # the input; the weights are smaller
-    xb = x.clone().requires_grad_()
-    tokens = plain.bn(plain.dw(xb)).flatten(2).transpose(1, 2)
-    (torch.nn.functional.linear(tokens, plain.pw.weight.flatten(1), plain.pw.bias) * weight).sum().backward()
-    torch.testing.assert_close(xa.grad, xb.grad)
+        out = conv(_map_view(ta[:, num_prefix:], (12, 13)))
+    (out * weight).sum().backward()
+    map_sized = [t for t in saved if t.numel() >= batch * 12 * 13 * 8]
+    assert map_sized and all(t.untyped_storage().data_ptr() == ta.untyped_storage().data_ptr() for t in map_sized)
+    tb = tokens.clone().requires_grad_()
+    xb = tb[:, num_prefix:].transpose(1, 2).reshape(batch, 8, 12, 13)
+    out = plain.bn(plain.dw(xb)).flatten(2).transpose(1, 2)
+    (torch.nn.functional.linear(out, plain.pw.weight.flatten(1), plain.pw.bias) * weight).sum().backward()
+    torch.testing.assert_close(ta.grad, tb.grad)
     for (name, a), b in zip(conv.named_parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=lambda m, name=name: f'{name}: {m}')
     for a, b in zip(conv.bn.buffers(), plain.bn.buffers()):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize('batch', [1, 2])
-def test_projection_conv_training_keeps_only_its_input_and_matches_autograd(batch):
+@pytest.mark.parametrize('batch,num_prefix', [(1, 0), (2, 0), (2, 1)])
+def test_projection_conv_training_keeps_only_its_input_and_matches_autograd(batch, num_prefix):
     """CvT-LS's projection-logit conv (weight-standardized depthwise conv, pointwise conv) recomputes the depthwise
-    output in backward: same gradients as autograd through StdConv2d, and nothing map-sized saved but the input."""
+    output in backward: same gradients as autograd through StdConv2d, and nothing map-sized saved but the input (with
+    a prefix token, a view of the tokens, as the layer passes them)."""
     from lsvision.models.cvt import ConvDynamicProjection
     torch.manual_seed(0)
     proj = ConvDynamicProjection(8, 6).double().train()
@@ -280,17 +285,19 @@ def test_projection_conv_training_keeps_only_its_input_and_matches_autograd(batc
         for p in proj.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     H, W = 12, 13
-    tokens = torch.randn(batch, H * W, 8, dtype=torch.float64)
+    tokens = torch.randn(batch, num_prefix + H * W, 8, dtype=torch.float64)
     weight = torch.randn(batch, H * W, 6, dtype=torch.float64)
     saved = []
     xa = tokens.clone().requires_grad_()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        (proj(xa, (H, W)) * weight).sum().backward()
-    assert max(t.numel() for t in saved) == tokens.numel()  # the input map; the weights are smaller
+        out = proj(xa[:, num_prefix:], (H, W))
+    (out * weight).sum().backward()
+    map_sized = [t for t in saved if t.numel() >= batch * H * W * 8]  # the weights are smaller
+    assert map_sized and all(t.untyped_storage().data_ptr() == xa.untyped_storage().data_ptr() for t in map_sized)
     grads = [xa.grad] + [p.grad.clone() for p in proj.parameters()]
     proj.zero_grad(set_to_none=True)
     xb = tokens.clone().requires_grad_()
-    feat_map = xb.transpose(1, 2).reshape(batch, 8, H, W)
+    feat_map = xb[:, num_prefix:].transpose(1, 2).reshape(batch, 8, H, W)
     plain = torch.nn.functional.linear(proj.dw(feat_map).flatten(2).transpose(1, 2), proj.pw.weight.flatten(1),
                                        proj.pw.bias)  # StdConv2d's own forward under autograd
     (plain * weight).sum().backward()

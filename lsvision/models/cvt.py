@@ -49,13 +49,23 @@ __all__ = ['ConvVisionTransformer', 'SepConvQkv', 'ConvDynamicProjection', 'Fuse
 ATTN_TYPES = ('conv', 'long_short')
 
 
-def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-    """(B, H*W, C) -> (B, C, H, W) as a channels-last view, the layout oneDNN convs prefer.
+def _map_view(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(B, H*W, C) tokens, any batch stride (e.g. the patch tokens sliced after prefix tokens) -> (B, C, H, W), a
+    channels-last view of them (no copy)."""
+    return x.reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
 
-    Patch tokens sliced after prefix tokens are copied once here: oneDNN would otherwise copy the non-dense map
-    inside every conv and conv backward that reads it.
-    """
-    return x.contiguous().reshape(x.shape[0], feat_size[0], feat_size[1], x.shape[2]).permute(0, 3, 1, 2)
+
+def _dense_map(x: torch.Tensor) -> torch.Tensor:
+    """A (B, C, H, W) map as a dense channels-last tensor, the layout oneDNN convs prefer (a copy where it is not
+    one already, e.g. a `_map_view` of sliced patch tokens: oneDNN would otherwise copy the non-dense map inside every
+    conv and conv backward that reads it)."""
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+def _tokens_to_map(x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+    """(B, H*W, C) -> (B, C, H, W) as a dense channels-last tensor (patch tokens sliced after prefix tokens are
+    copied once here)."""
+    return _map_view(x.contiguous(), feat_size)
 
 
 class SepConv2d(FoldableModule):
@@ -95,7 +105,7 @@ class SepConv2d(FoldableModule):
         self._set_reparameterized()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) map, channels-last memory, in; (B, H*W, C) tokens out."""
+        """(B, C, H, W) map, channels-last memory (dense, or a `_map_view` of tokens), in; (B, H*W, C) tokens out."""
         if not torch.jit.is_scripting():
             bn = self.bn
             if (torch.is_grad_enabled() and isinstance(bn, nn.BatchNorm2d) and bn.training
@@ -109,14 +119,16 @@ class SepConv2d(FoldableModule):
                         x.to(dtype), self.dw.weight.to(dtype), self.dw.bias.to(dtype), bn.weight, bn.bias,
                         bn.running_mean, bn.running_var, self.pw.weight.flatten(1).to(dtype), self.pw.bias.to(dtype),
                         bn.momentum, bn.eps)
-        x = self.bn(self.dw(x)).flatten(2).transpose(1, 2)
+        x = self.bn(self.dw(_dense_map(x))).flatten(2).transpose(1, 2)
         # the 1x1 conv as a Linear on tokens: same math, a plain GEMM on CPU
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)
 
 
 class _SepConvRecompute(torch.autograd.Function):
     """Depthwise 3x3 conv -> BatchNorm (batch statistics; or none) -> pointwise Linear, keeping only the input map for
-    backward.
+    backward, as given: a `_map_view` of sliced patch tokens stays a view of the layer's input tokens (which the
+    prefix tokens' own path keeps anyway), and the dense copy the convs read is made again in backward (about 0.03 ms
+    for a stage-3 map of cvt_ls_13 at 384 px, batch 2, against 1.7 MiB kept per conv input).
 
     Autograd would keep the conv output (for BatchNorm) and the BatchNorm output (for the pointwise weight): two maps
     per projection, six per CvT-LS layer, where CvT's own strided k and v convs keep a quarter of that; the projection
@@ -128,7 +140,7 @@ class _SepConvRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dw_weight, dw_bias, bn_weight, bn_bias, running_mean, running_var, pw_weight, pw_bias,
                 momentum: float, eps: float):
-        z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=x.shape[1])
+        z = F.conv2d(_dense_map(x), dw_weight, dw_bias, padding=1, groups=x.shape[1])
         y = z if bn_weight is None else F.batch_norm(
             z, running_mean, running_var, bn_weight, bn_bias, True, momentum, eps)
         ctx.save_for_backward(x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight)
@@ -148,6 +160,7 @@ class _SepConvRecompute(torch.autograd.Function):
         x, dw_weight, dw_bias, bn_weight, bn_bias, pw_weight = ctx.saved_tensors
         grad_out = grad_out.to(x.dtype)
         B, C, H, W = x.shape
+        x = _dense_map(x)
         z = F.conv2d(x, dw_weight, dw_bias, padding=1, groups=C)
         y = z
         if bn_weight is not None:
@@ -203,7 +216,7 @@ class SepConvQkv(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns q, k, v of the patch tokens, (B, H * W, C) each (separate tensors: nothing is stacked, nor sliced
         in the layer), and the prefix tokens' q, k, v, (3, B, g, C): the prefix tokens themselves (a view)."""
-        feat_map = _tokens_to_map(x[:, num_prefix_tokens:], feat_size)
+        feat_map = _map_view(x[:, num_prefix_tokens:], feat_size)  # each conv makes it dense (see SepConv2d)
         prefix = x[:, :num_prefix_tokens]
         return self.q(feat_map), self.k(feat_map), self.v(feat_map), prefix.expand((3,) + prefix.shape)
 
@@ -254,7 +267,8 @@ class ConvDynamicProjection(FoldableModule):
         self._set_reparameterized()
 
     def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
-        feat_map = _tokens_to_map(x, feat_size)
+        """(B, H*W, C) patch tokens (any batch stride) in, (B, H*W, h * r) logits out."""
+        feat_map = _map_view(x, feat_size)  # kept as a view in training (see `_SepConvRecompute`)
         if not torch.jit.is_scripting():
             dw = self.dw
             if torch.is_grad_enabled() and isinstance(dw, StdConv2d):
@@ -267,7 +281,7 @@ class ConvDynamicProjection(FoldableModule):
                     return _SepConvRecompute.apply(
                         feat_map.to(dtype), weight.to(dtype), dw.bias.to(dtype), None, None, None, None,
                         self.pw.weight.flatten(1).to(dtype), self.pw.bias.to(dtype), 0., 0.)
-        x = self.dw(feat_map).flatten(2).transpose(1, 2)
+        x = self.dw(_dense_map(feat_map)).flatten(2).transpose(1, 2)
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
 
 
