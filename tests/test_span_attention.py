@@ -139,6 +139,8 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     ((5, 11), 3, 0., None, 2), ((4, 25), 2, 0., None, 1), ((3, 7), 1, 0., None, 0),
     # x blocks inside the map and at both edges (w = 2: 6 blocks of 5 segments)
     ((3, 60), 2, 0., None, 1),
+    # spans two segments wide (K = 2w), one segment a block: the backward by row halves, the map not divisible by w
+    ((9, 10), 4, 0., None, 2),
 ])
 def test_span_attention_gradcheck(spatial, w, dropout, span_pad, S):
     """The recomputing backward against finite differences, every input including the mask and, with dropout, the
@@ -286,6 +288,35 @@ def test_backward_keeps_no_gathered_spans():
     q1, kv1 = q.flatten(2, 3), kv.flatten(3, 4)
     _, core = _saved_storages(lambda: span_attention(q1, kv1, shared, None, w, 0.5, 0.))
     assert sum(core) == q.numel() * 4 + kv.numel() * 4 + shared.numel() * 4
+
+
+def test_flash_backward_key_gradients_at_most_twice_the_map():
+    """For spans two segments wide (K = 2w, CvT-LS's stages 1 and 2) the fused backward runs by row halves of the
+    spans: the kernels' key and value gradients are at most twice the map each, where on whole spans they hold every
+    key 4 times (K^2 / w^2), a transient that sat at the top of a training step's memory."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class KernelGradients(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+                self.sizes.append((out[1].numel(), out[2].numel()))
+            return out
+
+    torch.manual_seed(0)
+    B, h, H, W, d, w = 2, 2, 16, 24, 8, 8
+    q = torch.randn(B, h, H, W, d, requires_grad=True)
+    kv = torch.randn(2, B, h, H, W, d, requires_grad=True)
+    shared = torch.randn(2, B, h, 3, d, requires_grad=True)
+    out = span_attention(q, kv, shared, None, w, 0.5, 0.)
+    mode = KernelGradients()
+    with mode:
+        out.backward(torch.randn_like(out))
+    assert mode.sizes and max(max(s) for s in mode.sizes) <= 2 * B * h * H * W * d, mode.sizes
 
 
 @pytest.mark.parametrize('amp', [False, True])

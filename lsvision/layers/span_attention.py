@@ -19,8 +19,9 @@ flash-attention kernels, CUDA's memory-efficient ones, on the spans only; the sh
 log-sum-exps), which also keep the output and one log-sum-exp per query: in 1D the spans are strided views of the
 padded map (nothing gathered); in 2D, blocks of c segments along x (`block_segments`) whose keys are strided views of
 one gather of column strips (one copy of (c * w + 2s) / (c * w) times the map, where the segment spans were
-(K / w)^2), a band mask keeping each query to its own span. Without gradients (inference, TorchScript) the same
-forward runs with no autograd at all.
+(K / w)^2), a band mask keeping each query to its own span; where a span is two segments wide (K = 2w) and a block
+one segment, the backward runs by row halves of the spans, so that the kernel's key gradients are twice the map, not
+(K / w)^2 = 4 times. Without gradients (inference, TorchScript) the same forward runs with no autograd at all.
 
 Written for lsvision, Apache-2.0.
 """
@@ -423,6 +424,16 @@ def _flash_attn_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatia
     return m.reshape(B * h, G, m.shape[3], m.shape[4])
 
 
+def _row_halves_apply(spatial: List[int], window_size: int, span_pad: Optional[int], segments_per_block: int
+                      ) -> bool:
+    """Whether the 2D flash backward runs on the two row halves of the spans (`_SpanAttention._row_halves_backward`):
+    blocks of one segment whose span is two segments high and wide (K = 2w, s = w / 2: CvT-LS's stages 1 and 2)."""
+    if len(spatial) != 2 or segments_per_block != 1:
+        return False
+    _, span = window_span(window_size, span_pad)
+    return span == 2 * window_size
+
+
 def _full_mask(window_mask: Optional[torch.Tensor], num_shared: int, dtype: torch.dtype) -> Optional[torch.Tensor]:
     """[0 on the shared keys | window_mask] over all keys, (..., S + K^ndim)."""
     if window_mask is None:
@@ -706,12 +717,15 @@ class _SpanAttention(torch.autograd.Function):
         out_f = _flash_queries(out.movedim(-2, 1), ws, c)
         # with the joint log-sum-exp and output, the kernel's P and rowsum(dO * O) are those of the joint softmax:
         # its gradients of the span keys and its part of dq are exact
-        grad_q, grad_k, grad_v = _blocks_attention_backward(
-            go, q_f, keys[0], keys[1], _flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q_f.dtype,
-                                                        q_f.device), out_f, lse, scale)
+        if _row_halves_apply(spatial, ws, span_pad, c):
+            grad_q, grad_k, grad_v = _SpanAttention._row_halves_backward(ctx, go, q_f, keys, window_mask, out_f, lse)
+        else:
+            grad_q, grad_k, grad_v = _blocks_attention_backward(
+                go, q_f, keys[0], keys[1], _flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q_f.dtype,
+                                                            q_f.device), out_f, lse, scale)
+            grad_k = _flash_fold(grad_k, B, h, spatial, ws, span_pad, c)
+            grad_v = _flash_fold(grad_v, B, h, spatial, ws, span_pad, c)
         del keys
-        grad_k = _flash_fold(grad_k, B, h, spatial, ws, span_pad, c)
-        grad_v = _flash_fold(grad_v, B, h, spatial, ws, span_pad, c)
         grad_shared = kv_shared.new_zeros(kv_shared.shape)
         if num_shared > 0:
             # the shared keys' part: P = exp(s - lse), dS = P (dP - rowsum(dO * O)), as matmuls over all queries
@@ -728,6 +742,48 @@ class _SpanAttention(torch.autograd.Function):
             grad_shared[1] = torch.matmul(attn.to(q_f.dtype).transpose(-1, -2), go_rows)
         grad_q = _flash_to_tokens(grad_q.reshape(q_f.shape), B, h, spatial, ws, c).movedim(-2, 1)
         return grad_q, grad_k, grad_v, grad_shared
+
+    @staticmethod
+    def _row_halves_backward(ctx, go, q_f, keys, window_mask, out_f, lse):
+        """The span keys' part of the 2D flash backward for spans two segments wide (`_row_halves_apply`), one kernel
+        call per row half of the spans. On whole spans (K x K keys a segment, from `_gather_block_keys`) the kernel
+        returns key and value gradients in that layout, each key 4 times over, on top of the map's own; half a of
+        segment (i, j)'s span is rows (i + a) * w.. of column strip j, a strided view of the same gather, and no row of
+        a strip serves two segments within a half, so each call's gradients are twice the map and fold onto it by
+        halves of columns, in place. With the joint log-sum-exp and output, each call's P is the joint softmax's on its
+        keys: its key gradients are exact and the calls' dq parts sum to the spans'.
+
+        Args:
+            keys: The keys and values of the blocks (`_gather_block_keys` with c = 1), (2, B * h * gx, gy, K * K, d).
+
+        Returns:
+            dq in the flash layout, and the map's dk and dv: (B, h, H, W, d) views of one token-layout buffer (B, H',
+            W', h, d), the layout LN_L's backward reads.
+        """
+        ws, span_pad, scale = ctx.window_size, ctx.span_pad, ctx.scale
+        spatial = list(ctx.q_shape[2:-1])
+        B, h, d = ctx.q_shape[0], ctx.q_shape[1], ctx.q_shape[-1]
+        pad, span = window_span(ws, span_pad)
+        gy, gx = _grid(spatial, ws)
+        mask = _flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, 1, q_f.dtype, q_f.device)
+        # the map's gradients, padded as the gather pads the keys: (gy + 1) x (gx + 1) segments
+        grad_kv = keys.new_zeros(2, B, (gy + 1) * ws, (gx + 1) * ws, h, d).permute(0, 1, 4, 2, 3, 5)
+        grad_q = None
+        for a in range(2):
+            rows_a = slice(a * ws * span, (a + 1) * ws * span)  # the half's keys: rows a * w.. of the K x K span
+            half_mask = None if mask is None else mask[..., rows_a]
+            gq, gk, gv = _blocks_attention_backward(go, q_f, keys[0, :, :, rows_a], keys[1, :, :, rows_a], half_mask,
+                                                    out_f, lse, scale)
+            grad_q = gq if grad_q is None else grad_q.add_(gq)
+            for i, g in enumerate((gk, gv)):
+                # (B, h, gy, w, column half, gx, w, d): segment row, row, which half of the strip, strip, column
+                g = g.reshape(B, h, gx, gy, ws, 2, ws, d).permute(0, 1, 3, 4, 5, 2, 6, 7)
+                rows = grad_kv[i, :, :, a * ws:(a + gy) * ws].unflatten(2, (gy, ws))  # (B, h, gy, w, W', d)
+                for b in range(2):  # strip j's column half b is segment column j + b of the padded map
+                    rows[:, :, :, :, b * ws:(b + gx) * ws].unflatten(4, (gx, ws)).add_(g[:, :, :, :, b])
+            del gq, gk, gv
+        grad_kv = grad_kv[:, :, :, pad:pad + spatial[0], pad:pad + spatial[1]]
+        return grad_q, grad_kv[0], grad_kv[1]
 
     @staticmethod
     def _backward(ctx, grad_out, q, spans: List[torch.Tensor], kv_shared, window_mask, keep):
