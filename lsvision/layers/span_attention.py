@@ -748,7 +748,7 @@ class _SpanAttention(torch.autograd.Function):
         """The span keys' part of the 2D flash backward for spans two segments wide (`_row_halves_apply`), one kernel
         call per row half of the spans. On whole spans (K x K keys a segment, from `_gather_block_keys`) the kernel
         returns key and value gradients in that layout, each key 4 times over, on top of the map's own; half a of
-        segment (i, j)'s span is rows (i + a) * w.. of column strip j, a strided view of the same gather, and no row of
+        segment (i, j)'s span is rows (i + a) * w.. of column strip j, a slice of the same gather, and no row of
         a strip serves two segments within a half, so each call's gradients are twice the map and fold onto it by
         halves of columns, in place. With the joint log-sum-exp and output, each call's P is the joint softmax's on its
         keys: its key gradients are exact and the calls' dq parts sum to the spans'.
