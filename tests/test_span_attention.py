@@ -15,6 +15,7 @@ from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, Long
 from lsvision.layers import long_short as long_short_module
 from lsvision.layers.span_attention import (
     _efficient_bias,
+    _fold_block_keys,
     _gather_block_keys,
     _span_forward,
     block_segments,
@@ -209,6 +210,25 @@ def test_block_key_gather_equals_cutting_the_padded_map(H, W, w, span_pad, c):
         for y in range(gy):
             expected = padded[:, :, :, y * w:y * w + span, j * step:j * step + Wc].reshape(2, B, h, span * Wc, d)
             assert torch.equal(got[:, :, :, j, y], expected), (j, y)
+
+
+@pytest.mark.parametrize('H,W,w,span_pad,c', [
+    (5, 11, 3, None, 2), (3, 26, 2, None, 7), (6, 40, 8, None, 1), (7, 7, 1, None, 7), (5, 17, 4, 0, 1),
+    (9, 13, 2, 3, 2),  # a span three segments high (s > w / 2): blocks overlap two neighbours each way
+])
+def test_block_key_fold_is_the_adjoint_of_the_gather(H, W, w, span_pad, c):
+    """`_fold_block_keys` sums every block's key gradients back onto the map (one strided add per group of blocks that
+    do not overlap): it equals autograd's gradient through the gather, for blocks inside the map, at its edges and
+    padding it, and its output is laid out as tokens (B, H, W, h, d)."""
+    torch.manual_seed(0)
+    B, h, d = 2, 3, 4
+    k = torch.randn(B, h, H, W, d, dtype=torch.float64, requires_grad=True)
+    keys = _gather_block_keys(k, torch.zeros_like(k), w, span_pad, c)[0]
+    grad = torch.randn(keys.shape, dtype=torch.float64)
+    expected, = torch.autograd.grad(keys, k, grad)
+    folded = _fold_block_keys(grad, B, h, [H, W], w, span_pad, c)
+    assert folded.movedim(1, -2).stride()[-2:] == (d, 1)  # heads-first view of tokens
+    torch.testing.assert_close(folded, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize('shape,stored', [

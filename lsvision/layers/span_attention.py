@@ -155,24 +155,17 @@ def _gather_spans(kv: torch.Tensor, window_size: int, span_pad: Optional[int] = 
     return _gather_keys(kv, kv.new_empty(kv.shape[:3] + (0, kv.shape[-1])), window_size, span_pad)
 
 
-def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: int,
-               memory_order: Optional[List[int]] = None) -> torch.Tensor:
+def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: int) -> torch.Tensor:
     """Sum the span gradients of one axis back onto it: dims (dim, dim + 1) = (segment, span offset) -> `length`.
 
     Span offset k of segment i sits at padded position i * w + k, i.e. in block i + k // w; each w-wide piece of the
     span is one strided add. The padding (s before, the rest after) is cropped.
-
-    Args:
-        memory_order: The output's dims from outermost to innermost in memory (default: as they are numbered).
     """
     G, K = t.shape[dim], t.shape[dim + 1]
     pieces = (K + window_size - 1) // window_size
     shape = list(t.shape)
     shape[dim:dim + 2] = [G + pieces - 1, window_size]
-    if memory_order is None:
-        out = t.new_empty(shape)
-    else:
-        out = t.new_empty([shape[i] for i in memory_order]).permute([memory_order.index(i) for i in range(len(shape))])
+    out = t.new_empty(shape)
     # the first piece is whole (K >= w) and covers blocks 0..G-1: a copy, so only the last blocks need zeros
     out.narrow(dim, 0, G).copy_(t.narrow(dim + 1, 0, window_size))
     out.narrow(dim, G, pieces - 1).zero_()
@@ -304,17 +297,41 @@ def _gather_block_keys(k: torch.Tensor, v: torch.Tensor, window_size: int, span_
     return columns.as_strided(size, (B * h * nx * Hp * Wc * d, Hp * Wc * d, ws * Wc * d, d, 1))
 
 
+def _add_blocks(target: torch.Tensor, blocks: torch.Tensor, row_step: int, col_step: int) -> None:
+    """Add overlapping blocks onto a map, in place: block (y, x) of `blocks` (B, h, nx, gy, R, Wc, d) onto rows
+    y * row_step + [0, R) and columns x * col_step + [0, Wc) of `target` (B, h, rows, cols, d, any strides; at least
+    (gy - 1) * row_step + R rows and (nx - 1) * col_step + Wc columns). Blocks that overlap go in different adds: with
+    m = ceil(R / row_step) (and likewise for columns), the blocks whose indices agree mod m do not overlap, so each of
+    the m x m' groups is one strided add (into windows of the map, `unfold`), with no intermediate copy."""
+    nx, gy, R, Wc = blocks.shape[2:6]
+    my, mx = -(-R // row_step), -(-Wc // col_step)
+    for ry in range(min(my, gy)):
+        ny = len(range(ry, gy, my))
+        rows = target.narrow(2, ry * row_step, (ny - 1) * my * row_step + R).unfold(2, R, my * row_step)
+        for rx in range(min(mx, nx)):
+            n = len(range(rx, nx, mx))
+            region = rows.narrow(3, rx * col_step, (n - 1) * mx * col_step + Wc).unfold(3, Wc, mx * col_step)
+            # (B, h, ny, n, d, R, Wc) -> (B, h, ny, R, n, Wc, d), the blocks' (B, h, n, ny, R, Wc, d) with n, ny swapped
+            region.permute(0, 1, 2, 5, 3, 6, 4).add_(blocks[:, :, rx::mx, ry::my].permute(0, 1, 3, 4, 2, 5, 6))
+
+
+def _padded_token_map(like: torch.Tensor, B: int, h: int, rows: int, cols: int) -> torch.Tensor:
+    """Zeros laid out as tokens (B, rows, cols, h, d), seen heads first: (B, h, rows, cols, d), the layout of the
+    key and value gradients that LN_L's backward reads."""
+    return like.new_zeros(B, rows, cols, h, like.shape[-1]).permute(0, 3, 1, 2, 4)
+
+
 def _fold_block_keys(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int,
                      span_pad: Optional[int], segments_per_block: int) -> torch.Tensor:
     """The adjoint of `_gather_block_keys` for keys or values: (B * h * nx, gy, K * Wc, d) -> (B, h, H, W, d), a
-    heads-first view of a token map (B, H, W', h, d) (W' >= W: the map's width, or more where blocks pad it), the
-    layout LN_L's backward reads."""
+    heads-first view of a padded token map (B, H', W', h, d), the layout LN_L's backward reads."""
     ws, c, d = window_size, segments_per_block, grad.shape[-1]
     pad, span = window_span(ws, span_pad)
     gy, gx, nx, Hp, Wc = _block_grid(spatial, ws, span_pad, c)
-    rows = _fold_axis(grad.reshape(B, h, nx, gy, span, Wc, d), 3, ws, spatial[0], pad)  # (B, h, nx, H, Wc, d)
-    # (B, h, H, W, d), from (B, h, H, x blocks, c * w, d) laid out (B, H, x blocks, c * w, h, d)
-    return _fold_axis(rows.transpose(2, 3), 3, c * ws, spatial[1], pad, memory_order=[0, 2, 3, 4, 1, 5])
+    # block (y, x) holds padded rows y * w + [0, K) and padded columns x * c * w + [0, Wc)
+    out = _padded_token_map(grad, B, h, (gy - 1) * ws + span, (nx - 1) * c * ws + Wc)
+    _add_blocks(out, grad.reshape(B, h, nx, gy, span, Wc, d), ws, c * ws)
+    return out[:, :, pad:pad + spatial[0], pad:pad + spatial[1]]
 
 
 def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: List[int], window_size: int,
@@ -749,16 +766,16 @@ class _SpanAttention(torch.autograd.Function):
         call per row half of the spans. On whole spans (K x K keys a segment, from `_gather_block_keys`) the kernel
         returns key and value gradients in that layout, each key 4 times over, on top of the map's own; half a of
         segment (i, j)'s span is rows (i + a) * w.. of column strip j, a slice of the same gather, and no row of
-        a strip serves two segments within a half, so each call's gradients are twice the map and fold onto it by
-        halves of columns, in place. With the joint log-sum-exp and output, each call's P is the joint softmax's on its
+        a strip serves two segments within a half, so each call's gradients are twice the map and are added onto it
+        in place (`_add_blocks`). With the joint log-sum-exp and output, each call's P is the joint softmax's on its
         keys: its key gradients are exact and the calls' dq parts sum to the spans'.
 
         Args:
             keys: The keys and values of the blocks (`_gather_block_keys` with c = 1), (2, B * h * gx, gy, K * K, d).
 
         Returns:
-            dq in the flash layout, and the map's dk and dv: (B, h, H, W, d) views of one token-layout buffer (B, H',
-            W', h, d), the layout LN_L's backward reads.
+            dq in the flash layout, and the map's dk and dv: (B, h, H, W, d) views of padded token-layout maps (B,
+            H', W', h, d), the layout LN_L's backward reads.
         """
         ws, span_pad, scale = ctx.window_size, ctx.span_pad, ctx.scale
         spatial = list(ctx.q_shape[2:-1])
@@ -766,8 +783,9 @@ class _SpanAttention(torch.autograd.Function):
         pad, span = window_span(ws, span_pad)
         gy, gx = _grid(spatial, ws)
         mask = _flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, 1, q_f.dtype, q_f.device)
-        # the map's gradients, padded as the gather pads the keys: (gy + 1) x (gx + 1) segments
-        grad_kv = keys.new_zeros(2, B, (gy + 1) * ws, (gx + 1) * ws, h, d).permute(0, 1, 4, 2, 3, 5)
+        # the map's gradients, padded as the gather pads the keys: half a of block (y, x) holds padded rows
+        # (y + a) * w + [0, w) and columns x * w + [0, 2w)
+        grad_kv = [_padded_token_map(keys, B, h, (gy + 1) * ws, (gx + 1) * ws) for _ in range(2)]
         grad_q = None
         for a in range(2):
             rows_a = slice(a * ws * span, (a + 1) * ws * span)  # the half's keys: rows a * w.. of the K x K span
@@ -775,15 +793,11 @@ class _SpanAttention(torch.autograd.Function):
             gq, gk, gv = _blocks_attention_backward(go, q_f, keys[0, :, :, rows_a], keys[1, :, :, rows_a], half_mask,
                                                     out_f, lse, scale)
             grad_q = gq if grad_q is None else grad_q.add_(gq)
-            for i, g in enumerate((gk, gv)):
-                # (B, h, gy, w, column half, gx, w, d): segment row, row, which half of the strip, strip, column
-                g = g.reshape(B, h, gx, gy, ws, 2, ws, d).permute(0, 1, 3, 4, 5, 2, 6, 7)
-                rows = grad_kv[i, :, :, a * ws:(a + gy) * ws].unflatten(2, (gy, ws))  # (B, h, gy, w, W', d)
-                for b in range(2):  # strip j's column half b is segment column j + b of the padded map
-                    rows[:, :, :, :, b * ws:(b + gx) * ws].unflatten(4, (gx, ws)).add_(g[:, :, :, :, b])
+            for target, g in zip(grad_kv, (gk, gv)):
+                _add_blocks(target.narrow(2, a * ws, gy * ws), g.reshape(B, h, gx, gy, ws, span, d), ws, ws)
             del gq, gk, gv
-        grad_kv = grad_kv[:, :, :, pad:pad + spatial[0], pad:pad + spatial[1]]
-        return grad_q, grad_kv[0], grad_kv[1]
+        grad_k, grad_v = (t[:, :, pad:pad + spatial[0], pad:pad + spatial[1]] for t in grad_kv)
+        return grad_q, grad_k, grad_v
 
     @staticmethod
     def _backward(ctx, grad_out, q, spans: List[torch.Tensor], kv_shared, window_mask, keep):
