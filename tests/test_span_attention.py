@@ -16,7 +16,9 @@ from lsvision.layers import long_short as long_short_module
 from lsvision.layers.span_attention import (
     _efficient_bias,
     _fold_block_keys,
+    _fold_spans,
     _gather_block_keys,
+    _gather_spans,
     _span_forward,
     block_segments,
     span_attention,
@@ -229,6 +231,22 @@ def test_block_key_fold_is_the_adjoint_of_the_gather(H, W, w, span_pad, c):
     folded = _fold_block_keys(grad, B, h, [H, W], w, span_pad, c)
     assert folded.movedim(1, -2).stride()[-2:] == (d, 1)  # heads-first view of tokens
     torch.testing.assert_close(folded, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize('H,W,w,span_pad', [(5, 11, 3, None), (8, 8, 4, None), (7, 5, 1, None), (5, 7, 2, 0)])
+def test_span_fold_is_the_adjoint_of_the_span_gather(H, W, w, span_pad):
+    """The batched-matmul path's `_fold_spans` (2D: one strided add per group of segments whose spans do not overlap,
+    `_add_blocks`, as the fused path's block fold) equals autograd's gradient through the span gather, and lays the
+    map out as tokens (B, H, W, h, d)."""
+    torch.manual_seed(0)
+    B, h, d = 2, 3, 4
+    kv = torch.randn(2, B, h, H, W, d, dtype=torch.float64, requires_grad=True)
+    spans = _gather_spans(kv, w, span_pad)
+    grad = torch.randn(spans.shape, dtype=torch.float64)
+    expected, = torch.autograd.grad(spans, kv, grad)
+    folded = _fold_spans(grad[0], [H, W], w, span_pad)
+    assert folded.movedim(1, -2).stride()[-2:] == (d, 1)  # heads-first view of tokens
+    torch.testing.assert_close(folded, expected[0], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize('shape,stored', [

@@ -175,21 +175,44 @@ def _fold_axis(t: torch.Tensor, dim: int, window_size: int, length: int, pad: in
     return out.flatten(dim, dim + 1).narrow(dim, pad, length)
 
 
+def _add_blocks(target: torch.Tensor, blocks: torch.Tensor, row_step: int, col_step: int) -> None:
+    """Add overlapping blocks onto a map, in place: block (y, x) of `blocks` (B, h, nx, gy, R, Wc, d) onto rows
+    y * row_step + [0, R) and columns x * col_step + [0, Wc) of `target` (B, h, rows, cols, d, any strides; at least
+    (gy - 1) * row_step + R rows and (nx - 1) * col_step + Wc columns). Blocks that overlap go in different adds: with
+    m = ceil(R / row_step) (and likewise for columns), the blocks whose indices agree mod m do not overlap, so each of
+    the m x m' groups is one strided add (into windows of the map, `unfold`), with no intermediate copy."""
+    nx, gy, R, Wc = blocks.shape[2:6]
+    my, mx = -(-R // row_step), -(-Wc // col_step)
+    for ry in range(min(my, gy)):
+        ny = len(range(ry, gy, my))
+        rows = target.narrow(2, ry * row_step, (ny - 1) * my * row_step + R).unfold(2, R, my * row_step)
+        for rx in range(min(mx, nx)):
+            n = len(range(rx, nx, mx))
+            region = rows.narrow(3, rx * col_step, (n - 1) * mx * col_step + Wc).unfold(3, Wc, mx * col_step)
+            # (B, h, ny, n, d, R, Wc) -> (B, h, ny, R, n, Wc, d), the blocks' (B, h, n, ny, R, Wc, d) with n, ny swapped
+            region.permute(0, 1, 2, 5, 3, 6, 4).add_(blocks[:, :, rx::mx, ry::my].permute(0, 1, 3, 4, 2, 5, 6))
+
+
+def _padded_token_map(like: torch.Tensor, B: int, h: int, rows: int, cols: int) -> torch.Tensor:
+    """Zeros laid out as tokens (B, rows, cols, h, d), seen heads first: (B, h, rows, cols, d), the layout of the
+    key and value gradients that LN_L's backward reads."""
+    return like.new_zeros(B, rows, cols, h, like.shape[-1]).permute(0, 3, 1, 2, 4)
+
+
 def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, span_pad: Optional[int] = None
                 ) -> torch.Tensor:
-    """The adjoint of the span gather for keys or values: (..., num_segments, K^ndim, d) span gradients -> map
-    (..., *spatial, d); the leading dims (..., e.g. B, h) are kept."""
-    lead = list(grad_span.shape[:-3])
-    d = grad_span.shape[-1]
+    """The adjoint of the span gather for keys or values: (B, h, num_segments, K^ndim, d) span gradients -> map
+    (B, h, *spatial, d); in 2D a heads-first view of a padded token map (B, H', W', h, d), as `_fold_block_keys`."""
+    B, h, d = grad_span.shape[0], grad_span.shape[1], grad_span.shape[-1]
     ws = window_size
     pad, span = window_span(ws, span_pad)
     grid = _grid(spatial, ws)
-    seg = len(lead)
     if len(spatial) == 1:
-        return _fold_axis(grad_span, seg, ws, spatial[0], pad)
-    window = grad_span.reshape(lead + [grid[0], grid[1], span, span, d]).transpose(seg + 1, seg + 2)
-    window = _fold_axis(window, seg + 2, ws, spatial[1], pad)  # (..., gy, K, W, d)
-    return _fold_axis(window, seg, ws, spatial[0], pad)
+        return _fold_axis(grad_span, 2, ws, spatial[0], pad)
+    # segment (y, x)'s span holds padded rows y * w + [0, K) and columns x * w + [0, K): blocks of one segment
+    out = _padded_token_map(grad_span, B, h, (grid[0] - 1) * ws + span, (grid[1] - 1) * ws + span)
+    _add_blocks(out, grad_span.reshape(B, h, grid[0], grid[1], span, span, d).transpose(2, 3), ws, ws)
+    return out[:, :, pad:pad + spatial[0], pad:pad + spatial[1]]
 
 
 # The fixed cost of one kernel block in `block_segments`, in query-key pairs of work (head dim 64): the CPU flash
@@ -295,30 +318,6 @@ def _gather_block_keys(k: torch.Tensor, v: torch.Tensor, window_size: int, span_
                 strip[:, :, :, lo:hi].copy_(t[:, :, :, j * step - pad + lo:j * step - pad + hi])
     size = (2, B * h * nx, gy, span * Wc, d)
     return columns.as_strided(size, (B * h * nx * Hp * Wc * d, Hp * Wc * d, ws * Wc * d, d, 1))
-
-
-def _add_blocks(target: torch.Tensor, blocks: torch.Tensor, row_step: int, col_step: int) -> None:
-    """Add overlapping blocks onto a map, in place: block (y, x) of `blocks` (B, h, nx, gy, R, Wc, d) onto rows
-    y * row_step + [0, R) and columns x * col_step + [0, Wc) of `target` (B, h, rows, cols, d, any strides; at least
-    (gy - 1) * row_step + R rows and (nx - 1) * col_step + Wc columns). Blocks that overlap go in different adds: with
-    m = ceil(R / row_step) (and likewise for columns), the blocks whose indices agree mod m do not overlap, so each of
-    the m x m' groups is one strided add (into windows of the map, `unfold`), with no intermediate copy."""
-    nx, gy, R, Wc = blocks.shape[2:6]
-    my, mx = -(-R // row_step), -(-Wc // col_step)
-    for ry in range(min(my, gy)):
-        ny = len(range(ry, gy, my))
-        rows = target.narrow(2, ry * row_step, (ny - 1) * my * row_step + R).unfold(2, R, my * row_step)
-        for rx in range(min(mx, nx)):
-            n = len(range(rx, nx, mx))
-            region = rows.narrow(3, rx * col_step, (n - 1) * mx * col_step + Wc).unfold(3, Wc, mx * col_step)
-            # (B, h, ny, n, d, R, Wc) -> (B, h, ny, R, n, Wc, d), the blocks' (B, h, n, ny, R, Wc, d) with n, ny swapped
-            region.permute(0, 1, 2, 5, 3, 6, 4).add_(blocks[:, :, rx::mx, ry::my].permute(0, 1, 3, 4, 2, 5, 6))
-
-
-def _padded_token_map(like: torch.Tensor, B: int, h: int, rows: int, cols: int) -> torch.Tensor:
-    """Zeros laid out as tokens (B, rows, cols, h, d), seen heads first: (B, h, rows, cols, d), the layout of the
-    key and value gradients that LN_L's backward reads."""
-    return like.new_zeros(B, rows, cols, h, like.shape[-1]).permute(0, 3, 1, 2, 4)
 
 
 def _fold_block_keys(grad: torch.Tensor, B: int, h: int, spatial: List[int], window_size: int,
