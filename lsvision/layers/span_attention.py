@@ -199,6 +199,17 @@ def _padded_token_map(like: torch.Tensor, B: int, h: int, rows: int, cols: int) 
     return like.new_zeros(B, rows, cols, h, like.shape[-1]).permute(0, 3, 1, 2, 4)
 
 
+def _fold_blocks(blocks: torch.Tensor, spatial: List[int], pad: int, row_step: int, col_step: int) -> torch.Tensor:
+    """Sum blocks (B, h, nx, gy, R, Wc, d) of key or value gradients, block (y, x) at padded rows y * row_step + [0, R)
+    and columns x * col_step + [0, Wc), onto a zeroed padded token map (`_add_blocks`), then crop the padding (s =
+    `pad` before each axis): (B, h, *spatial, d), a heads-first view of a token map (B, H', W', h, d), the layout LN_L's
+    backward reads."""
+    B, h, nx, gy, R, Wc = blocks.shape[:6]
+    out = _padded_token_map(blocks, B, h, (gy - 1) * row_step + R, (nx - 1) * col_step + Wc)
+    _add_blocks(out, blocks, row_step, col_step)
+    return out[:, :, pad:pad + spatial[0], pad:pad + spatial[1]]
+
+
 def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, span_pad: Optional[int] = None
                 ) -> torch.Tensor:
     """The adjoint of the span gather for keys or values: (B, h, num_segments, K^ndim, d) span gradients -> map
@@ -210,9 +221,7 @@ def _fold_spans(grad_span: torch.Tensor, spatial: List[int], window_size: int, s
     if len(spatial) == 1:
         return _fold_axis(grad_span, 2, ws, spatial[0], pad)
     # segment (y, x)'s span holds padded rows y * w + [0, K) and columns x * w + [0, K): blocks of one segment
-    out = _padded_token_map(grad_span, B, h, (grid[0] - 1) * ws + span, (grid[1] - 1) * ws + span)
-    _add_blocks(out, grad_span.reshape(B, h, grid[0], grid[1], span, span, d).transpose(2, 3), ws, ws)
-    return out[:, :, pad:pad + spatial[0], pad:pad + spatial[1]]
+    return _fold_blocks(grad_span.reshape(B, h, grid[0], grid[1], span, span, d).transpose(2, 3), spatial, pad, ws, ws)
 
 
 # The fixed cost of one kernel block in `block_segments`, in query-key pairs of work (head dim 64): the CPU flash
@@ -328,9 +337,7 @@ def _fold_block_keys(grad: torch.Tensor, B: int, h: int, spatial: List[int], win
     pad, span = window_span(ws, span_pad)
     gy, gx, nx, Hp, Wc = _block_grid(spatial, ws, span_pad, c)
     # block (y, x) holds padded rows y * w + [0, K) and padded columns x * c * w + [0, Wc)
-    out = _padded_token_map(grad, B, h, (gy - 1) * ws + span, (nx - 1) * c * ws + Wc)
-    _add_blocks(out, grad.reshape(B, h, nx, gy, span, Wc, d), ws, c * ws)
-    return out[:, :, pad:pad + spatial[0], pad:pad + spatial[1]]
+    return _fold_blocks(grad.reshape(B, h, nx, gy, span, Wc, d), spatial, pad, ws, c * ws)
 
 
 def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: List[int], window_size: int,
