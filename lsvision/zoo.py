@@ -4,16 +4,18 @@
 a number the specs do not give is "not reported"). :func:`measure_model` measures a model for its card (parameters,
 FLOPs at the native size, batch-1 throughput, and the machine and load it ran under); :func:`render_card` and
 :func:`render_models_table` turn stored measurements plus this data into ``model_cards/<model>.md`` and the models
-table of README.md (between :data:`README_START` and :data:`README_END`). ``python tools/benchmark.py cards`` does all
+table of README.md (between :data:`README_START` and :data:`README_END`); a model's released weights (its pretrained
+tags, :func:`released_weights`) are read from its timm pretrained cfgs. ``python tools/benchmark.py cards`` does all
 of it; the tests check that every registered model has an up-to-date card and that README's table is the generated one.
 """
 
 import fnmatch
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from timm.models import get_pretrained_cfg, model_entrypoint
+from timm.models import get_arch_pretrained_cfgs, get_pretrained_cfg, model_entrypoint
 
 from lsvision.benchmark import BenchmarkConfig, benchmark_model, markdown_table
 from lsvision.measure import machine_description
@@ -28,8 +30,10 @@ __all__ = [
     'README_START',
     'SOURCES',
     'Family',
+    'ReleasedWeights',
     'family_of',
     'measure_model',
+    'released_weights',
     'render_card',
     'render_models_table',
     'render_outputs',
@@ -50,6 +54,7 @@ SOURCES: Dict[str, str] = {
                       "Microsoft's CvT that this model follows (specs/long_short.md §3.1, P1)"),
     'ls_table6': ('Transformer-LS paper, Table 6 (mCE, lower is better), rows "LS-13" / "LS-21" as reconstructed in '
                   'specs/robustness.md §10 from mCE x 0.789'),
+    'cvt_table2': 'CvT paper (arXiv:2103.15808), Table 2',
     'grc': 'Cached Transformers (GRC) paper (arXiv:2312.12742), as given in specs/grc.md §3',
     'grc_table9': 'Cached Transformers (GRC) paper, Table 9 (specs/grc.md §3)',
 }
@@ -84,11 +89,15 @@ PAPER_RESULTS: Dict[str, Dict[str, Reported]] = {
     'cvt_ls_21s': {'params_m': (30.1, 'ls'), 'gflops': (11.3, 'ls')},
     'cvt_ls_21_384': {'gflops': (23.9, 'ls')},
     'cvt_ls_21_448': {'params_m': (32.1, 'ls'), 'gflops': (34.2, 'ls')},
-    # CvT, the full-attention baseline (the paper's CvT numbers are of another implementation)
-    'cvt_13': {'params_m': (20.0, 'ls_table5_cvt'), 'gflops': (6.7, 'ls_table5_cvt')},
-    'cvt_21': {'params_m': (32.0, 'ls_table5_cvt'), 'gflops': (10.1, 'ls_table5_cvt')},
-    'cvt_13_384': {'params_m': (20.0, 'ls_table5_cvt'), 'gflops': (31.9, 'ls_table5_cvt')},
-    'cvt_21_384': {'params_m': (32.0, 'ls_table5_cvt'), 'gflops': (45.0, 'ls_table5_cvt')},
+    # CvT, the full-attention baseline: top-1 from the CvT paper; params and GFLOPs from the Transformer-LS paper,
+    # whose CvT numbers are of another implementation
+    'cvt_13': {'params_m': (20.0, 'ls_table5_cvt'), 'gflops': (6.7, 'ls_table5_cvt'), 'top1': (81.6, 'cvt_table2')},
+    'cvt_21': {'params_m': (32.0, 'ls_table5_cvt'), 'gflops': (10.1, 'ls_table5_cvt'), 'top1': (82.5, 'cvt_table2')},
+    'cvt_13_384': {
+        'params_m': (20.0, 'ls_table5_cvt'), 'gflops': (31.9, 'ls_table5_cvt'), 'top1': (83.0, 'cvt_table2')},
+    'cvt_21_384': {
+        'params_m': (32.0, 'ls_table5_cvt'), 'gflops': (45.0, 'ls_table5_cvt'), 'top1': (83.3, 'cvt_table2')},
+    'cvt_w24_384': {'top1': (87.7, 'cvt_table2')},  # pre-trained on ImageNet-22k
     # GRC: PVT v1 baselines and cached models
     'pvt_tiny': {'params_m': (13.2, 'grc'), 'gflops': (1.9, 'grc'), 'top1': (75.1, 'grc')},
     'pvt_small': {'params_m': (24.5, 'grc'), 'gflops': (3.8, 'grc'), 'top1': (79.9, 'grc')},
@@ -110,6 +119,7 @@ PAPER_RESULTS: Dict[str, Dict[str, Reported]] = {
 PAPER_NOTES: Dict[str, str] = {
     'cvt_ls_21s': ("The paper's 30.1M is inconsistent with its own Table 12 and with CvT-LS-17's 23.7M; the "
                    'consistent count is about 30.8M (specs/long_short.md P2).'),
+    'cvt_w24_384': 'The 87.7 is of CvT-W24 pre-trained on ImageNet-22k and fine-tuned on ImageNet-1k at 384.',
     'cvt_ls_21_448': "lsvision measures 34.83 GFLOPs against the paper's 34.2 (1.8% more; specs/long_short.md P3).",
     'deit_small_patch16_224_grc': 'DeiT-S and ViT-S are the same architecture; the GRC paper reports it as ViT-S.',
 }
@@ -166,7 +176,8 @@ class Family:
         title: The family's name.
         summary: What the models are.
         intended_use: What they are for (and not for).
-        weights: How to create them and load, convert or obtain weights (markdown).
+        weights: How to load, convert or obtain weights beyond the released ones of the model's pretrained tags
+            (markdown, formatted with ``name``, ``base`` and ``microsoft_files``; may come out empty).
         license: The license text of the card (markdown).
         citations: Keys of :data:`CITATIONS`.
     """
@@ -179,7 +190,9 @@ class Family:
     citations: Tuple[str, ...]
 
 
-_NO_WEIGHTS = 'No trained weights ship with lsvision. '
+_NO_WEIGHTS = ('and lsvision trains none itself, so `pretrained=True` without a file raises '
+               '`NoPretrainedWeightsError`, which points to this card. ')
+"""The end of the first sentence on a model without released weights (after what its authors released)."""
 _CREATE = """```python
 import timm
 import lsvision  # registers the lsvision models with timm
@@ -187,13 +200,25 @@ import lsvision  # registers the lsvision models with timm
 model = timm.create_model('{name}', num_classes=1000)
 features = timm.create_model('{name}', features_only=True)  # multi-scale feature maps
 ```"""
+_CREATE_PRETRAINED = """```python
+import timm
+import lsvision  # registers the lsvision models with timm
+
+model = timm.create_model('{name}', pretrained=True)  # {tag}, the default tag (see the table below)
+features = timm.create_model('{name}', features_only=True)  # multi-scale feature maps
+```"""
+_MICROSOFT_FILE = ("Microsoft's own released file of this model (microsoft/CvT's model zoo, `stage{{i}}.*` keys) "
+                   "loads from disk as well, maps to lsvision's names and gives Microsoft's logits:\n\n```python\n"
+                   "model = timm.create_model('{name}', pretrained=True, pretrained_cfg_overlay=dict(file='{file}'))"
+                   "\n```")
 _LSVISION_LICENSE = 'lsvision code: Apache-2.0 (see setup.cfg). '
 _GRC_USE = ('Image classification and research on cross-sample attention memory. The cache is a buffer that training '
             'updates and evaluation reads, so train or fine-tune before use; in eval mode each image uses its own '
             'update and the cache stays fixed.')
-_GRC_WEIGHTS = (_NO_WEIGHTS + 'A GRC model loads the weights of its base model and reports only the `attn.grc.*` '
-                'tensors as missing, so it fine-tunes from a base checkpoint:\n\n```python\nmodel = timm.create_model('
-                "'{name}', pretrained=True, pretrained_cfg_overlay=dict(file='{base}.pth'))\n```\n\nWith DDP, "
+_GRC_WEIGHTS = ('No released weights: the GRC authors published none, ' + _NO_WEIGHTS + 'A GRC model loads the '
+                'weights of its base model and reports only the `attn.grc.*` tensors as missing, so it fine-tunes '
+                "from a base checkpoint:\n\n```python\nmodel = timm.create_model('{name}', pretrained=True, "
+                "pretrained_cfg_overlay=dict(file='{base}.pth'))\n```\n\nWith DDP, "
                 '`grc_sync_cache=True` all-reduces the cache updates across processes (tools/train.py turns it on '
                 'under torchrun).')
 
@@ -207,12 +232,12 @@ FAMILIES: List[Tuple[str, Family]] = [
         intended_use=('ImageNet-style classification and a backbone (`features_only`) for dense prediction at high '
                       'resolution, where the linear cost of long-short attention matters. The official checkpoints '
                       'are trained on ImageNet-1k at the native size.'),
-        weights=('The official `model_best.pth` files (NVIDIA/transformer-ls) load directly, with the outputs of '
-                 "the official code:\n\n```python\nmodel = timm.create_model('{name}', pretrained=True, "
-                 "pretrained_cfg_overlay=dict(file='model_best.pth'))\n```\n\n`python tools/convert_vil_ls.py "
-                 "model_best.pth {name}.safetensors` writes them once in lsvision's layout (safetensors, read with "
-                 '`weights_only=True`). 224 weights also load into `vil_ls_medium_384` as a starting point for '
-                 'fine-tuning at 384.'),
+        weights=('The same official files, downloaded yourself (`model_best.pth`, as NVIDIA/transformer-ls names '
+                 "them), load from disk too, with the outputs of the official code:\n\n```python\nmodel = "
+                 "timm.create_model('{name}', pretrained=True, pretrained_cfg_overlay=dict(file='model_best.pth'))"
+                 "\n```\n\n`python tools/convert_vil_ls.py model_best.pth {name}.safetensors` writes them once in "
+                 "lsvision's layout (safetensors, read with `weights_only=True`). 224 weights also load into "
+                 '`vil_ls_medium_384` as a starting point for fine-tuning at 384.'),
         license=(_LSVISION_LICENSE + 'The official checkpoints are distributed by NVIDIA/transformer-ls under that '
                  "repository's license; read it before use."),
         citations=('long_short', 'vil'),
@@ -227,9 +252,10 @@ FAMILIES: List[Tuple[str, Family]] = [
         intended_use=('Classification and a backbone (`features_only`, strides 4/8/16) for high-resolution inputs, '
                       'and research on efficient attention: time and memory grow about linearly with the pixel count '
                       '(see docs/benchmarks/).'),
-        weights=_NO_WEIGHTS + ('The paper released none for CvT-LS: create the model and train it, then load your '
-                               "checkpoint (lsvision's layout):\n\n```python\nmodel = timm.create_model('{name}', "
-                               "pretrained=True, pretrained_cfg_overlay=dict(file='my_checkpoint.safetensors'))\n```"),
+        weights=('No released weights: the authors published none for CvT-LS, ' + _NO_WEIGHTS + 'Create the model '
+                 "and train it, then load your checkpoint (lsvision's layout):\n\n```python\nmodel = "
+                 "timm.create_model('{name}', pretrained=True, "
+                 "pretrained_cfg_overlay=dict(file='my_checkpoint.safetensors'))\n```"),
         license=_LSVISION_LICENSE + 'No third-party weights are involved.',
         citations=('long_short', 'cvt'),
     )),
@@ -241,11 +267,10 @@ FAMILIES: List[Tuple[str, Family]] = [
                  "CvT-LS. `_384` variants take Microsoft's 384 evaluation settings (crop_pct 1.0)."),
         intended_use=('Classification, and the full-attention counterpart in benchmarks of long-short attention '
                       '(its cost grows quadratically with the pixel count at large inputs).'),
-        weights=(_NO_WEIGHTS + "Microsoft's released CvT checkpoint of this model (`stage{{i}}.*` keys) maps to "
-                 "lsvision's names on load and gives Microsoft's logits:\n\n```python\nmodel = timm.create_model("
-                 "'{name}', pretrained=True, pretrained_cfg_overlay=dict(file='{microsoft_file}'))\n```"),
-        license=(_LSVISION_LICENSE + 'Adapted from microsoft/CvT (MIT); its checkpoints come under the license of '
-                 'that repository.'),
+        weights='{microsoft_files}',
+        license=(_LSVISION_LICENSE + 'Adapted from microsoft/CvT (MIT). The Hub weights come under the license of '
+                 "their Hub repository (the weights table above), Microsoft's own checkpoint files under that of "
+                 'microsoft/CvT.'),
         citations=('cvt',),
     )),
     ('pvt_v2_*_grc', Family(
@@ -269,8 +294,9 @@ FAMILIES: List[Tuple[str, Family]] = [
         summary=('Four-stage PVT v1 with spatial-reduction attention and learned position embeddings (resized for '
                  'other sizes); the base of the PVT GRC models (timm has no PVT v1).'),
         intended_use='Classification and dense-prediction backbone; the baseline of the PVT v1 GRC models.',
-        weights=(_NO_WEIGHTS + 'Official whai362/PVT checkpoints (`patch_embed1`, `block1.0`, ... keys) are renamed '
-                 "on load: `timm.create_model('{name}', pretrained=True, "
+        weights=('No weights to download: lsvision registers none for PVT v1, ' + _NO_WEIGHTS + 'Official '
+                 'whai362/PVT checkpoints, downloaded yourself (`patch_embed1`, `block1.0`, '
+                 "... keys), are renamed on load: `timm.create_model('{name}', pretrained=True, "
                  "pretrained_cfg_overlay=dict(file='{name}.pth'))`."),
         license=_LSVISION_LICENSE + 'The configurations follow whai362/PVT (Apache-2.0).',
         citations=('pvt',),
@@ -306,6 +332,114 @@ def family_of(name: str) -> Family:
         if fnmatch.fnmatchcase(name, pattern):
             return family
     raise KeyError(f'no model family in lsvision.zoo.FAMILIES matches {name!r}; add one.')
+
+
+_DATASETS = {'in1k': 'ImageNet-1k', 'in12k': 'ImageNet-12k', 'in21k': 'ImageNet-21k', 'in22k': 'ImageNet-22k'}
+_TOP1 = re.compile(r'top-1 reported by the authors: (?P<top1>[\d.]+) ?%')
+
+
+@dataclass(frozen=True)
+class ReleasedWeights:
+    """One pretrained tag of a model with released weights, as its timm pretrained cfg gives it.
+
+    Attributes:
+        tag: The full name, ``'<model>.<tag>'``.
+        kind: ``'hf-hub'`` or ``'url'``.
+        location: The hub repository id, or the URL without its query (``?dl=1``).
+        cache_file: The file name in timm's cache (``url`` weights given as ``(url, file name)``), else ``''``.
+        license: The cfg's license tag, or ``''``.
+        origin: The cfg's ``origin_url`` (the authors' repository).
+        top1: The ImageNet-1k top-1 the authors report, from the cfg's notes.
+        pretrained_on: What the weights were trained on, from the tag (timm's ``<source>_<data>[_ft_<data>]``).
+    """
+
+    tag: str
+    kind: str
+    location: str
+    cache_file: str
+    license: str
+    origin: str
+    top1: float
+    pretrained_on: str
+
+    def source_markdown(self) -> str:
+        """Where the weights come from, linked."""
+        if self.kind == 'hf-hub':
+            return f'[{self.location}](https://huggingface.co/{self.location}) (Hugging Face Hub)'
+        return f'{self.location} ({_host(self.location)}, linked from the {_repo_of(self.origin)} README)'
+
+    def license_markdown(self) -> str:
+        """The weights' license, or where to read it."""
+        return self.license or f'that of [{_repo_of(self.origin)}]({self.origin}); read it before use'
+
+
+def _host(url: str) -> str:
+    """'Dropbox' for https://www.dropbox.com/..., the host name otherwise."""
+    host = url.split('//', 1)[-1].split('/', 1)[0]
+    host = host[len('www.'):] if host.startswith('www.') else host
+    return host.split('.')[0].capitalize()
+
+
+def _repo_of(url: str) -> str:
+    """'NVIDIA/transformer-ls' for https://github.com/NVIDIA/transformer-ls."""
+    return '/'.join(url.rstrip('/').split('/')[-2:])
+
+
+def _pretrained_on(tag: str) -> str:
+    """'ImageNet-22k, fine-tuned on ImageNet-1k' for a tag ``ms_in22k_ft_in1k``."""
+    parts = tag.split('_')
+    data = [_DATASETS[p] for p in parts if p in _DATASETS]
+    if not data:
+        raise ValueError(f'pretrained tag {tag!r} names no known dataset ({", ".join(_DATASETS)}); add it to '
+                         'lsvision.zoo._DATASETS.')
+    return data[0] + ''.join(f', fine-tuned on {d}' for d in data[1:])
+
+
+def released_weights(name: str) -> List[ReleasedWeights]:
+    """The pretrained tags of ``name`` that have weights (hub id or URL), the default tag first.
+
+    Raises:
+        ValueError: If such a cfg's notes give no "top-1 reported by the authors: N %", or its tag no dataset.
+    """
+    released = []
+    for tag, cfg in get_arch_pretrained_cfgs(name).items():
+        if cfg.hf_hub_id:
+            kind, location, cache_file = 'hf-hub', cfg.hf_hub_id, ''
+        elif cfg.url:
+            url, cache_file = cfg.url if isinstance(cfg.url, (list, tuple)) else (cfg.url, '')
+            kind, location = 'url', url.split('?')[0]
+        else:
+            continue
+        match = next((m for m in (_TOP1.search(note) for note in cfg.notes or ()) if m), None)
+        if match is None:
+            raise ValueError(f'the pretrained cfg {tag} has weights but no "top-1 reported by the authors: N %" note')
+        released.append(ReleasedWeights(
+            tag=tag, kind=kind, location=location, cache_file=cache_file, license=cfg.license or '',
+            origin=cfg.origin_url or '', top1=float(match.group('top1')),
+            pretrained_on=_pretrained_on(tag.split('.', 1)[1])))
+    return released
+
+
+def _released_section(name: str, released: Sequence[ReleasedWeights]) -> List[str]:
+    """The card's lines on a model's released weights: the plain pretrained call, the tags, cache and fine-tuning."""
+    default = released[0]
+    lines = [_CREATE_PRETRAINED.format(name=name, tag=default.tag), '']
+    other = (f" The first tag is the default; another loads by its full name, e.g. `timm.create_model("
+             f"'{released[1].tag}', pretrained=True)`.") if len(released) > 1 else ''
+    lines += [f"Released weights (the authors'; lsvision trains none itself).{other}", '']
+    rows = [[f'`{w.tag}`', w.source_markdown(), w.license_markdown(), f'{w.top1}', w.pretrained_on] for w in released]
+    lines += [_table(['tag', 'source', 'license', 'ImageNet-1k top-1 (%), reported by the authors', 'pre-trained on'],
+                     rows, numeric=(3,)), '']
+    where = []
+    if any(w.kind == 'hf-hub' for w in released):
+        where.append("Hub weights download once into the Hugging Face Hub cache (`HF_HUB_CACHE`); they are in "
+                     "transformers' layout and converted to lsvision's names on load.")
+    where += [f"`{w.tag}` downloads once into timm's cache as `$TORCH_HOME/hub/checkpoints/{w.cache_file}` "
+              '(TORCH_HOME: ~/.cache/torch by default).' for w in released if w.kind == 'url']
+    lines += [' '.join(where) + f" With `num_classes=N`, e.g. `timm.create_model('{name}', pretrained=True, "
+              "num_classes=10)`, the 1000-class head is dropped (with a warning) and a new one starts from scratch, "
+              'for fine-tuning.', '']
+    return lines
 
 
 def measure_model(name: str, config: Optional[BenchmarkConfig] = None) -> Dict[str, Any]:
@@ -387,7 +521,10 @@ def render_card(name: str, measured: Dict[str, Any]) -> str:
     family = family_of(name)
     cfg = get_pretrained_cfg(name)
     _, height, width = measured['input_size']
-    fmt = {'name': name, 'base': _base_model(name), 'microsoft_file': MICROSOFT_CHECKPOINTS.get(name, '')}
+    microsoft_file = MICROSOFT_CHECKPOINTS.get(name)
+    fmt = {'name': name, 'base': _base_model(name),
+           'microsoft_files': _MICROSOFT_FILE.format(name=name, file=microsoft_file) if microsoft_file else ''}
+    released = released_weights(name)
     notes = _Footnotes()
     description = _first_doc_line(name)
     size_note = '' if cfg.fixed_input_size else '; other sizes run too'
@@ -419,18 +556,44 @@ def render_card(name: str, measured: Dict[str, Any]) -> str:
     lines += notes.lines()
     if name in PAPER_NOTES:
         lines += [PAPER_NOTES[name], '']
+    weights_note = (' The weights it loads for this model are the authors\' released ones (see "Create, load and '
+                    'convert weights").' if released else '')
     lines += ['"not reported": the papers, as verified for this project, give no number for this model. '
-              'lsvision ships no trained weights, so no accuracy here is measured by lsvision.', '']
+              'lsvision trains no weights itself, so no accuracy here is measured by lsvision.' + weights_note, '']
     lines += ['## Intended use', '', family.intended_use, '']
-    lines += ['## Create, load and convert weights', '', _CREATE.format(**fmt), '', family.weights.format(**fmt), '']
-    upstream = f' The upstream license tag of this model is `{cfg.license}`.' if cfg.license else ''
+    lines += ['## Create, load and convert weights', '']
+    if released:
+        lines += _released_section(name, released)
+        more = family.weights.format(**fmt)
+        lines += [more, ''] if more else []
+    else:
+        lines += [_CREATE.format(**fmt), '', family.weights.format(**fmt), '']
+    # a model with released weights has each file's license in its weights table
+    upstream = f' The upstream license tag of this model is `{cfg.license}`.' if cfg.license and not released else ''
     lines += ['## License', '', family.license + upstream, '']
     lines += ['## Citation', '', '```bibtex', '\n\n'.join(CITATIONS[c] for c in family.citations), '```', '']
     return '\n'.join(lines)
 
 
+def _released_cell(name: str) -> str:
+    """Where a model's released weights are, for the README table: hub ids, or the authors and the host."""
+    released = released_weights(name)
+    hub = [w.location for w in released if w.kind == 'hf-hub']
+    other = [f'{_repo_of(w.origin).split("/")[0]} ({_host(w.location)})' for w in released if w.kind != 'hf-hub']
+    cells = ([', '.join(hub) + ' (Hub)'] if hub else []) + list(dict.fromkeys(other))
+    return ', '.join(cells) or 'none'
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence[int]) -> str:
+    """A markdown table whose ``numeric`` columns (indices) are right-aligned, the others left-aligned."""
+    table = markdown_table(header, rows, left_columns=len(header)).split('\n')
+    table[1] = '| ' + ' | '.join('---:' if i in numeric else '---' for i in range(len(header))) + ' |'
+    return '\n'.join(table)
+
+
 def render_models_table(measurements: Dict[str, Dict[str, Any]], names: Sequence[str], cards_dir: str) -> str:
-    """Renders the README models table: every model with its measured params and GFLOPs and the paper's top-1.
+    """Renders the README models table: every model with its measured params and GFLOPs, the paper's top-1 and
+    where its released weights are, if any.
 
     Args:
         measurements: Stored measurements by model name.
@@ -445,9 +608,10 @@ def render_models_table(measurements: Dict[str, Dict[str, Any]], names: Sequence
         m = measurements[name]
         _, height, width = m['input_size']
         rows.append([f'[`{name}`]({cards_dir}/{name}.md)', family_of(name).title.split(' (')[0], f'{height}x{width}',
-                     f"{m['params'] / 1e6:.2f}", f"{m['gflops']:.3f}", _paper_value(name, 'top1')])
-    header = ['model', 'family', 'input', 'params (M)', 'GFLOPs', 'paper top-1 (%)']
-    return markdown_table(header, rows, left_columns=3)
+                     f"{m['params'] / 1e6:.2f}", f"{m['gflops']:.3f}", _paper_value(name, 'top1'),
+                     _released_cell(name)])
+    header = ['model', 'family', 'input', 'params (M)', 'GFLOPs', 'paper top-1 (%)', 'released weights']
+    return _table(header, rows, numeric=(3, 4, 5))
 
 
 def _table_span(readme: str) -> Tuple[int, int]:

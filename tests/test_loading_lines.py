@@ -6,16 +6,28 @@
   block, is parsed from the file and run in a folder that holds the file it names. Lines of one form (same family and
   call, the file named after the model) run once, for the smallest model; every line that names a released file (the
   Microsoft CvT files) runs, since the file, not the model, picks the weights.
+* Every line that names no file (`pretrained=True` alone: the authors' released weights) runs against caches filled
+  as the download would fill them (tests/released_weights.py): the Hub's transformers-layout file for CvT, the
+  official `model_best.pth` under the tag's cache name for ViL-LS, offline.
 """
 import json
 import re
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
+import huggingface_hub.constants as hf_constants
 import pytest
 import torch
 import torch.nn as nn
 from official_layouts import fairseq, microsoft_cvt, official_char_lm, official_pvt, official_vil
+from released_weights import (
+    assert_loaded_from,
+    official_vil_checkpoint,
+    official_vil_shapes,
+    put_in_hub_cache,
+    random_hub_state_dict,
+    vil_cache_file,
+)
 from safetensors.torch import save_file
 
 import timm
@@ -31,16 +43,19 @@ CREATE = re.compile(r"timm\.create_model\('(?P<name>[\w.]+)'(?:[^()]|\([^()]*\))
 MICROSOFT = re.compile(r'^CvT-(?P<depth>13|21)-(?P<size>224|384)x(?P=size)-IN-1k\.pth$')
 
 
-def _loading_lines() -> List[Tuple[str, str, str, str]]:
-    """(document, model name, file named, call) of every documented timm loading line."""
+def _loading_lines(released: bool = False) -> List[Tuple[str, str, str, str]]:
+    """(document, model name, file named, call) of every documented timm loading line that names a file; with
+    `released`, of those that name none (the released weights), with '' for the file."""
     lines = []
     for doc in DOCS:
         for m in CREATE.finditer(doc.read_text()):
             call = m.group(0)
             if 'pretrained=True' in call:
                 file = re.search(r"file='([^']+)'", call)
-                assert file, f'{doc.name}: a pretrained loading line without a file: {call}'
-                lines.append((doc.name, m.group('name'), file.group(1), call))
+                if file and not released:
+                    lines.append((doc.name, m.group('name'), file.group(1), call))
+                elif not file and released:
+                    lines.append((doc.name, m.group('name'), '', call))
     return lines
 
 
@@ -70,6 +85,7 @@ def _one_per_form() -> List[Tuple[str, str, str, str]]:
 
 
 RUNS = [pytest.param(*line, id=f'{line[1]}:{line[2]}') for line in _one_per_form()]
+RELEASED_RUNS = [pytest.param(*line, id=f'{line[0]}:{line[1]}') for line in _loading_lines(released=True)]
 
 
 def _perturbed(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -130,6 +146,43 @@ def test_documented_loading_line_loads_the_authors_checkpoint(doc, name, file, c
     monkeypatch.chdir(tmp_path)  # the lines name their files relative to the working folder
     model = eval(call, {'timm': timm})  # the line as documented
     _assert_loaded(model, source)
+
+
+def test_every_model_with_released_weights_documents_the_plain_call():
+    """The cards of the models with a released tag show `timm.create_model(name, pretrained=True)`, and no line
+    without a file is documented for a model that has no released weights."""
+    released = {name.split('.')[0] for name in timm.list_pretrained() if name.split('.')[0] in list_models()}
+    assert released >= {'cvt_13', 'cvt_13_384', 'cvt_21', 'cvt_21_384', 'vil_ls_medium', 'vil_ls_base',
+                        'vil_ls_medium_384'}
+    plain = {(doc, name) for doc, name, _, call in _loading_lines(released=True)
+             if call == f"timm.create_model('{name}', pretrained=True)"}
+    assert {(f'{name}.md', name) for name in released} <= plain
+    assert {name.split('.')[0] for _, name, _, _ in _loading_lines(released=True)} <= released
+    assert any(doc == 'README.md' for doc, _ in plain), "README's snippet shows pretrained=True on a released model"
+
+
+@pytest.mark.parametrize('doc,name,file,call', RELEASED_RUNS)
+def test_documented_released_weights_line_loads_them(doc, name, file, call, tmp_path, monkeypatch):
+    """The line as documented, offline, from the caches the download fills: every tensor of the file lands."""
+    hub, torch_home = tmp_path / 'hf', tmp_path / 'torch'
+    monkeypatch.setenv('TORCH_HOME', str(torch_home))
+    monkeypatch.setattr(hf_constants, 'HF_HUB_CACHE', str(hub))
+    monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', True)
+    cfg = timm.models.get_pretrained_cfg(name)
+    if cfg.hf_hub_id:
+        arch = 'cvt_w24' if name.startswith('cvt_w24') else name.split('.')[0].replace('_384', '')
+        tensors = random_hub_state_dict(arch)
+        torch.save(tensors, tmp_path / 'weights.bin')
+        del tensors
+        put_in_hub_cache(hub, cfg.hf_hub_id, tmp_path / 'weights.bin')
+        tensors = torch.load(tmp_path / 'weights.bin', weights_only=True, mmap=True)
+        head = ('head.', 'classifier.')
+    else:
+        checkpoint = official_vil_checkpoint(official_vil_shapes(name.split('.')[0]), seed=0)
+        torch.save(checkpoint, vil_cache_file(torch_home, name))
+        tensors, head = checkpoint['net'], ('head.', 'module.head.')
+    model = eval(call, {'timm': timm})  # the line as documented
+    assert_loaded_from(model, tensors, head=head if 'num_classes' in call else ())
 
 
 def test_readme_char_lm_block_loads_a_fairseq_checkpoint(tmp_path, monkeypatch):

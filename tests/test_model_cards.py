@@ -21,6 +21,7 @@ from lsvision.zoo import (
     PAPER_RESULTS,
     SOURCES,
     family_of,
+    released_weights,
     render_outputs,
     replace_readme_table,
 )
@@ -85,6 +86,21 @@ def test_zoo_data_is_consistent():
     with pytest.raises(KeyError, match='no model family'):
         family_of('resnet18')
     assert len({pattern for pattern, _ in FAMILIES}) == len(FAMILIES)
+
+
+def test_released_weights_come_from_the_pretrained_cfgs(outputs):
+    cvt = released_weights('cvt_13_384')
+    assert [w.tag for w in cvt] == ['cvt_13_384.ms_in1k', 'cvt_13_384.ms_in22k_ft_in1k']  # the default first
+    assert (cvt[1].kind, cvt[1].location, cvt[1].top1, cvt[1].pretrained_on) == (
+        'hf-hub', 'microsoft/cvt-13-384-22k', 83.3, 'ImageNet-22k, fine-tuned on ImageNet-1k')
+    vil = released_weights('vil_ls_medium')
+    assert [(w.kind, w.cache_file, w.top1) for w in vil] == [('url', 'vil_ls_medium.nv_in1k.pth', 83.8)]
+    assert vil[0].location.startswith('https://www.dropbox.com/') and '?' not in vil[0].location
+    assert released_weights('cvt_ls_13') == [] and released_weights('pvt_tiny_grc') == []
+    # the wide CvT has Hub weights but no Microsoft file line; a model without weights has no plain pretrained line
+    w24 = outputs['model_cards/cvt_w24_384.md']
+    assert "timm.create_model('cvt_w24_384', pretrained=True)" in w24 and 'pretrained_cfg_overlay' not in w24
+    assert "timm.create_model('cvt_ls_13', pretrained=True)" not in outputs['model_cards/cvt_ls_13.md']
 
 
 def test_readme_markers_required():

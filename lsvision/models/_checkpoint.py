@@ -19,6 +19,11 @@ def _names(keys: List[str]) -> str:
     return ', '.join(keys[:SHOW]) + more
 
 
+def _other_in_chans(shape: torch.Size, model_shape: torch.Size) -> bool:
+    """Conv weights that differ only in input channels: timm adapts the first conv to `in_chans` after the filter."""
+    return len(shape) == len(model_shape) == 4 and shape[0] == model_shape[0] and shape[2:] == model_shape[2:]
+
+
 def check_filtered_keys(
         state_dict: Dict[str, torch.Tensor],
         model: nn.Module,
@@ -48,14 +53,17 @@ def check_filtered_keys(
     missing = [k for k in expected
                if k not in state_dict and not k.startswith(head) and not any(part in k for part in optional)]
     unexpected = [k for k in state_dict if k not in expected and not k.startswith(head)]
+    first_conv = ((getattr(model, 'pretrained_cfg', None) or {}).get('first_conv') or '') + '.weight'
     misshaped = [f'{k} {tuple(v.shape)} (model {tuple(expected[k].shape)})' for k, v in state_dict.items()
-                 if k in expected and not k.startswith(head) and v.shape != expected[k].shape]
+                 if k in expected and not k.startswith(head) and v.shape != expected[k].shape
+                 and not (k == first_conv and _other_in_chans(v.shape, expected[k].shape))]
     if missing or unexpected or misshaped:
         problems = [f'{what}: {_names(keys)}' for what, keys in (
             ('missing (the model has them, the checkpoint not)', missing),
             ('unexpected (the checkpoint has them, the model not)', unexpected),
             ('mis-shaped', misshaped)) if keys]
-        raise CheckpointMismatchError(f'{source} does not fit {type(model).__name__}: ' + '; '.join(problems)
+        arch = (getattr(model, 'pretrained_cfg', None) or {}).get('architecture') or type(model).__name__
+        raise CheckpointMismatchError(f'{source} does not fit {arch}: ' + '; '.join(problems)
                        + '. Create the model with the settings the checkpoint was trained with.')
     ckpt_head = state_dict.get(head + 'weight')
     model_head = expected.get(head + 'weight')

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import QuickGELU, StdConv2d, register_notrace_module
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d
 from lsvision.layers.autocast import autocast_dtype, autocast_off
@@ -43,6 +43,7 @@ from lsvision.layers.reparam import FoldableModule
 
 from ._checkpoint import check_filtered_keys
 from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
+from ._pretrained import build_model
 
 __all__ = ['ConvVisionTransformer', 'SepConvQkv', 'ConvDynamicProjection', 'FusedConvProjections']
 
@@ -557,14 +558,48 @@ class ConvVisionTransformer(HierarchicalTransformer):
         self.img_size = img_size
 
 
+# transformers' CvT port (the Hub's microsoft/cvt-* repositories) -> lsvision names, applied in order
+_TRANSFORMERS_RENAMES = (
+    (r'^cvt\.encoder\.stages\.(\d+)\.', r'stages.\1.'),
+    (r'\.embedding\.convolution_embeddings\.projection\.', '.patch_embed.proj.'),
+    (r'\.embedding\.convolution_embeddings\.normalization\.', '.patch_embed.norm.'),
+    (r'\.layers\.(\d+)\.', r'.blocks.\1.'),
+    (r'\.attention\.attention\.convolution_projection_(q|k|v)\w*\.convolution_projection\.convolution\.',
+     r'.attn.conv_proj_\1.conv.'),
+    (r'\.attention\.attention\.convolution_projection_(q|k|v)\w*\.convolution_projection\.normalization\.',
+     r'.attn.conv_proj_\1.bn.'),
+    (r'\.attention\.attention\.projection_(q|k|v)\w*\.', r'.attn.proj_\1.'),
+    (r'\.attention\.output\.dense\.', '.attn.proj.'),  # before the MLP's output.dense
+    (r'\.intermediate\.dense\.', '.mlp.fc1.'),
+    (r'\.output\.dense\.', '.mlp.fc2.'),
+    (r'\.layernorm_before\.', '.norm1.'),
+    (r'\.layernorm_after\.', '.norm2.'),
+    (r'^layernorm\.', 'norm.'),
+    (r'^classifier\.', 'head.'),
+)
+
+
+def transformers_key_to_lsvision(key: str) -> str:
+    """An lsvision CvT key for a key of transformers' `CvtForImageClassification` (the layout of the Hub's
+    microsoft/cvt-* weights), e.g. `cvt.encoder.stages.2.layers.0.attention.attention.projection_query.weight` ->
+    `stages.2.blocks.0.attn.proj_q.weight`."""
+    for pattern, replacement in _TRANSFORMERS_RENAMES:
+        key = re.sub(pattern, replacement, key)
+    return key
+
+
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Map a Microsoft CvT checkpoint (`stage{i}.blocks.{j}...`, `stage2.cls_token`, `norm`, `head`) to lsvision
-    names; lsvision ones pass through. Every key must then fit the model (the classifier aside, which timm drops when
-    the class count differs): a KeyError names the ones that do not."""
+    """Map a CvT checkpoint to lsvision names: Microsoft's (`stage{i}.blocks.{j}...`, `norm`, `head`), transformers'
+    (the Hub's microsoft/cvt-*: `cvt.encoder.stages.{i}.layers.{j}...`, `layernorm`, `classifier`) or lsvision's.
+    Every key must then fit the model (the classifier aside, which timm drops when the class count differs): a
+    KeyError names the ones that do not."""
     if 'state_dict' in state_dict and isinstance(state_dict['state_dict'], dict):
         state_dict = state_dict['state_dict']
     state_dict = {k[len('module.'):] if k.startswith('module.') else k: v for k, v in state_dict.items()}
-    if not any(k.startswith('stages.') for k in state_dict):
+    if any(k.startswith('cvt.encoder.') for k in state_dict):
+        state_dict = {transformers_key_to_lsvision(k): v for k, v in state_dict.items()}
+        source = 'the transformers-layout CvT checkpoint (Hugging Face Hub)'
+    elif not any(k.startswith('stages.') for k in state_dict):
         state_dict = {re.sub(r'^stage(\d+)\.', r'stages.\1.', k): v for k, v in state_dict.items()}
         source = 'the Microsoft CvT checkpoint'
     else:
@@ -574,7 +609,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
 
 def _create_cvt(variant: str, pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     out_indices = kwargs.pop('out_indices', (0, 1, 2))
-    return build_model_with_cfg(
+    return build_model(
         ConvVisionTransformer,
         variant,
         pretrained,
@@ -617,11 +652,29 @@ def _cfg_ls(**kwargs: Any) -> Dict[str, Any]:
 
 _cfg_384 = partial(_cfg, input_size=(3, 384, 384), pool_size=(24, 24), crop_pct=1.0)  # Microsoft's 384 evaluation
 
+
+def _cfg_hub(repo: str, top1: float, pretrain: str = 'ImageNet-1k', **kwargs: Any) -> Dict[str, Any]:
+    """Microsoft's released weights, on the Hugging Face Hub in transformers' layout (converted on load)."""
+    cfg = _cfg_384 if '384' in repo else _cfg
+    return cfg(
+        hf_hub_id=f'microsoft/{repo}',
+        license='apache-2.0',  # the license of the Hub repositories
+        description=f"Microsoft's CvT weights ({pretrain}, fine-tuned on ImageNet-1k)" if pretrain != 'ImageNet-1k'
+        else "Microsoft's CvT weights (ImageNet-1k)",
+        notes=(f'Weights: huggingface.co/microsoft/{repo} (converted from microsoft/CvT by Hugging Face); '
+               f'ImageNet-1k top-1 reported by the authors: {top1} %.',),
+        **kwargs,
+    )
+
+
 default_cfgs = generate_default_cfgs({
-    'cvt_13.untrained': _cfg(),
-    'cvt_21.untrained': _cfg(),
-    'cvt_13_384.untrained': _cfg_384(),
-    'cvt_21_384.untrained': _cfg_384(),
+    'cvt_13.ms_in1k': _cfg_hub('cvt-13', 81.6),
+    'cvt_21.ms_in1k': _cfg_hub('cvt-21', 82.5),
+    'cvt_13_384.ms_in1k': _cfg_hub('cvt-13-384', 83.0),
+    'cvt_13_384.ms_in22k_ft_in1k': _cfg_hub('cvt-13-384-22k', 83.3, pretrain='ImageNet-22k'),
+    'cvt_21_384.ms_in1k': _cfg_hub('cvt-21-384', 83.3),
+    'cvt_21_384.ms_in22k_ft_in1k': _cfg_hub('cvt-21-384-22k', 84.9, pretrain='ImageNet-22k'),
+    'cvt_w24_384.ms_in22k_ft_in1k': _cfg_hub('cvt-w24-384-22k', 87.7, pretrain='ImageNet-22k'),
     'cvt_ls_13.untrained': _cfg_ls(),
     'cvt_ls_17.untrained': _cfg_ls(),
     'cvt_ls_21.untrained': _cfg_ls(),
@@ -639,6 +692,7 @@ default_cfgs = generate_default_cfgs({
 _cvt_ms = partial(dict, attn_type='conv', act_layer='quick_gelu')
 _CVT_13 = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 2, 10))
 _CVT_21 = _cvt_ms(embed_dims=(64, 192, 384), num_heads=(1, 3, 6), depths=(1, 4, 16))
+_CVT_W24 = _cvt_ms(embed_dims=(192, 768, 1024), num_heads=(3, 12, 16), depths=(2, 2, 20))
 
 # (embed_dims, num_heads, depths) of each size; head dim is 64 everywhere
 _SIZES = {
@@ -696,6 +750,12 @@ def cvt_13_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer
 def cvt_21_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
     """CvT-21 evaluated at 384 as Microsoft's CvT-21-384x384 (same weights layout as cvt_21, crop_pct 1.0)."""
     return _create_cvt('cvt_21_384', pretrained=pretrained, **{**_CVT_21, 'img_size': 384, **kwargs})
+
+
+@register_model
+def cvt_w24_384(pretrained: bool = False, **kwargs: Any) -> ConvVisionTransformer:
+    """CvT-W24 at 384, Microsoft's wide CvT (277M params), released pre-trained on ImageNet-22k."""
+    return _create_cvt('cvt_w24_384', pretrained=pretrained, **{**_CVT_W24, 'img_size': 384, **kwargs})
 
 
 @register_model

@@ -35,13 +35,14 @@ from timm.layers import (
     register_notrace_function,
     to_2tuple,
 )
-from timm.models import build_model_with_cfg, checkpoint, generate_default_cfgs, register_model
+from timm.models import checkpoint, generate_default_cfgs, register_model
 
 from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
 
 from ._checkpoint import check_filtered_keys
 from ._helpers import GRC_CHECKPOINT_ERROR, GrcModelMixin, require_non_grc_keys
 from ._hierarchical import HierarchicalStage, HierarchicalTransformer
+from ._pretrained import build_model
 
 __all__ = ['PyramidVisionTransformer']
 
@@ -421,7 +422,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
 
 def _create_pvt(variant: str, pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformer:
     out_indices = kwargs.pop('out_indices', (0, 1, 2, 3))
-    return build_model_with_cfg(
+    return build_model(
         PyramidVisionTransformer,
         variant,
         pretrained,

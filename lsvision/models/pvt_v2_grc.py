@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import LayerNorm
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models.pvt_v2 import Attention as PvtV2Attention
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from timm.models.pvt_v2 import checkpoint_filter_fn as _pvt_v2_filter_fn
@@ -29,6 +29,7 @@ from timm.models.pvt_v2 import checkpoint_filter_fn as _pvt_v2_filter_fn
 from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
 
 from ._helpers import GrcModelMixin, check_image_input, require_non_grc_keys
+from ._pretrained import build_model
 
 __all__ = ['PvtV2GrcAttention', 'PyramidVisionTransformerV2Grc']
 
@@ -180,7 +181,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
 
 def _create_pvt2_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> PyramidVisionTransformerV2Grc:
     out_indices = kwargs.pop('out_indices', (0, 1, 2, 3))
-    return build_model_with_cfg(
+    return build_model(
         PyramidVisionTransformerV2Grc,
         variant,
         pretrained,

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import resize_rel_pos_bias_table, to_2tuple
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models.swin_transformer import SwinTransformer, WindowAttention
 from timm.models.swin_transformer import checkpoint_filter_fn as _swin_filter_fn
 
@@ -35,6 +35,7 @@ from lsvision.layers import (
 )
 
 from ._helpers import GrcModelMixin, init_linear_trunc_normal, require_non_grc_keys
+from ._pretrained import build_model
 
 __all__ = ['SwinGrcWindowAttention', 'SwinTransformerGrc']
 
@@ -106,7 +107,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) 
 
 def _create_swin_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> SwinTransformerGrc:
     out_indices = kwargs.pop('out_indices', tuple(range(len(kwargs.get('depths', (1, 1, 3, 1))))))
-    return build_model_with_cfg(
+    return build_model(
         SwinTransformerGrc,
         variant,
         pretrained,

@@ -34,12 +34,13 @@ from timm.layers import (
     to_2tuple,
     trunc_normal_,
 )
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d, resize_window_rel_pos_table, window_rel_pos_table_size
 
 from ._checkpoint import check_filtered_keys
 from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
+from ._pretrained import build_model, load_pretrained_file
 
 __all__ = ['VisionLongShortTransformer']
 
@@ -382,6 +383,13 @@ class VisionLongShortTransformer(HierarchicalTransformer):
         }
 
     @torch.jit.ignore
+    def load_pretrained(self, checkpoint_path: str) -> None:
+        """timm's `custom_load` hook, for the official files and any other: read `checkpoint_path` (weights_only;
+        numpy scalars allowed), convert it (`checkpoint_filter_fn`) and load it; a head of another class count is
+        dropped with a warning, as timm does."""
+        load_pretrained_file(self, checkpoint_path, checkpoint_filter_fn)
+
+    @torch.jit.ignore
     def set_input_size(self, img_size: Optional[Union[int, Tuple[int, int]]] = None) -> None:
         """Make `img_size` the native input size: the full-attention bias tables are interpolated to its maps once
         (trainable flags kept), so that forward there uses them as they are."""
@@ -637,7 +645,10 @@ def checkpoint_filter_fn(state_dict: Dict[str, Any], model: nn.Module) -> Dict[s
 
 def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionLongShortTransformer:
     out_indices = kwargs.pop('out_indices', (0, 1, 2, 3))
-    return build_model_with_cfg(
+    if pretrained and kwargs.get('pretrained_cfg_overlay'):
+        # a file of one's own goes through load_pretrained too (official .pth files may pickle numpy scalars)
+        kwargs['pretrained_cfg_overlay'] = {'custom_load': True, **kwargs['pretrained_cfg_overlay']}
+    return build_model(
         VisionLongShortTransformer,
         variant,
         pretrained,
@@ -645,6 +656,15 @@ def _create_vil_ls(variant: str, pretrained: bool = False, **kwargs: Any) -> Vis
         feature_cfg=dict(feature_cls='getter', out_indices=out_indices),
         **kwargs,
     )
+
+
+# the official ImageNet-1k checkpoints linked from the NVIDIA/transformer-ls README, all named model_best.pth: each is
+# cached under a name of its own (timm's (url, file name) form); ?dl=1 makes Dropbox serve the file, not a page
+OFFICIAL_CHECKPOINTS = {
+    'vil_ls_medium': ('https://www.dropbox.com/s/ng14pebstaaydug/model_best.pth?dl=1', 83.8),
+    'vil_ls_base': ('https://www.dropbox.com/s/80u5p5eh4txad10/model_best.pth?dl=1', 84.1),
+    'vil_ls_medium_384': ('https://www.dropbox.com/s/390tzi2ll3sfibl/model_best.pth?dl=1', 84.4),
+}
 
 
 def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
@@ -656,17 +676,28 @@ def _cfg(url: str = '', **kwargs: Any) -> Dict[str, Any]:
         'paper_ids': 'arXiv:2107.02192',
         'paper_name': 'Long-Short Transformer: Efficient Transformers for Language and Vision',
         'origin_url': 'https://github.com/NVIDIA/transformer-ls',
-        'notes': ('The official ImageNet-1k weights (model_best.pth, linked from the transformer-ls README) load with '
-                  "pretrained_cfg_overlay=dict(file='model_best.pth'), or convert them with "
-                  'tools/convert_vil_ls.py.',),
         **kwargs,
     }
 
 
+def _cfg_official(variant: str, **kwargs: Any) -> Dict[str, Any]:
+    """The official weights of `variant`: downloaded once to timm's cache as `<variant>.nv_in1k.pth`, read by
+    `load_pretrained` (timm's custom_load)."""
+    url, top1 = OFFICIAL_CHECKPOINTS[variant]
+    return _cfg(
+        url=(url, f'{variant}.nv_in1k.pth'),
+        custom_load=True,
+        description='The official ViL-LS weights of NVIDIA/transformer-ls (ImageNet-1k)',
+        notes=(f'Weights: {url.split("?")[0]} (linked from the NVIDIA/transformer-ls README); ImageNet-1k top-1 '
+               f'reported by the authors: {top1} %.',),
+        **kwargs,
+    )
+
+
 default_cfgs = generate_default_cfgs({
-    'vil_ls_medium.nv_in1k': _cfg(),
-    'vil_ls_base.nv_in1k': _cfg(),
-    'vil_ls_medium_384.nv_in1k': _cfg(input_size=(3, 384, 384), pool_size=(12, 12)),
+    'vil_ls_medium.nv_in1k': _cfg_official('vil_ls_medium'),
+    'vil_ls_base.nv_in1k': _cfg_official('vil_ls_base'),
+    'vil_ls_medium_384.nv_in1k': _cfg_official('vil_ls_medium_384', input_size=(3, 384, 384), pool_size=(12, 12)),
 })
 
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.layers import Attention
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from timm.models.vision_transformer import checkpoint_filter_fn as _vit_filter_fn
 
@@ -32,6 +32,7 @@ from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_gr
 from lsvision.layers.export import refuse_legacy_onnx_export
 
 from ._helpers import GrcModelMixin, init_linear_trunc_normal, require_non_grc_keys
+from ._pretrained import build_model
 
 __all__ = ['VitGrcAttention', 'VisionTransformerGrc']
 
@@ -112,7 +113,7 @@ def checkpoint_filter_fn(
 
 def _create_vit_grc(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformerGrc:
     out_indices = kwargs.pop('out_indices', 3)
-    return build_model_with_cfg(
+    return build_model(
         VisionTransformerGrc,
         variant,
         pretrained,

@@ -33,11 +33,17 @@ def is_model(name: str) -> bool:
     return name in _model_entrypoints
 
 
-def create_model(name: str, **kwargs: Any) -> nn.Module:
+def create_model(name: str, pretrained: bool = False, **kwargs: Any) -> nn.Module:
     """Builds the registered sequence model `name`; keyword arguments go to its entrypoint (as timm.create_model).
+
+    Args:
+        name: A registered sequence model.
+        pretrained: Accepted for timm's signature; no sequence model has released weights, so True raises.
+        **kwargs: The entrypoint's arguments.
 
     Raises:
         ValueError: `name` is not a registered sequence model (the message lists close names).
+        NoPretrainedWeightsError: `pretrained=True` (the message says how to load a checkpoint instead).
     """
     if name not in _model_entrypoints:
         close = [n for n in _model_entrypoints if name.split('_')[0] in n][:8]
@@ -45,4 +51,11 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
         raise ValueError(
             f'Unknown sequence model {name!r}.{hint} See lsvision.sequence.list_models() for all of them '
             f'(image models are created with timm.create_model).')
+    if pretrained:
+        from lsvision.models._pretrained import NoPretrainedWeightsError
+        raise NoPretrainedWeightsError(
+            f'{name} has no released weights (no sequence model of lsvision has). Create it with pretrained=False and '
+            'train it, or load a checkpoint into it: an official NVIDIA/transformer-ls LRA or char-LM checkpoint with '
+            'lsvision.sequence.convert.load_official_checkpoint(model, path), a file of your own with '
+            'model.load_state_dict(safetensors.torch.load_file(path)).')
     return _model_entrypoints[name](**kwargs)

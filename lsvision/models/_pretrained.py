@@ -1,0 +1,205 @@
+"""Pretrained weights through timm's own machinery, with errors that say what to do.
+
+timm resolves a model's pretrained cfg (tag, ``pretrained_cfg_overlay``), fetches the weights (``hf_hub_id`` through
+huggingface_hub's cache, ``url`` through torch.hub's) and loads them through the family's checkpoint filter. What this
+module adds, around ``build_model_with_cfg``:
+
+* a model without released weights raises :class:`NoPretrainedWeightsError`, naming its model card and the
+  ``pretrained_cfg_overlay=dict(file=...)`` line for a file of one's own (timm: "No pretrained weights exist");
+* a missing overlay file names its path (timm: a ``FileNotFoundError`` without a message);
+* a failed download (no network) raises :class:`PretrainedDownloadError`, naming the hub id or URL and where a file
+  downloaded by hand goes;
+* a file of another architecture keeps the family filter's mismatch message, prefixed with where the file came from;
+* :func:`load_checkpoint_file` and :func:`load_into_model` serve timm's ``custom_load`` hook (a family's
+  ``load_pretrained``): authors' ``.pth`` files read with ``weights_only=True`` (numpy scalars allowed, nothing
+  else), the classifier dropped with a warning when the class count differs, the input conv adapted to ``in_chans``.
+"""
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file as load_safetensors
+
+from timm.models import adapt_input_conv, build_model_with_cfg
+from timm.models._builder import resolve_pretrained_cfg
+from timm.models._hub import get_cache_dir
+
+from ._helpers import CheckpointMismatchError
+
+__all__ = [
+    'NoPretrainedWeightsError', 'PretrainedDownloadError', 'build_model', 'load_checkpoint_file', 'load_into_model',
+    'load_pretrained_file', 'model_card', 'weights_source',
+]
+
+_logger = logging.getLogger(__name__)
+
+ModelT = TypeVar('ModelT', bound=nn.Module)
+
+HF_WEIGHTS_FILE = 'pytorch_model.bin'  # what timm fetches from a hub repo without model.safetensors
+
+
+class NoPretrainedWeightsError(RuntimeError):
+    """``pretrained=True`` on a model whose authors released no weights (and no file given)."""
+
+
+class PretrainedDownloadError(OSError):
+    """The released weights could not be fetched (no network, hub or URL unreachable, nothing in the cache)."""
+
+
+def model_card(name: str) -> str:
+    """Where a model's card is: ``model_cards/<name>.md`` of the lsvision repository."""
+    return f'its model card, model_cards/{name}.md in the lsvision repository'
+
+
+def _own_file_line(name: str) -> str:
+    return f"timm.create_model('{name}', pretrained=True, pretrained_cfg_overlay=dict(file='/path/to/weights.pth'))"
+
+
+def weights_source(cfg: Dict[str, Any]) -> Tuple[str, Any]:
+    """Where timm will take a resolved pretrained cfg's weights from, in its order: ``('state_dict', ...)``,
+    ``('file', path)``, ``('hf-hub', hub_id)``, ``('url', url or (url, cache file name))`` or ``('', None)``."""
+    for key, kind in (('state_dict', 'state_dict'), ('file', 'file'), ('hf_hub_id', 'hf-hub'), ('url', 'url')):
+        if cfg.get(key):
+            return kind, cfg[key]
+    return '', None
+
+
+def _url_cache_file(url: Any) -> str:
+    """The file torch.hub / timm cache a URL's download under (``(url, name)`` pairs name their own)."""
+    if isinstance(url, (list, tuple)):
+        return os.path.join(get_cache_dir(), url[1])
+    return os.path.join(get_cache_dir(), os.path.basename(url.split('?')[0]))
+
+
+def _describe(kind: str, loc: Any) -> str:
+    if kind == 'hf-hub':
+        return f"the Hugging Face Hub repository '{loc}'"
+    if kind == 'url':
+        return f'{loc[0] if isinstance(loc, (list, tuple)) else loc} (cached as {_url_cache_file(loc)})'
+    return f'{loc}' if kind == 'file' else 'the given state_dict'
+
+
+def _download_help(name: str, kind: str, loc: Any, error: BaseException) -> str:
+    """What failed, and where a file downloaded by hand goes."""
+    if kind == 'hf-hub':
+        from huggingface_hub import constants
+        repo = str(loc).split('@')[0]
+        return (
+            f"could not fetch the weights of {name} from the Hugging Face Hub repository '{repo}' "
+            f'({type(error).__name__}: {error}). Where there is a network: `hf download {repo} {HF_WEIGHTS_FILE}` '
+            f'fills the cache this machine reads ({constants.HF_HUB_CACHE}; HF_HUB_CACHE moves it). Or download '
+            f'https://huggingface.co/{repo}/resolve/main/{HF_WEIGHTS_FILE} yourself and load it with '
+            + _own_file_line(name).replace('/path/to/weights.pth', f'/path/to/{HF_WEIGHTS_FILE}') + '.')
+    url = loc[0] if isinstance(loc, (list, tuple)) else loc
+    return (
+        f'could not download the weights of {name} from {url} ({type(error).__name__}: {error}). Download it '
+        f"yourself and save it as {_url_cache_file(loc)} (timm's cache; TORCH_HOME moves it), or load it from "
+        f'anywhere with {_own_file_line(name)}.')
+
+
+def build_model(
+        model_cls: Type[ModelT],
+        variant: str,
+        pretrained: bool,
+        **kwargs: Any,
+) -> ModelT:
+    """``timm.models.build_model_with_cfg`` with lsvision's errors for pretrained weights (see the module doc).
+
+    Args:
+        model_cls: The model class.
+        variant: The registered model name.
+        pretrained: Load the weights of the resolved pretrained cfg (tag or overlay).
+        **kwargs: ``build_model_with_cfg``'s arguments (``pretrained_filter_fn``, ``feature_cfg``, the model's).
+
+    Raises:
+        NoPretrainedWeightsError: ``pretrained`` and no weights source (no released weights, no overlay file).
+        FileNotFoundError: The overlay's ``file`` does not exist (the message names it).
+        PretrainedDownloadError: The hub or URL could not be reached and nothing is in the cache.
+        CheckpointMismatchError: The weights are not of this architecture (the family filter's message).
+    """
+    if not pretrained:
+        return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+    overlay = kwargs.get('pretrained_cfg_overlay')
+    cfg = resolve_pretrained_cfg(variant, pretrained_cfg=kwargs.get('pretrained_cfg'), pretrained_cfg_overlay=overlay)
+    cfg = cfg.to_dict()
+    name = variant + (f".{cfg['tag']}" if cfg.get('tag') else '')
+    kind, loc = weights_source(cfg)
+    if not kind:
+        raise NoPretrainedWeightsError(
+            f'{variant} has no released weights (its authors published none; see {model_card(variant)}). Create it '
+            f'with pretrained=False and train it, or start from a file of your own: {_own_file_line(variant)} '
+            "(lsvision's layout, safetensors or a .pth state dict).")
+    if kind == 'file' and not Path(loc).is_file():
+        raise FileNotFoundError(f'pretrained_cfg_overlay file {loc!r} for {name} does not exist (working directory '
+                                f'{os.getcwd()}); give the path of a checkpoint file.')
+    try:
+        return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+    except CheckpointMismatchError as e:
+        raise CheckpointMismatchError(f'weights of {_describe(kind, loc)} for {name}: {e}') from None
+    except OSError as e:
+        if kind not in ('hf-hub', 'url') or isinstance(e, PretrainedDownloadError):
+            raise
+        raise PretrainedDownloadError(_download_help(name, kind, loc, e)) from e
+
+
+def _numpy_scalar_globals() -> List[Any]:
+    """What a pickled numpy scalar needs (an official trainer may store its accuracy as one), and nothing more."""
+    import numpy as np
+    core = getattr(np, '_core', None) or np.core
+    dtypes = [type(np.dtype(t)) for t in ('float64', 'float32', 'float16', 'int64', 'int32', 'bool')]
+    return [core.multiarray.scalar, np.dtype, *dtypes]
+
+
+def load_checkpoint_file(path: str) -> Dict[str, Any]:
+    """Read a checkpoint without unpickling code: safetensors, or ``torch.load(weights_only=True)`` with numpy
+    scalars allowed (``torch.serialization.safe_globals``)."""
+    if str(path).endswith('.safetensors'):
+        return load_safetensors(path, device='cpu')
+    with torch.serialization.safe_globals(_numpy_scalar_globals()):
+        return torch.load(path, map_location='cpu', weights_only=True)
+
+
+def load_into_model(
+        model: nn.Module,
+        state_dict: Dict[str, torch.Tensor],
+        classifier: str = 'head',
+        first_conv: Optional[str] = None,
+) -> None:
+    """Load an already filtered (lsvision-layout) state dict as timm's ``load_pretrained`` would.
+
+    The classifier is dropped (the model keeps its fresh head; the family filter has warned) when its shape differs
+    from the model's, e.g. ``num_classes=10`` or ``0``; the input conv is adapted with timm's ``adapt_input_conv``
+    when ``in_chans`` differs. Everything else must load strictly.
+    """
+    state_dict = dict(state_dict)
+    expected = model.state_dict()
+    head_keys = [k for k in state_dict if k.startswith(classifier + '.')]
+    if any(k not in expected or expected[k].shape != state_dict[k].shape for k in head_keys):
+        for k in head_keys:
+            del state_dict[k]
+    if first_conv and first_conv + '.weight' in state_dict:
+        w = state_dict[first_conv + '.weight']
+        in_chans = expected[first_conv + '.weight'].shape[1]
+        if w.shape[1] != in_chans:
+            state_dict[first_conv + '.weight'] = adapt_input_conv(in_chans, w)
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if not k.startswith(classifier + '.')]
+    if missing or unexpected:
+        raise CheckpointMismatchError(f'missing {missing[:8]}, unexpected {unexpected[:8]}')
+
+
+def load_pretrained_file(
+        model: nn.Module,
+        checkpoint_path: str,
+        filter_fn: Callable[[Dict[str, Any], nn.Module], Dict[str, torch.Tensor]],
+) -> None:
+    """The body of a family's ``load_pretrained`` (timm's ``custom_load`` hook): read the file
+    (:func:`load_checkpoint_file`), convert it with the family's ``filter_fn``, load it (:func:`load_into_model`,
+    classifier and first conv from the model's pretrained cfg)."""
+    cfg = getattr(model, 'pretrained_cfg', None) or {}
+    state_dict = filter_fn(load_checkpoint_file(checkpoint_path), model)
+    load_into_model(model, state_dict, classifier=cfg.get('classifier', 'head'), first_conv=cfg.get('first_conv'))
+    _logger.info(f'loaded pretrained weights from {checkpoint_path}')
