@@ -318,6 +318,6 @@ def test_real_labels_must_match_file_names(tmp_path, trees, oracle):
 
 def test_model_without_imagenet_head_is_refused(trees):
     model = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(3, 10))
-    with pytest.raises(ValueError, match=r'shape \(.*, 10\); these suites need 1000 classes'), \
+    with pytest.raises(ValueError, match=r'shape \(.*, 10\); this suite needs 1000 classes'), \
             pytest.warns(LayoutWarning):
         evaluate_imagenet_ar(model, str(trees['a']['root']), SETTINGS, 'a')

@@ -67,7 +67,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
 
-    def evaluate(model: Any, settings: EvalSettings) -> Dict[str, Any]:
+    def evaluate(model: Any, settings: EvalSettings, run: Any) -> Dict[str, Any]:
         suites: Dict[str, Any] = {}
         clean_error = None if args.clean_error is None else args.clean_error / 100
         if args.imagenet:

@@ -1,6 +1,8 @@
-"""Evaluation suites (ImageNet-1K, ReaL, V2, ImageNet-C, -A, -R, -9): layouts, checks, metrics, loop, reports.
+"""Evaluation suites (any image folder, ImageNet-1K, ReaL, V2, ImageNet-C, -A, -R, -9): layouts, checks, metrics,
+loop, reports.
 
-Knows no model: every runner takes an ``nn.Module`` with an ImageNet-1K head. ``tools/validate.py`` and
+Knows no model: every runner takes an ``nn.Module`` with an ImageNet-1K head (the folder suite: a head of the
+folder's classes). ``tools/validate.py`` and
 ``tools/robustness.py`` are the command lines.
 """
 from .dataset import EvalImageDataset, ImageChecks
@@ -10,6 +12,7 @@ from .runner import (
     EvalSettings,
     default_workers,
     evaluate_corrupt_on_the_fly,
+    evaluate_folder,
     evaluate_imagenet,
     evaluate_imagenet_9,
     evaluate_imagenet_ar,

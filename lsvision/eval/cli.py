@@ -1,10 +1,18 @@
 """Command-line plumbing shared by ``tools/validate.py`` and ``tools/robustness.py``: model selection and loading,
 the per-model run, and the three outputs (JSON, markdown, PNG).
+
+A checkpoint written by ``tools/train.py`` records its run (the ``args`` of the checkpoint, else the run folder's
+``args.yaml``): the model is then built as the run built it (``num_classes``, ``in_chans``, global pool, model kwargs,
+a fixed input size), evaluated with the run's eval preprocessing (input size, crop, interpolation, mean/std), and the
+``folder`` suite takes the run's classes. ``--model-kwargs`` and the preprocessing flags beat the recorded values.
 """
 import argparse
+import ast
+import dataclasses
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -16,21 +24,30 @@ from timm.models import reparameterize_model
 
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
 from .runner import EvalSettings, default_workers, file_sha256
+from .suites import visible_folders
 
-__all__ = ['add_model_args', 'resolve_model_names', 'load_model', 'settings_from_args', 'run_and_report']
+__all__ = [
+    'add_model_args', 'resolve_model_names', 'load_model', 'settings_from_args', 'run_and_report', 'TrainingRun',
+    'training_run', 'folder_classes',
+]
+
+# the run arguments that set the eval preprocessing (timm's resolve_data_config reads them as given to train.py)
+_RUN_DATA_KEYS = ('input_size', 'img_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     """Adds the model, loader, preprocessing and output options both tools share."""
-    g = parser.add_argument_group('models')
-    g.add_argument('--models', nargs='+', required=True,
+    g = parser.add_argument_group('models (--model or --models)')
+    g.add_argument('--model', default=None, help="one model name (timm's validate.py flag), e.g. cvt_ls_13")
+    g.add_argument('--models', nargs='+', default=None,
                    help="model names or wildcards, e.g. cvt_ls_13 'cvt_ls_*' resnet50.tv_in1k (lsvision models first, "
                         'then timm.list_models)')
     g.add_argument('--checkpoint', nargs='+', default=None,
                    help='checkpoint file(s) (.pth/.pt/.safetensors), one per model in the order of --models')
     g.add_argument('--pretrained', action='store_true', help="load timm's pretrained weights (may download)")
     g.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE',
-                   help='extra timm.create_model arguments, values parsed as YAML (e.g. depths=[1,1,1])')
+                   help='extra timm.create_model arguments, values parsed as YAML (e.g. depths=[1,1,1]); a '
+                        "tools/train.py checkpoint's own run arguments are used without them")
     g = parser.add_argument_group('run')
     g.add_argument('--batch-size', type=int, default=64)
     g.add_argument('--workers', type=int, default=default_workers(),
@@ -73,32 +90,127 @@ def resolve_model_names(patterns: Sequence[str]) -> List[str]:
 
 
 def _parse_kwargs(items: Sequence[str]) -> Dict[str, Any]:
+    """KEY=VALUE pairs; values as Python literals, as train.py's --model-kwargs reads them (timm's ParseKwargs:
+    ``depths=(1,1,1)``), else as YAML (``true``, ``[1, 1]``)."""
     kwargs = {}
     for item in items:
         key, sep, value = item.partition('=')
         if not sep or not key:
             raise ValueError(f'--model-kwargs takes KEY=VALUE, got {item!r}')
-        kwargs[key] = yaml.safe_load(value)
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = yaml.safe_load(value)
     return kwargs
 
 
+@dataclass
+class TrainingRun:
+    """What a tools/train.py checkpoint records of the run that wrote it.
+
+    Attributes:
+        args: The run's arguments (timm's dest names), as the checkpoint or the run's args.yaml hold them.
+        source: Where they were read (the checkpoint, or the args.yaml path).
+        class_names: The classes in the order of the model's logits, when the run says (its ``class_names``, or
+            its class map file, or the sorted class folders of its training split); else None.
+    """
+    args: Dict[str, Any]
+    source: str
+    class_names: Optional[List[str]] = None
+
+    def model_kwargs(self, name: str) -> Dict[str, Any]:
+        """The create_model arguments the run built ``name`` with (none when the run trained another model)."""
+        a = self.args
+        if a.get('model') != name:
+            return {}
+        kwargs = dict(a.get('model_kwargs') or {})
+        for key, dest in (('num_classes', 'num_classes'), ('global_pool', 'gp')):
+            if a.get(dest) is not None:
+                kwargs.setdefault(key, a[dest])
+        size = a.get('input_size') or ([a.get('in_chans') or 3] + [a['img_size']] * 2 if a.get('img_size') else None)
+        if size and size[0] != 3:
+            kwargs.setdefault('in_chans', size[0])
+        cfg = timm.models.get_pretrained_cfg(name)
+        if size and cfg is not None and cfg.fixed_input_size and tuple(size[1:]) != tuple(cfg.input_size[1:]):
+            kwargs.setdefault('img_size', tuple(size[1:]))  # what train.py passes to a fixed-size model
+        return kwargs
+
+    def data_overrides(self) -> Dict[str, Any]:
+        """The run's eval preprocessing settings (input size, crop, interpolation, mean/std)."""
+        return {k: self.args[k] for k in _RUN_DATA_KEYS if self.args.get(k) is not None}
+
+
+def _class_names_of_run(args: Dict[str, Any]) -> Optional[List[str]]:
+    """The run's classes: recorded, else its class map file (a name per line), else its training folder's classes."""
+    if args.get('class_names'):
+        return list(args['class_names'])
+    if args.get('class_map') and os.path.isfile(args['class_map']):
+        with open(args['class_map']) as f:
+            return [line.strip().split()[0] for line in f if line.strip()]
+    data_dir = args.get('data_dir')
+    if data_dir and not args.get('dataset'):
+        for split in (args.get('train_split') or 'train', 'train'):
+            folder = os.path.join(data_dir, split)
+            if os.path.isdir(folder):
+                return visible_folders(folder)
+    return None
+
+
+def training_run(checkpoint: str) -> Optional[TrainingRun]:
+    """The run a tools/train.py checkpoint records (its ``args``, else ``args.yaml`` beside it); None for other
+    checkpoints (timm's, the authors', safetensors)."""
+    recorded, source = None, checkpoint
+    if not checkpoint.endswith('.safetensors'):
+        try:  # mmap: only the small `args` record is read here
+            ckpt = torch.load(checkpoint, map_location='cpu', weights_only=True, mmap=True)
+            recorded = ckpt.get('args') if isinstance(ckpt, dict) else None
+            if isinstance(recorded, dict) and ckpt.get('class_names'):
+                recorded = dict(recorded, class_names=list(ckpt['class_names']))
+        except Exception:  # not a zip checkpoint: the weights' own load reports a broken file
+            recorded = None
+    if not isinstance(recorded, dict):
+        source = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), 'args.yaml')
+        if not os.path.isfile(source):
+            return None
+        with open(source) as f:
+            recorded = yaml.safe_load(f)
+        if not isinstance(recorded, dict) or 'model' not in recorded:
+            return None
+        names = os.path.join(os.path.dirname(source), 'class_names.txt')
+        if os.path.isfile(names) and not recorded.get('class_names'):
+            with open(names) as f:
+                recorded['class_names'] = [line.rstrip('\n') for line in f if line.strip()]
+    return TrainingRun(args=recorded, source=source, class_names=_class_names_of_run(recorded))
+
+
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False,
-               model_kwargs: Optional[Dict[str, Any]] = None) -> Tuple[nn.Module, Dict[str, Any]]:
+               model_kwargs: Optional[Dict[str, Any]] = None,
+               run: Optional[TrainingRun] = None) -> Tuple[nn.Module, Dict[str, Any]]:
     """Creates a timm model, loads a checkpoint (through the model's own filter, weights_only) and describes it.
+
+    Args:
+        run: The training run the checkpoint records: the model is built with its arguments (``model_kwargs`` win).
 
     Returns:
         the model in eval mode, and its identity for the results: name, pretrained tag, checkpoint path and sha256,
         parameter count and the create_model kwargs.
     """
-    kwargs = dict(model_kwargs or {})
+    kwargs = dict(run.model_kwargs(name) if run else {}, **(model_kwargs or {}))
     if checkpoint:
         if not os.path.isfile(checkpoint):
             raise FileNotFoundError(f'checkpoint {checkpoint} not found')
-        # source='' makes timm load this file even for models whose default weights live on the HF hub
+        # source='' makes timm load this file even for models whose default weights live on the HF hub; the class
+        # count goes into the cfg too, so that timm loads the checkpoint's head instead of leaving it out
         overlay = dict(file=os.path.abspath(checkpoint), source='')
-        from lsvision.models import explain_checkpoint_errors
-        with explain_checkpoint_errors(name, checkpoint, kwargs):  # both architectures, not torch's key listing
-            model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+        if kwargs.get('num_classes') is not None:
+            overlay['num_classes'] = kwargs['num_classes']
+        from lsvision.models import CheckpointMismatchError, explain_checkpoint_errors
+        try:
+            with explain_checkpoint_errors(name, checkpoint, kwargs):  # both architectures, not torch's key listing
+                model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+        except CheckpointMismatchError as e:
+            raise CheckpointMismatchError(f'{e} (validate.py: give the arguments as --model-kwargs KEY=VALUE, e.g. '
+                                          'num_classes=10)') from None
     else:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)
     cfg = getattr(model, 'pretrained_cfg', {}) or {}
@@ -110,6 +222,8 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
         checkpoint_sha256=file_sha256(checkpoint) if checkpoint else None,
         params=sum(p.numel() for p in model.parameters()), model_kwargs=kwargs,
         num_classes=getattr(model, 'num_classes', None))
+    if run is not None:
+        identity['training_run'] = run.source
     if not checkpoint and not pretrained:
         identity['note'] = 'random initialisation (no --checkpoint, no --pretrained)'
     return model.eval(), identity
@@ -123,14 +237,42 @@ def settings_from_args(args: argparse.Namespace) -> EvalSettings:
                         progress=not args.no_progress, data_overrides=overrides)
 
 
+def folder_classes(class_map: Optional[str], run: Optional[TrainingRun]) -> List[str]:
+    """The classes of the ``folder`` suite, in logit order: a class map file (a name per line), else the run's.
+
+    Raises:
+        ValueError: neither gives them (a checkpoint not written by tools/train.py, and no --class-map).
+    """
+    if class_map:
+        with open(class_map) as f:
+            return [line.strip().split()[0] for line in f if line.strip()]
+    if run is not None and run.class_names:
+        return run.class_names
+    raise ValueError('the folder suite needs the classes the model was trained on, in the order of its logits: '
+                     'give a tools/train.py checkpoint (its run records them) or --class-map FILE (one class folder '
+                     'name per line)')
+
+
+def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str) -> EvalSettings:
+    """``settings`` with the training run's eval preprocessing under the command line's overrides."""
+    if run is None or run.args.get('model') != name:
+        return settings
+    overrides = run.data_overrides()
+    if 'img_size' in settings.data_overrides:
+        overrides.pop('input_size', None)  # timm's resolve_data_config would prefer it to the flag's img_size
+    return dataclasses.replace(settings, data_overrides={**overrides, **settings.data_overrides})
+
+
 def run_and_report(
         args: argparse.Namespace,
         tool: str,
-        evaluate: Callable[[nn.Module, EvalSettings], Dict[str, Any]],
+        evaluate: Callable[[nn.Module, EvalSettings, Optional[TrainingRun]], Dict[str, Any]],
         argv: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
-    """Runs ``evaluate(model, settings)`` for every model of ``args`` and writes results.json, results.md and (with
-    ImageNet-C results) imagenet_c.png to ``args.out_dir``, each rewritten after every model.
+    """Runs ``evaluate(model, settings, run)`` for every model of ``args`` and writes results.json, results.md and
+    (with ImageNet-C results) imagenet_c.png to ``args.out_dir``, each rewritten after every model. ``run`` is the
+    training run a tools/train.py checkpoint records (None otherwise); its eval preprocessing is the model's
+    settings' unless the command line overrides it.
 
     Returns:
         the results dict (as written to the JSON).
@@ -138,7 +280,9 @@ def run_and_report(
     import lsvision
     if args.threads:
         torch.set_num_threads(args.threads)
-    names = resolve_model_names(args.models)
+    if bool(args.model) == bool(args.models):
+        raise ValueError('give the model with --model NAME (one) or --models NAME ... (several), not both')
+    names = resolve_model_names([args.model] if args.model else args.models)
     checkpoints = args.checkpoint or [None] * len(names)
     if len(checkpoints) != len(names):
         raise ValueError(f'{len(checkpoints)} checkpoint(s) for {len(names)} model(s) ({", ".join(names)}); give one '
@@ -158,12 +302,13 @@ def run_and_report(
     for i, (name, ckpt) in enumerate(zip(names, checkpoints), 1):
         print(f'[{i}/{len(names)}] {name}' + (f' ({ckpt})' if ckpt else ''), file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        model, identity = load_model(name, ckpt, args.pretrained, _parse_kwargs(args.model_kwargs))
+        run = training_run(ckpt) if ckpt else None
+        model, identity = load_model(name, ckpt, args.pretrained, _parse_kwargs(args.model_kwargs), run)
         if getattr(args, 'reparam', False):
             model = reparameterize_model(model)
             identity['reparam'] = True
         model.to(settings.device)
-        identity['suites'] = evaluate(model, settings)
+        identity['suites'] = evaluate(model, _run_settings(settings, run, name), run)
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)
         results['models'].append(identity)
         write_json(results, json_path)

@@ -56,6 +56,10 @@ def markdown_report(results: Dict[str, Any]) -> str:
 
     # Table 6 of the paper: one row per model, one column per headline number
     cols = [('params (M)', lambda m: _f(m['params'] / 1e6, 1) if m.get('params') else '-')]
+    if has('folder'):
+        cols += [('folder top-1', lambda m: _f(m['suites'].get('folder', {}).get('top1'))),
+                 ('top-5', lambda m: _f(m['suites'].get('folder', {}).get('top5'))),
+                 ('images', lambda m: _evaluated(m['suites']['folder']) if m['suites'].get('folder') else '-')]
     if has('imagenet'):
         cols += [('ImageNet top-1', lambda m: _f(m['suites'].get('imagenet', {}).get('top1'))),
                  ('top-5', lambda m: _f(m['suites'].get('imagenet', {}).get('top5'))),
@@ -78,6 +82,13 @@ def markdown_report(results: Dict[str, Any]) -> str:
     lines += _table(['model'] + [c for c, _ in cols], [[m['model']] + [fn(m) for _, fn in cols] for m in models])
     lines += [f"- {m['model']}: {m['suites']['imagenet']['real_note']}" for m in models
               if (m['suites'].get('imagenet') or {}).get('real_note')]
+
+    for m in models:
+        res = m['suites'].get('folder')
+        if res:
+            lines += ['', f"## Folder {res['root']}: {m['model']}, per class", '']
+            lines += _table(['class', 'images', 'top-1'], [[c, str(r['count']), _f(r['top1'])]
+                                                           for c, r in res['per_class'].items()])
 
     if has('imagenet_v2'):
         lines += ['', '## ImageNetV2 (labels = int(folder name))', '']

@@ -55,7 +55,7 @@ from .suites import (
 __all__ = [
     'EvalSettings', 'model_eval_protocol', 'no_resize_protocol', 'predict', 'evaluate_imagenet', 'evaluate_v2',
     'evaluate_imagenet_c', 'evaluate_imagenet_ar', 'evaluate_imagenet_9', 'evaluate_corrupt_on_the_fly',
-    'file_sha256', 'usable_cores', 'default_workers',
+    'evaluate_folder', 'file_sha256', 'usable_cores', 'default_workers',
 ]
 
 WNID_EXAMPLE = 'n01440764'
@@ -169,8 +169,9 @@ def predict(
         with torch.inference_mode(), amp:
             logits = model(images.to(settings.device, non_blocking=True))
         if logits.ndim != 2 or logits.shape[1] != num_classes:
-            raise ValueError(f'the model outputs logits of shape {tuple(logits.shape)}; these suites need '
-                             f'{num_classes} classes (an ImageNet-1K head)')
+            head = 'an ImageNet-1K head' if num_classes == 1000 else "the folder's classes"
+            raise ValueError(f'the model outputs logits of shape {tuple(logits.shape)}; this suite needs '
+                             f'{num_classes} classes ({head})')
         yield logits.float().cpu(), target, index
 
 
@@ -249,6 +250,53 @@ def evaluate_imagenet(
         out['real']['labels'] = real_json or 'timm/data/_info/imagenet_real_labels.json'
     if real_note:
         out['real_note'] = real_note
+    return out
+
+
+def evaluate_folder(
+        model: nn.Module,
+        root: str,
+        settings: EvalSettings,
+        class_names: Sequence[str],
+) -> Dict[str, Any]:
+    """Top-1/top-5 and per-class top-1 (%) on any image folder (``<root>/<class>/<image>``): suite ``folder``.
+
+    Args:
+        root: the folder whose sub-folders are the classes (e.g. ``my_data/val``).
+        class_names: the model's classes in the order of its logits (the training run's); the folder must hold
+            exactly these class folders.
+
+    Raises:
+        LayoutError: the folder's classes are not the model's (both lists named), or any layout problem of
+            ``scan_class_folders``.
+    """
+    class_names = list(class_names)
+    if os.path.isdir(root):
+        found = visible_folders(root)
+        if set(found) != set(class_names):
+            extra, missing = sorted(set(found) - set(class_names)), sorted(set(class_names) - set(found))
+            raise LayoutError(
+                f'folder: the class folders of {root} are not the classes the model was trained on. Folder: '
+                f'{found}; model: {class_names}' + (f'; not classes of the model: {extra}' if extra else '')
+                + (f'; classes without a folder: {missing}' if missing else '') + '. Evaluate on a folder of '
+                'the same classes (or give the training class map with --class-map).')
+    class_map = {name: i for i, name in enumerate(class_names)}
+    scan = scan_class_folders(root, class_map, 'folder', example=class_names[0], strict=settings.strict)
+    protocol = model_eval_protocol(model, settings.data_overrides)
+    acc = TopKAccuracy()
+    seen = torch.zeros(len(class_names), dtype=torch.long)
+    hits = torch.zeros(len(class_names), dtype=torch.long)
+
+    def update(logits: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> None:
+        acc.update(logits, target)
+        seen.add_(torch.bincount(target, minlength=len(class_names)))
+        hits.add_(torch.bincount(target[logits.argmax(1) == target], minlength=len(class_names)))
+
+    out = dict(_score(model, scan, protocol, settings, 'folder', update, num_classes=len(class_names)),
+               **acc.result())
+    out['classes'] = class_names
+    out['per_class'] = {name: dict(count=int(seen[i]), top1=100.0 * int(hits[i]) / int(seen[i]) if seen[i] else None)
+                        for i, name in enumerate(class_names)}
     return out
 
 
