@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path)
     assert killed.returncode == 3, killed.stderr[-3000:]
     recovery = tmp_path / 'cut' / 'run' / 'recovery.pth.tar'
     state = load_checkpoint(str(recovery))  # weights_only=True
-    assert (state['next_epoch'], state['next_batch'], state['num_updates']) == (1, 2, 4)  # mid epoch 2
+    assert (state['next_epoch'], state['next_batch'], state['num_updates']) == (1, 2, 4)  # mid epoch 1 (from 0)
 
     resumed = run(parse_args(_train_args(image_root, tmp_path / 'cut', *common, '--resume', str(recovery))))
     assert resumed['num_updates'] == 6
@@ -195,16 +196,17 @@ def test_corrupt_image_is_skipped_with_a_warning_naming_it(image_root, tmp_path,
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(image_root, tmp_path, caplog):
-    # epoch 1 trains normally (lr 1e-3); at epoch 2 the lr jumps to 1e30 (step schedule), the weights blow up
+    # epoch 0 trains normally (lr 1e-3); at epoch 1 the lr jumps to 1e30 (step schedule), the weights blow up
     args = parse_args(_train_args(image_root, tmp_path, '--epochs', '3', '-b', '4', '-j', '0', '--opt', 'sgd',
                                   '--sched', 'multistep', '--decay-milestones', '1', '--decay-rate', '1e33',
                                   '--lr', '1e-3', '--log-interval', '1'))
     with caplog.at_level(logging.INFO), pytest.raises(NonFiniteLossError, match='non-finite training loss') as e:
         run(args)
     # batches are counted from 1, as in the progress lines: the bad batch is the one after the last line
-    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 2/3 [')]
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 1 (2 of 3) [')]
     good = int(progress[-1].split('[')[1].split('/')[0]) if progress else 0
-    assert f'at epoch 2, batch {good + 1}/6 ' in str(e.value) and f'found at batch {good + 1}/6' in str(e.value)
+    assert f'at epoch 1 (2 of 3), batch {good + 1}/6 ' in str(e.value)
+    assert f'found at batch {good + 1}/6' in str(e.value)
     last = tmp_path / 'run' / 'last.pth.tar'
     assert f'Last good checkpoint: {last}' in str(e.value)
     state = load_checkpoint(str(last))
@@ -285,6 +287,7 @@ def test_resume_alone_restores_the_run_and_names_what_the_command_line_changes(o
         result = run(args)
     assert result['num_updates'] == 12 and result['output_dir'] == str(run_dir)
     assert 'given on the command line: epochs: 1 -> 2' in caplog.text
+    assert f'resumed {last}: at epoch 1 (2 of 2), 0 of its batches done, 6 updates' in caplog.text
     # --resume auto with the run's name, and args.yaml when a checkpoint records no arguments
     auto = parse_args(['--resume', 'auto', '--output', str(tmp_path), '--experiment', 'run'])
     assert auto.model == 'cvt_ls_13' and auto.epochs == 2 and auto.resume_config == str(run_dir / 'args.yaml')
@@ -382,13 +385,13 @@ def test_ema_and_model_metrics_logged_lr_column_aligned_and_long_warmup_warned(i
     rows = _final_rows(tmp_path / 'run' / 'summary.csv')
     assert {'eval_top1', 'eval_loss', 'eval_ema_top1', 'eval_ema_loss'} <= set(rows[0])
     assert rows[0]['eval_loss'] != rows[0]['eval_ema_loss']
-    # the lr of each row is the lr the epoch trained with, as its progress lines say: warmup_lr in epoch 1, then
-    # cosine from 1e-3 over 2 epochs at t=1 (the row of epoch 1 used to hold this next epoch's lr)
+    # the lr of each row is the lr the epoch trained with, as its progress lines say: warmup_lr in epoch 0, then
+    # cosine from 1e-3 over 2 epochs at t=1 (the row of epoch 0 used to hold this next epoch's lr)
     assert float(rows[0]['lr']) == pytest.approx(1e-5) and float(rows[1]['lr']) == pytest.approx(5e-4)
-    epoch_1 = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 1/2 [6/6]')]
-    assert epoch_1 and ' lr 1e-05 ' in epoch_1[-1]
-    (end_1,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 1/2: ')]
-    assert 'lr 1e-05; model: val loss' in end_1 and 'EMA (picks best): val loss' in end_1
+    epoch_0 = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 0 (1 of 2) [6/6]')]
+    assert epoch_0 and ' lr 1e-05 ' in epoch_0[-1]
+    (end_0,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch 0 (1 of 2): ')]
+    assert 'lr 1e-05; model: val loss' in end_0 and 'EMA (picks best): val loss' in end_0
     assert 'warmup' not in caplog.text.lower().replace('warmup_', '')
     caplog.clear()
     with caplog.at_level(logging.WARNING):
@@ -405,7 +408,7 @@ def test_last_best_and_epoch_checkpoints_are_one_file(image_root, tmp_path):
     assert set(inodes) == {'last.pth.tar', 'model_best.pth.tar', 'checkpoint-0.pth.tar', 'checkpoint-1.pth.tar'}
     assert inodes['checkpoint-1.pth.tar'] == inodes['last.pth.tar'] != inodes['checkpoint-0.pth.tar']
     assert inodes['model_best.pth.tar'] in (inodes['checkpoint-0.pth.tar'], inodes['checkpoint-1.pth.tar'])
-    assert load_checkpoint(str(run_dir / 'checkpoint-0.pth.tar'))['next_epoch'] == 1  # epoch 1's state, kept
+    assert load_checkpoint(str(run_dir / 'checkpoint-0.pth.tar'))['next_epoch'] == 1  # epoch 0's state, kept
 
 
 def test_link_atomic_copies_where_links_fail(tmp_path, monkeypatch):
@@ -575,3 +578,176 @@ def test_tool_help_shows_its_examples_as_written(tool, capsys):
         assert '  --' not in line.strip(), line
     assert 'd.pth --imagenet' not in help_text
 
+
+
+def _config_keys_in_use() -> dict:
+    """Each key that some configs/*.yaml sets, with the first such config (by name) and its value there."""
+    keys = {}
+    for path in sorted((ROOT / 'configs').glob('*.yaml')):
+        for key, value in yaml.safe_load(path.read_text()).items():
+            keys.setdefault(key, (path, value))
+    return keys
+
+
+def _flag_beating(action, value):
+    """A command line for `action` that gives another value than the config's `value`, and the value expected."""
+    from lsvision.train.args import Flag, MergeKwargs
+    option = max(action.option_strings, key=len)  # the long name (-b -> --batch-size)
+    if isinstance(action, Flag):
+        names = [o for o in action.option_strings if (o in action.negations) == bool(value)]
+        return [names[0]], not value
+    if isinstance(action, MergeKwargs):
+        key = next(iter(value))
+        return [option, f'{key}=(2,2,2)'], dict(value, **{key: (2, 2, 2)})
+    if action.choices is not None:
+        other = next(c for c in action.choices if c != value)
+        return [option, str(other)], other
+
+    def other(v):
+        return v + 1 if action.type is int else v / 2 + 0.125 if action.type is float else f'{v}_x'
+    if isinstance(value, list):
+        new = [other(v) for v in value]
+        return [option, *map(str, new)], new
+    return [option, str(other(value))], other(value)
+
+
+@pytest.mark.parametrize('key', sorted(_config_keys_in_use()))
+def test_every_flag_beats_the_config_key_it_sets(key):
+    path, value = _config_keys_in_use()[key]
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert value is not None and key in actions
+    assert getattr(parse_args(['-c', str(path)]), key) == value
+    argv, expected = _flag_beating(actions[key], value)
+    assert getattr(parse_args(['-c', str(path), *argv]), key) == expected, argv
+
+
+@pytest.mark.parametrize('cfg, argv, expected', [
+    # timm reads input_size before img_size and in_chans: a flag of either must change input_size itself
+    (dict(input_size=[3, 224, 224]), ['--img-size', '64'], dict(input_size=[3, 64, 64], img_size=64)),
+    (dict(input_size=[3, 224, 224]), ['--in-chans', '1'], dict(input_size=[1, 224, 224], in_chans=1)),
+    (dict(img_size=224, in_chans=1), ['--input-size', '3', '32', '48'], dict(input_size=[3, 32, 48], img_size=None,
+                                                                             in_chans=None)),
+    (dict(input_size=[3, 224, 224], model_kwargs=dict(img_size=224, depths=[1, 1, 1])), ['--img-size', '64'],
+     dict(input_size=[3, 64, 64], model_kwargs=dict(img_size=64, depths=[1, 1, 1]))),
+    (dict(input_size=[3, 224, 224]), ['--model-kwargs', 'img_size=96'],
+     dict(input_size=[3, 96, 96], img_size=96, model_kwargs=dict(img_size=96))),
+    # the positional data dir and --data-dir
+    (dict(data_dir='/old'), ['/new'], dict(data='/new', data_dir='/new')),
+    (dict(data='/old'), ['--data-dir', '/new'], dict(data='/new', data_dir='/new')),
+    # a config's lr (args.yaml records the lr used) vs the settings it is derived from
+    (dict(lr=0.004, lr_base=5e-4), ['--lr-base', '1e-3'], dict(lr=None, lr_base=1e-3)),
+    (dict(lr=0.004), ['--lr-base-size', '1024'], dict(lr=None, lr_base_size=1024)),
+    (dict(lr=0.004), ['--batch-size', '64'], dict(lr=0.004, batch_size=64)),  # the lr given stays
+    (dict(lr_base=5e-4), ['--lr', '0.01'], dict(lr=0.01)),
+    # create_model arguments in --model-kwargs and their flags: the command line's wins, create_model gets it once
+    (dict(model_kwargs=dict(drop_path_rate=0.3, depths=[1, 1, 1])), ['--drop-path', '0.05'],
+     dict(drop_path=0.05, model_kwargs=dict(depths=[1, 1, 1]))),
+    (dict(drop_path=0.1), ['--model-kwargs', 'drop_path_rate=0.2'], dict(drop_path=0.2, model_kwargs={})),
+    (dict(model_kwargs=dict(num_classes=10)), ['--num-classes', '5'], dict(num_classes=5, model_kwargs={})),
+    (dict(model_kwargs=dict(grc_sync_cache=True)), ['--no-grc-sync-cache'], dict(grc_sync_cache=False,
+                                                                                   model_kwargs={})),
+    # --pretrained-path means load it, unless pretrained is given
+    (dict(), ['--pretrained-path', 'w.pth'], dict(pretrained=True, pretrained_path='w.pth')),
+    (dict(pretrained=False), ['--pretrained-path', 'w.pth'], dict(pretrained=False)),
+    (dict(pretrained_path='w.pth'), ['--no-pretrained'], dict(pretrained=False)),
+])
+def test_a_flag_beats_the_config_value_of_another_dest_for_the_same_setting(tmp_path, cfg, argv, expected):
+    path = tmp_path / 'c.yaml'
+    path.write_text(yaml.safe_dump(dict(model='cvt_ls_13', **cfg)))
+    args = parse_args(['-c', str(path), *argv])
+    assert {k: getattr(args, k) for k in expected} == expected
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--img-size', '64', '--input-size', '3', '96', '96'], 'the input size is given twice, with two values: '
+                                                           '--input-size 3 96 96, --img-size 64; give one'),
+    (['--in-chans', '1', '--input-size', '3', '96', '96'], '--in-chans 1'),
+    (['/a', '--data-dir', '/b'], 'the data dir is given twice: /a and --data-dir /b'),
+    (['--drop-path', '0.1', '--model-kwargs', 'drop_path_rate=0.2'], '--model-kwargs drop_path_rate=0.2 and '
+                                                                     '--drop-path 0.1 disagree'),
+])
+def test_one_setting_given_twice_with_two_values_is_an_error(argv, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args(['--model', 'cvt_ls_13', *argv])
+    agreeing = parse_args(['--model', 'cvt_ls_13', '--img-size', '96', '--input-size', '3', '96', '96'])
+    assert agreeing.input_size == [3, 96, 96]
+
+
+def test_img_size_and_no_amp_flags_beat_the_config_in_a_run_and_in_args_yaml(image_root, tmp_path, caplog):
+    # a model config as tools/make_configs.py writes them (input_size 224, amp on), with the tiny model's kwargs
+    cfg = load_config(str(ROOT / 'configs' / 'cvt_ls_13.yaml'))
+    assert cfg['input_size'] == [3, 224, 224] and cfg['amp'] is True
+    tiny = _train_args(image_root, tmp_path, '--epochs', '1', '-b', '8', '-j', '0', '--mixup', '0', '--cutmix', '0',
+                       '--aa', '', '--reprob', '0')
+    i = tiny.index('--input-size')
+    del tiny[i:i + 4]
+    with caplog.at_level(logging.INFO):
+        result = run(parse_args(['-c', str(ROOT / 'configs' / 'cvt_ls_13.yaml'), *tiny, '--img-size', '16',
+                                 '--no-amp']))
+    assert math.isfinite(result['eval_loss'])
+    assert 'input_size: (3, 16, 16)' in caplog.text  # timm's data config: what the loaders use
+    assert 'AMP:' not in caplog.text
+    recorded = yaml.safe_load((tmp_path / 'run' / 'args.yaml').read_text())
+    assert (recorded['input_size'], recorded['img_size'], recorded['amp']) == ([3, 16, 16], 16, False)
+    assert load_checkpoint(result['last_checkpoint'])['args']['input_size'] == [3, 16, 16]
+    replay = parse_args(['-c', str(tmp_path / 'run' / 'args.yaml')])  # replays at the size used
+    assert (replay.input_size, replay.img_size, replay.amp) == ([3, 16, 16], 16, False)
+
+
+def test_epochs_are_counted_from_0_in_the_log_files_and_result(image_root, tmp_path, caplog, capsys):
+    args = _train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0', '--log-interval', '3')
+    with caplog.at_level(logging.INFO):
+        assert _load_train_tool().main(args) == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch ')]
+    progress = [line.split(' [')[0] for line in lines if ' [' in line]  # at batches 3 and 6 of 6
+    assert progress == ['epoch 0 (1 of 2)'] * 2 + ['epoch 1 (2 of 2)'] * 2
+    ends = [line.split(':')[0] for line in lines if ': train loss' in line]
+    assert ends == ['epoch 0 (1 of 2)', 'epoch 1 (2 of 2)']
+    run_dir = tmp_path / 'run'
+    rows = _final_rows(run_dir / 'summary.csv')
+    assert [int(r['epoch']) for r in rows] == [0, 1]
+    assert sorted(p.name for p in run_dir.glob('checkpoint-*.pth.tar')) == ['checkpoint-0.pth.tar',
+                                                                           'checkpoint-1.pth.tar']
+    for epoch in (0, 1):  # checkpoint-<epoch> holds the state after that epoch (timm's 'epoch' field)
+        state = load_checkpoint(str(run_dir / f'checkpoint-{epoch}.pth.tar'))
+        assert (state['epoch'], state['next_epoch'], state['next_batch']) == (epoch, epoch + 1, 0)
+    result = json.loads((run_dir / 'result.json').read_text())
+    top1 = [float(r['eval_top1']) for r in rows]
+    assert result['best_epoch'] == top1.index(max(top1))  # the first epoch with the best top-1
+    best = run_dir / f'checkpoint-{result["best_epoch"]}.pth.tar'
+    assert (run_dir / 'model_best.pth.tar').stat().st_ino == best.stat().st_ino
+    out = capsys.readouterr().out
+    assert 'after 2 epoch(s)' in out
+    if result['best_epoch'] == 0:  # the tool names the best epoch when it is not the last
+        assert f'best: epoch 0 (top1 {max(top1):.4g}): {run_dir / "model_best.pth.tar"}' in out
+
+
+def test_pretrained_path_and_initial_checkpoint_say_what_they_loaded(one_epoch_run, image_root, tmp_path, caplog):
+    last = one_epoch_run / 'last.pth.tar'
+    n = len(load_checkpoint(str(last))['state_dict'])
+    common = _train_args(image_root, tmp_path, '--epochs', '1', '-b', '8', '-j', '0')
+
+    def loaded_lines(*flags, classes='2'):
+        caplog.clear()
+        argv = list(common)
+        argv[argv.index('--num-classes') + 1] = classes
+        with caplog.at_level(logging.INFO):
+            run(parse_args([*argv, '--experiment', f'run{len(list(tmp_path.iterdir()))}', *flags]))
+        return [r.getMessage() for r in caplog.records if r.getMessage().startswith('loaded ')]
+
+    # a head of another class count: left out of the file, new in the model (--pretrained-path implies --pretrained)
+    (line,) = loaded_lines('--pretrained-path', str(last), classes='3')
+    assert line == (f'loaded pretrained weights from {last}: {n - 2} tensors; new (not in the file): head.weight, '
+                    'head.bias; left out of the file: head.weight [2, 32] (the model: [3, 32]), head.bias [2] (the '
+                    'model: [3])')
+    # the same class count: the head loads too (timm would drop it: its cfg says 1000 classes)
+    (line,) = loaded_lines('--pretrained-path', str(last))
+    assert line == (f"loaded pretrained weights from {last}: {n} tensors, all of the model's; nothing new, nothing "
+                    'left out')
+    # --initial-checkpoint takes the EMA weights when the file has them, and says so
+    state = load_checkpoint(str(last))
+    ema = tmp_path / 'ema.pth.tar'
+    torch.save({'state_dict': state['state_dict'], 'state_dict_ema': state['state_dict']}, ema)
+    (line,) = loaded_lines('--initial-checkpoint', str(ema))
+    assert line == (f"loaded initial checkpoint from {ema} (its EMA weights): {n} tensors, all of the model's; "
+                    'nothing new, nothing left out')

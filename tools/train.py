@@ -8,6 +8,14 @@
 
 Without --data-dir (and no --dataset), training uses scikit-learn's bundled digits, exported once to an
 ImageFolder tree; with no model either, it runs configs/digits_demo.yaml.
+
+A flag given on the command line beats the config (-c) and a resumed run's arguments, also where it sets another
+dest for the same setting: `-c configs/cvt_ls_13.yaml --img-size 64` trains at 64 (the config's input_size becomes
+[3, 64, 64]), `--no-amp` turns off the config's amp. The run directory's args.yaml records the values used.
+
+Epochs are counted from 0 everywhere: the log's `epoch 0 (1 of 300)`, checkpoint-0.pth.tar, summary.csv's epoch
+column, result.json's best_epoch, --start-epoch and --mixup-off-epoch (timm's numbering). docs/training_notes.md
+has the details and torch.compile's timings.
 """
 import logging
 import sys
@@ -38,7 +46,7 @@ def main(argv=None) -> int:
               + (' (stopped by --time-budget)' if result['stopped_by_time_budget'] else ''))
         print(f"checkpoint (these weights): {result['last_checkpoint']}")
         if result['best_checkpoint'] and result['best_epoch'] + 1 != result['epochs_done']:
-            print(f"best epoch {result['best_epoch'] + 1} ({args.eval_metric} {result['best_metric']:.4g}): "
+            print(f"best: epoch {result['best_epoch']} ({args.eval_metric} {result['best_metric']:.4g}): "
                   f"{result['best_checkpoint']}")
         print(f'run directory: {result["output_dir"]} (args.yaml, summary.csv, result.json)')
     return 0

@@ -62,9 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The training arguments; dest names are timm train.py's, so timm's optimizer/scheduler kwargs helpers work."""
     parser = argparse.ArgumentParser(
         description='Train a timm / lsvision model (timm train.py arguments; -c configs/<model>.yaml for a recipe)',
+        epilog='Epochs are counted from 0 everywhere: the log (epoch 0 (1 of 300)), checkpoint-<epoch>.pth.tar, '
+               "summary.csv's epoch column, result.json's best_epoch, --start-epoch and --mixup-off-epoch. "
+               'See docs/training_notes.md.',
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('-c', '--config', default='', metavar='FILE',
-                        help='flat YAML of argument dest names (command line flags override it)')
+                        help='flat YAML of argument dest names; a flag given on the command line beats it, also '
+                             'where the flag sets another dest for the same setting (--img-size / --in-chans beat '
+                             'input_size, the data argument beats data_dir, --lr-base* beat lr, --drop-path beats '
+                             '--model-kwargs drop_path_rate, ...)')
 
     group = parser.add_argument_group('Dataset parameters')
     group.add_argument('data', nargs='?', metavar='DIR', const=None, help='dataset root (same as --data-dir)')
@@ -87,8 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group('Model parameters')
     group.add_argument('--model', default='', type=str, metavar='MODEL', help='timm model name')
     group.add_argument('--pretrained', action=Flag, default=False)
-    group.add_argument('--pretrained-path', default=None, type=str, help='load this file as pretrained weights')
-    group.add_argument('--initial-checkpoint', default='', type=str, metavar='PATH')
+    group.add_argument('--pretrained-path', default=None, type=str,
+                       help='load this file as pretrained weights (implies --pretrained; a head of another class '
+                            'count is left out); the log names what was left out')
+    group.add_argument('--initial-checkpoint', default='', type=str, metavar='PATH',
+                       help='start from these weights (all of them must fit the model; the EMA weights when the file '
+                            'has them); the log says what was loaded')
     group.add_argument('--resume', default='', type=str, metavar='PATH',
                        help="resume the full training state from a checkpoint ('auto' = latest in the output dir)")
     group.add_argument('--no-resume-opt', action=Flag, default=False,
@@ -141,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--sched', type=str, default='cosine', metavar='SCHEDULER')
     group.add_argument('--sched-on-updates', action=Flag, default=False)
     group.add_argument('--lr', type=float, default=None, metavar='LR',
-                       help='learning rate; unset = lr_base * global batch / lr_base_size')
+                       help="learning rate; unset = lr_base * global batch / lr_base_size (a config's lr, e.g. a "
+                            "run's args.yaml, is used as it is unless --lr-base* is on the command line)")
     group.add_argument('--lr-base', type=float, default=0.1, metavar='LR')
     group.add_argument('--lr-base-size', type=int, default=256, metavar='DIV')
     group.add_argument('--lr-base-scale', type=str, default='', metavar='SCALE',
@@ -157,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--min-lr', type=float, default=0)
     group.add_argument('--epochs', type=int, default=300)
     group.add_argument('--epoch-repeats', type=float, default=0.)
-    group.add_argument('--start-epoch', default=None, type=int)
+    group.add_argument('--start-epoch', default=None, type=int,
+                       help='epoch a new run starts at, counted from 0 (--resume starts where its checkpoint stopped)')
     group.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+')
     group.add_argument('--decay-epochs', type=float, default=90)
     group.add_argument('--warmup-epochs', type=int, default=5)
@@ -194,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--mixup-prob', type=float, default=1.0)
     group.add_argument('--mixup-switch-prob', type=float, default=0.5)
     group.add_argument('--mixup-mode', type=str, default='batch')
-    group.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N')
+    group.add_argument('--mixup-off-epoch', default=0, type=int, metavar='N',
+                       help='turn mixup / cutmix off from epoch N on (counted from 0; 0 = never)')
     group.add_argument('--smoothing', type=float, default=0.1, help='label smoothing')
     group.add_argument('--train-interpolation', type=str, default='random')
     group.add_argument('--drop', type=float, default=0.0, metavar='PCT', help='dropout rate')
@@ -343,6 +356,112 @@ def _resumed_run_config(resume: str, output: str, experiment: str,
     return {}, ''
 
 
+def _given_on_command_line(argv: Sequence[str]) -> Dict[str, Any]:
+    """The dests the command line sets itself, with their values (a config's and the defaults left out; for
+    `--model-kwargs`, only the kwargs given there)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    given, _ = parser.parse_known_args(list(argv))
+    return vars(given)
+
+
+# a create_model argument that --model-kwargs can carry, and the flag that passes it too
+_MODEL_KWARG_FLAGS = {'num_classes': 'num_classes', 'in_chans': 'in_chans', 'drop_rate': 'drop',
+                      'drop_path_rate': 'drop_path', 'drop_block_rate': 'drop_block', 'global_pool': 'gp',
+                      'bn_momentum': 'bn_momentum', 'bn_eps': 'bn_eps', 'grc_sync_cache': 'grc_sync_cache'}
+# settings that feed the lr when --lr is unset (a config's `lr`, e.g. a replayed args.yaml's, would hide them)
+_LR_FROM = ('lr_base', 'lr_base_size', 'lr_base_scale')
+
+
+def _flag(dest: str) -> str:
+    return '--' + dest.replace('_', '-')
+
+
+def _let_flags_win(args: argparse.Namespace, given: Dict[str, Any], cfg: Dict[str, Any]) -> None:
+    """Where two dests express one setting, give the command line's value to both, so that a flag beats a config's
+    value of the other dest too (argparse alone only lets a flag beat its own dest's value).
+
+    The pairs: `--img-size` / `--in-chans` and `input_size` (which timm reads first); the positional data dir and
+    `--data-dir`; `--lr-base*` and a config's `lr` (which is used as given; the command line's base settings make
+    it derived again); a create_model argument in `--model-kwargs` (`drop_path_rate`, `img_size`, ...) and its
+    flag (`--drop-path`, `--img-size`, ...); `--pretrained-path` and `--pretrained` (the path means load it, unless
+    `pretrained` is given or set by the config).
+
+    Raises:
+        ConfigError: the command line gives one setting twice, with two values.
+    """
+    _fold_model_kwargs(args, given)
+    _resolve_input_size(args, given)
+    if 'data' in given and 'data_dir' in given and args.data != args.data_dir:
+        raise ConfigError(f'the data dir is given twice: {args.data} and --data-dir {args.data_dir}; give one')
+    if 'data' in given:
+        args.data_dir = args.data
+    elif 'data_dir' in given:
+        args.data = args.data_dir
+    if 'lr' not in given and any(k in given for k in _LR_FROM):
+        args.lr = None
+    if args.pretrained_path and 'pretrained' not in given and 'pretrained' not in cfg:
+        args.pretrained = True
+
+
+def _fold_model_kwargs(args: argparse.Namespace, given: Dict[str, Any]) -> None:
+    """Move each create_model argument of --model-kwargs into its flag's dest (create_model gets it once), unless
+    the flag is on the command line and the kwarg is not (then the flag wins and the kwarg is dropped)."""
+    given_kwargs = given.get('model_kwargs', {})
+    kwargs = dict(args.model_kwargs or {})
+    for key, dest in _MODEL_KWARG_FLAGS.items():
+        if key not in kwargs:
+            continue
+        value = kwargs.pop(key)
+        if dest in given and key not in given_kwargs:
+            continue
+        if dest in given and value != given[dest]:
+            raise ConfigError(f'--model-kwargs {key}={value} and {_flag(dest)} {given[dest]} disagree; give one')
+        setattr(args, dest, value)
+        if key in given_kwargs:
+            given[dest] = value
+    args.model_kwargs = kwargs
+
+
+def _resolve_input_size(args: argparse.Namespace, given: Dict[str, Any]) -> None:
+    """The input size that the command line gives (--input-size, --img-size, --in-chans, --model-kwargs img_size)
+    beats a config's `input_size`, `img_size`, `in_chans` and model kwarg `img_size`: all are set to it.
+
+    Raises:
+        ConfigError: two of those flags disagree.
+    """
+    said: List[Tuple[str, Optional[int], Optional[Tuple[int, int]]]] = []  # (flag and value, channels, (H, W))
+    if 'input_size' in given:
+        c, h, w = given['input_size']
+        said.append((f'--input-size {c} {h} {w}', c, (h, w)))
+    if 'img_size' in given:
+        said.append((f'--img-size {given["img_size"]}', None, (given['img_size'],) * 2))
+    if 'in_chans' in given:
+        said.append((f'--in-chans {given["in_chans"]}', given['in_chans'], None))
+    if 'img_size' in given.get('model_kwargs', {}):
+        size = given['model_kwargs']['img_size']
+        hw = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+        said.append((f'--model-kwargs img_size={size}', None, hw))
+    chans = {c for _, c, _ in said if c is not None}
+    sizes = {hw for _, _, hw in said if hw is not None}
+    if len(chans) > 1 or len(sizes) > 1:
+        raise ConfigError(f'the input size is given twice, with two values: {", ".join(t for t, _, _ in said)}; '
+                          'give one')
+    if not said:
+        return
+    (c,), (hw,) = chans or {None}, sizes or {None}
+    if args.input_size is not None or 'input_size' in given:
+        old = args.input_size
+        args.input_size = [c or old[0], *(hw or old[1:])]
+    if c is not None:
+        args.in_chans = None if 'input_size' in given else c
+    if hw is not None:
+        args.img_size = hw[0] if hw[0] == hw[1] and 'input_size' not in given else None
+        if 'img_size' in (args.model_kwargs or {}):
+            args.model_kwargs['img_size'] = hw[0] if hw[0] == hw[1] else hw
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse `-c` first, apply the config as defaults, then let the command line override it.
 
@@ -369,6 +488,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         cfg.update(load_config(known.config, parser))
     parser.set_defaults(**cfg)
     args = parser.parse_args(argv)
+    _let_flags_win(args, _given_on_command_line(argv), cfg)
     if known.resume and known.resume != 'auto' and not run_source and not args.model:
         raise ConfigError(f'--resume {known.resume}: the checkpoint records no arguments and there is no args.yaml '
                           "beside it; give the run's arguments too (-c <its config> or --model ...)")

@@ -53,8 +53,9 @@ from ..models import check_state_dict_fits, explain_checkpoint_errors, read_chec
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import ResumableSampler, SeededTrainDataset, derive_seed, num_classes_of, seed_everything
+from .weights import describe_load, file_num_classes, file_tensor_shapes, recorded_loads
 
-__all__ = ['NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'run']
+__all__ = ['NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'epoch_label', 'run']
 
 _logger = logging.getLogger('train')
 
@@ -116,10 +117,16 @@ def _metrics_text(model_metrics: Dict[str, float], ema_metrics: Optional[Dict[st
     return f'model: {text(model_metrics)}; EMA (picks best): {text(ema_metrics)}'
 
 
+def epoch_label(epoch: int, num_epochs: int) -> str:
+    """How the log names an epoch: its number, counted from 0 as in checkpoint-<epoch>.pth.tar, summary.csv,
+    result.json's best_epoch and --start-epoch, then which of the run's epochs it is: `epoch 0 (1 of 300)`."""
+    return f'epoch {epoch} ({epoch + 1} of {num_epochs})'
+
+
 def _progress_line(epoch: int, num_epochs: int, done: int, total: int, loss: float, epoch_loss: float, lr: float,
                    samples_per_s: float, eta_epoch: float, eta_run: float) -> str:
     """`loss` is the mean since the last progress line, `epoch_loss` the epoch's so far (all processes)."""
-    return (f'epoch {epoch + 1}/{num_epochs} [{done}/{total}] loss {loss:.4f} (avg {epoch_loss:.4f}) '
+    return (f'{epoch_label(epoch, num_epochs)} [{done}/{total}] loss {loss:.4f} (avg {epoch_loss:.4f}) '
             f'lr {lr:.3g} {samples_per_s:.1f} img/s ETA epoch {timedelta(seconds=int(eta_epoch))} '
             f'run {timedelta(seconds=int(eta_run))}')
 
@@ -215,6 +222,61 @@ def _fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, A
         return False
     model_kwargs['img_size'] = size[0] if size[0] == size[1] else size
     return True
+
+
+def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Dict[str, Any]]:
+    """create_model as the arguments say, with --pretrained / --pretrained-path and --initial-checkpoint loaded, and a
+    line for each saying what was loaded (`describe_load`). Returns the model and the kwargs it was built with.
+
+    Raises:
+        TrainSetupError: --img-size / --input-size for a model that takes no img_size.
+        CheckpointMismatchError: a file that does not fit the model (short message, both architectures named).
+    """
+    in_chans = args.input_size[0] if args.input_size is not None else args.in_chans
+    model_kwargs = dict(args.model_kwargs or {})
+    file_shapes, entry = {}, ''
+    if args.pretrained_path:
+        if not args.pretrained and primary:
+            _logger.warning(f'--pretrained-path {args.pretrained_path} is not loaded: pretrained is false (the '
+                            'config or --no-pretrained)')
+        file_shapes, entry = file_tensor_shapes(args.pretrained_path)
+        overlay = dict(file=args.pretrained_path)
+        try:
+            classifier = get_pretrained_cfg(args.model).classifier
+        except (RuntimeError, AttributeError):
+            classifier = None
+        classes = file_num_classes(file_shapes, classifier)
+        if classes:  # timm drops the file's head when this differs from num_classes; unset, it is the released
+            overlay['num_classes'] = classes  # weights' count (1000), which would drop a head that fits
+        model_kwargs['pretrained_cfg_overlay'] = overlay
+    sized = _fixed_input_size_kwargs(args, model_kwargs)
+    explained = contextlib.nullcontext()
+    if args.pretrained_path:
+        explained = explain_checkpoint_errors(args.model, args.pretrained_path, dict(
+            in_chans=in_chans, num_classes=args.num_classes, global_pool=args.gp,
+            **{k: v for k, v in model_kwargs.items() if k != 'pretrained_cfg_overlay'}))
+    try:
+        with explained, recorded_loads() as loads:
+            model = create_model(
+                args.model, pretrained=args.pretrained, in_chans=in_chans, num_classes=args.num_classes,
+                drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block,
+                global_pool=args.gp, bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
+    except TypeError as e:
+        if sized and 'img_size' in str(e):
+            raise TrainSetupError(f'{args.model} takes only its fixed input size and no img_size argument; drop '
+                                  '--img-size / --input-size') from None
+        raise
+    if args.pretrained and primary:
+        cfg = getattr(model, 'pretrained_cfg', None) or {}
+        source = args.pretrained_path or cfg.get('hf_hub_id') or cfg.get('url') or 'its pretrained cfg'
+        _logger.info(describe_load('pretrained weights', source, model, loads, file_shapes, entry))
+    if args.initial_checkpoint:
+        _, entry = file_tensor_shapes(args.initial_checkpoint)
+        with recorded_loads() as loads:
+            model.load_state_dict(read_checked_state_dict(model, args.initial_checkpoint, args.model))
+        if primary:
+            _logger.info(describe_load('initial checkpoint', args.initial_checkpoint, model, loads, entry=entry))
+    return model, model_kwargs
 
 
 def _warn_slow_cpu_amp(amp_dtype: str) -> None:
@@ -444,29 +506,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             raise TrainSetupError('cannot tell the number of classes of this dataset; pass --num-classes')
 
     # model
-    in_chans = args.input_size[0] if args.input_size is not None else args.in_chans
-    model_kwargs = dict(args.model_kwargs or {})
-    if args.pretrained_path:
-        model_kwargs['pretrained_cfg_overlay'] = dict(file=args.pretrained_path)
-    sized = _fixed_input_size_kwargs(args, model_kwargs)
-    explained = contextlib.nullcontext()
-    if args.pretrained_path:
-        explained = explain_checkpoint_errors(args.model, args.pretrained_path, dict(
-            in_chans=in_chans, num_classes=args.num_classes, global_pool=args.gp,
-            **{k: v for k, v in model_kwargs.items() if k != 'pretrained_cfg_overlay'}))
-    try:
-        with explained:
-            model = create_model(
-                args.model, pretrained=args.pretrained, in_chans=in_chans, num_classes=args.num_classes,
-                drop_rate=args.drop, drop_path_rate=args.drop_path, drop_block_rate=args.drop_block,
-                global_pool=args.gp, bn_momentum=args.bn_momentum, bn_eps=args.bn_eps, **model_kwargs)
-    except TypeError as e:
-        if sized and 'img_size' in str(e):
-            raise TrainSetupError(f'{args.model} takes only its fixed input size and no img_size argument; drop '
-                                  '--img-size / --input-size') from None
-        raise
-    if args.initial_checkpoint:
-        model.load_state_dict(read_checked_state_dict(model, args.initial_checkpoint, args.model))
+    model, model_kwargs = _build_model(args, primary)
     grc_layers, has_grc = _grc_layers_to_sync(model, args, model_kwargs)
     if args.grad_checkpointing:
         model.set_grad_checkpointing(enable=True)
@@ -610,7 +650,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         keeper.load_state_dict(ckpt.get('keeper', {}))
         set_rng_state(ckpt['rng'])
         if primary:
-            _logger.info(f'resumed {resume_path}: epoch {start_epoch + 1}, batch {start_batch}, {num_updates} updates')
+            _logger.info(f'resumed {resume_path}: at {epoch_label(start_epoch, num_epochs)}, {start_batch} of its '
+                         f'batches done, {num_updates} updates')
             if getattr(args, 'resume_config', ''):
                 overrides = getattr(args, 'resume_overrides', [])
                 _logger.info(f'arguments of the run restored from {args.resume_config}; given on the command line: '
@@ -672,8 +713,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     def non_finite(e: _NonFiniteWindow, epoch: int, done: int) -> NonFiniteLossError:
         last_good = [p for p in (keeper.path('recovery.pth.tar'), keeper.path('last.pth.tar')) if os.path.isfile(p)]
         return NonFiniteLossError(
-            f'non-finite training loss ({"nan or inf" if e.loss is None else e.loss}) at epoch {epoch + 1}, batch '
-            f'{e.batch_idx + 1}/{batches_per_epoch} (lr {optimizer.param_groups[0]["lr"]:.3g}); found at batch '
+            f'non-finite training loss ({"nan or inf" if e.loss is None else e.loss}) at '
+            f'{epoch_label(epoch, num_epochs)}, batch {e.batch_idx + 1}/{batches_per_epoch} '
+            f'(lr {optimizer.param_groups[0]["lr"]:.3g}); found at batch '
             f'{done}/{batches_per_epoch} (the loss is read every --log-interval {args.log_interval} batches), no '
             'checkpoint written since. ' + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. '
                                              if last_good else 'No checkpoint was written yet. ')
@@ -715,7 +757,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         bar = None
         if use_bar:
             from tqdm import tqdm
-            bar = tqdm(total=batches_per_epoch, initial=first, desc=f'epoch {epoch + 1}/{num_epochs}',
+            bar = tqdm(total=batches_per_epoch, initial=first, desc=epoch_label(epoch, num_epochs),
                        dynamic_ncols=True, file=sys.stderr)
         epoch_t0 = time.time()
         optimizer.zero_grad()
@@ -805,7 +847,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
         if out_of_time and batch_idx + 1 < batches_per_epoch:
             if primary:
-                _logger.info(f'time budget of {args.time_budget:.0f}s reached in epoch {epoch + 1} '
+                _logger.info(f'time budget of {args.time_budget:.0f}s reached in {epoch_label(epoch, num_epochs)} '
                              f'(batch {batch_idx + 1}/{batches_per_epoch}); evaluating now')
             break
         eval_metrics, model_metrics, ema_metrics = evaluate()
@@ -823,7 +865,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             recovery = keeper.path('recovery.pth.tar')
             if os.path.isfile(recovery):
                 os.remove(recovery)  # last.pth.tar is now the most advanced state
-            _logger.info(f'epoch {epoch + 1}/{num_epochs}: train loss {train_loss:.4f}, lr {step_lr:.3g}; '
+            _logger.info(f'{epoch_label(epoch, num_epochs)}: train loss {train_loss:.4f}, lr {step_lr:.3g}; '
                          + _metrics_text(model_metrics, ema_metrics) + f' ({time.time() - epoch_t0:.1f}s)')
         if out_of_time:
             break
