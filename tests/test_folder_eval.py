@@ -53,7 +53,7 @@ def trained(tmp_path_factory):
     return data, Path(result['output_dir'])
 
 
-def _independent_top1(run_dir: Path, checkpoint: Path, val: Path):
+def independent_top1(run_dir: Path, checkpoint: Path, val: Path):
     """Top-1 and per-class hits of the checkpoint on `val`: the model built from the run's args.yaml by hand,
     timm's load_checkpoint, torchvision's ImageFolder with timm's eval transform of the run's settings."""
     import yaml
@@ -69,7 +69,7 @@ def _independent_top1(run_dir: Path, checkpoint: Path, val: Path):
         predicted = model(images).argmax(1)
     targets = torch.tensor(dataset.targets)
     hits = predicted == targets
-    return 100.0 * hits.float().mean().item(), {c: int(hits[targets == i].sum()) for i, c in enumerate(CLASSES)}
+    return 100.0 * int(hits.sum()) / len(hits), {c: int(hits[targets == i].sum()) for i, c in enumerate(CLASSES)}
 
 
 def test_folder_suite_counts_every_image_and_equals_an_independent_evaluation(trained, tmp_path, capsys):
@@ -85,7 +85,7 @@ def test_folder_suite_counts_every_image_and_equals_an_independent_evaluation(tr
     assert folder['count'] == 9 and folder['images'] == 9 and not folder['skipped']
     assert folder['classes'] == list(CLASSES) and model['num_classes'] == 3
     assert folder['protocol']['input_size'] == [3, 32, 32]  # the run's size, not the model's default 224
-    top1, hits = _independent_top1(run_dir, last, data / 'val')
+    top1, hits = independent_top1(run_dir, last, data / 'val')
     assert folder['top1'] == pytest.approx(top1)
     assert {c: r['count'] for c, r in folder['per_class'].items()} == {c: 3 for c in CLASSES}
     assert {c: round(r['top1'] * 3 / 100) for c, r in folder['per_class'].items()} == hits
@@ -127,3 +127,24 @@ def test_model_and_models_are_one_choice(tmp_path):
         _validate_tool().parse_args(['--data-dir', str(tmp_path), '--model', 'cvt_13', '--models', 'cvt_21'])
     with pytest.raises(SystemExit):
         _validate_tool().parse_args(['--data-dir', str(tmp_path)])
+
+
+def test_classes_come_from_the_checkpoint_when_the_training_folder_is_gone(trained, tmp_path, capsys):
+    """The run records its classes (checkpoint `class_names`, run folder `class_names.txt`): validating needs
+    neither the training folder nor a class map."""
+    data, run_dir = trained
+    assert (run_dir / 'class_names.txt').read_text().split() == list(CLASSES)
+    checkpoint = torch.load(run_dir / 'last.pth.tar', weights_only=True)
+    assert checkpoint['class_names'] == list(CLASSES)
+    checkpoint['args']['data_dir'] = str(tmp_path / 'moved_away')
+    moved = tmp_path / 'run' / 'last.pth.tar'
+    moved.parent.mkdir()
+    torch.save(checkpoint, moved)
+    argv = ['--data-dir', str(data / 'val'), '--model', 'cvt_ls_13', '--checkpoint', str(moved), '--workers', '0',
+            '--out-dir', str(tmp_path / 'val'), '--no-progress']
+    assert _validate_tool().main(argv) == 0
+    assert json.loads((tmp_path / 'val' / 'results.json').read_text())['models'][0]['suites']['folder']['count'] == 9
+    del checkpoint['class_names']
+    torch.save(checkpoint, moved)
+    assert _validate_tool().main(argv) == 2  # nothing says what the logits mean
+    assert '--class-map' in capsys.readouterr().err

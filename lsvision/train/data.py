@@ -7,7 +7,7 @@ neither on the number of workers nor on where the run was interrupted.
 """
 import logging
 import random
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -142,6 +142,17 @@ class SeededTrainDataset(torch.utils.data.Dataset):
         elif ds.target_transform is not None:
             target = ds.target_transform(target)
         return img, target
+
+
+def class_names_of(dataset: torch.utils.data.Dataset) -> Optional[List[str]]:
+    """The class names of a folder or torchvision dataset in label order (what the model's logits mean), when it
+    says: timm's folder reader's class_to_idx, or a torchvision dataset's classes."""
+    reader = getattr(dataset, 'reader', None)
+    class_to_idx = getattr(reader, 'class_to_idx', None) or getattr(dataset, 'class_to_idx', None)
+    if class_to_idx and sorted(class_to_idx.values()) == list(range(len(class_to_idx))):
+        return [str(name) for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
+    classes = getattr(dataset, 'classes', None)
+    return [str(c) for c in classes] if classes else None
 
 
 def num_classes_of(dataset: torch.utils.data.Dataset) -> Optional[int]:

@@ -52,7 +52,14 @@ from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
-from .data import ResumableSampler, SeededTrainDataset, derive_seed, num_classes_of, seed_everything
+from .data import (
+    ResumableSampler,
+    SeededTrainDataset,
+    class_names_of,
+    derive_seed,
+    num_classes_of,
+    seed_everything,
+)
 from .weights import describe_load, file_num_classes, file_tensor_shapes, recorded_loads
 
 __all__ = ['NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'epoch_label', 'run']
@@ -504,6 +511,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         args.num_classes = num_classes_of(dataset_train)
         if args.num_classes is None:
             raise TrainSetupError('cannot tell the number of classes of this dataset; pass --num-classes')
+    class_names = class_names_of(dataset_train)  # what the logits mean: saved for validate.py's folder suite
 
     # model
     model, model_kwargs = _build_model(args, primary)
@@ -684,6 +692,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
             f.write(args_to_yaml(args))
+        if class_names:
+            with open(os.path.join(output_dir, 'class_names.txt'), 'w') as f:
+                f.write(''.join(f'{name}\n' for name in class_names))
         _logger.info(f'run directory {output_dir}; {num_epochs} epochs x {batches_per_epoch} batches of '
                      f'{args.batch_size} x {args.world_size} process(es)')
     log_wandb = args.log_wandb and primary
@@ -703,6 +714,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             'rng': get_rng_state(), 'keeper': keeper.state_dict(), 'metric': metric,
             'train_loss_sum': losses.epoch_sum, 'train_loss_count': losses.epoch_count, 'lsvision_checkpoint': 1,
             'args': args_to_dict(args),  # what --resume <this file> restores
+            'class_names': class_names,  # the classes in logit order (tools/validate.py --data-dir)
         }
         if scaler is not None:
             state['scaler'] = scaler.state_dict()
