@@ -198,6 +198,8 @@ def test_readme_char_lm_block_loads_a_fairseq_checkpoint(tmp_path, monkeypatch):
     namespace: Dict = {}
     exec(code, namespace)  # the block as documented
     _assert_loaded(namespace['model'], source)
+    # and it runs the way the authors' model does: from a zero initial cache attended like real tokens
+    assert namespace['model'].cache_mode == 'official'
 
 
 def test_microsoft_checkpoint_gives_the_cls_token_logits(tmp_path, monkeypatch):

@@ -12,11 +12,12 @@ Example::
     python tools/convert_vil_ls.py model_best.pth vil_ls_medium.safetensors
     python tools/convert_vil_ls.py model_best.pth vil_ls_medium_at384.safetensors --model vil_ls_medium --img-size 384
 
-and then ``timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=dict(file=...))``: the tool
-prints the exact line. A class count other than 1000 goes both into ``pretrained_cfg_overlay`` and into the model
-kwargs, so that timm loads the head strictly instead of dropping it. A head that cannot load strictly, and an official
-checkpoint whose last stage has a cls token (its official head classifies that token; lsvision's averages the map),
-are refused by name.
+and then, in a fresh Python, ``import timm, lsvision`` (lsvision registers its models with timm) and
+``model = timm.create_model('vil_ls_medium', pretrained=True, pretrained_cfg_overlay=dict(file=...))``: the tool
+prints this snippet, complete, with the exact call. A class count other than 1000 goes both into
+``pretrained_cfg_overlay`` and into the model kwargs, so that timm loads the head strictly instead of dropping it.
+A head that cannot load strictly, and an official checkpoint whose last stage has a cls token (its official head
+classifies that token; lsvision's averages the map), are refused by name.
 """
 
 import argparse
@@ -195,6 +196,12 @@ def load_call(name: str, path: Path, kwargs: Dict[str, Any]) -> str:
     return f'timm.create_model({call})'
 
 
+def load_snippet(name: str, path: Path, kwargs: Dict[str, Any]) -> str:
+    """The Python lines that load the converted file in a fresh interpreter: the imports, then `load_call`."""
+    return ('import timm, lsvision  # lsvision registers its models with timm\n'
+            f'model = {load_call(name, path, kwargs)}')
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the conversion; returns the exit status (0 written, 2 not converted)."""
     args = parse_args(argv)
@@ -220,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f'wrote {args.output}: {len(state_dict)} tensors, {params:,} parameters, for {name}')
     print(f'dropped {len(dropped)} relative_position_index buffers (lsvision computes them)'
           + (f'; ignored checkpoint entries: {", ".join(ignored)}' if ignored else ''))
-    print(f'load it with: {load_call(name, args.output, kwargs)}')
+    print(f'load it with:\n{load_snippet(name, args.output, kwargs)}')
     return 0
 
 

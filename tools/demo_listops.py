@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build(kind: str, cfg, args) -> torch.nn.Module:
     vocab = len(listops_vocab(cfg.tokenize)) + 1
-    common = dict(vocab_size=vocab, max_len=cfg.seq_len, pool='mean', drop=0., attn_drop=0.)
+    common = dict(vocab_size=vocab, max_len=cfg.seq_len, pool='mean_real', drop=0., attn_drop=0.)
     if kind == 'ls':
         return seq.create_model('ls_lra_listops', window_size=8, dp_rank=8, **common)
     return seq.create_model('full_lra_listops', **common)

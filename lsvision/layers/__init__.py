@@ -20,6 +20,12 @@ from .long_short import (
     window_size_of_rel_pos_table,
     window_span,
 )
-from .long_short_1d import CausalLongShortAttention, FullAttention1d, LongShortAttention1d, sinusoid_positions
+from .long_short_1d import (
+    CausalLongShortAttention,
+    FullAttention1d,
+    LongShortAttention1d,
+    sinusoid_frequencies,
+    sinusoid_positions,
+)
 from .matmul_attention import matmul_attention
 from .span_attention import span_attention

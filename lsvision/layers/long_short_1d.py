@@ -22,7 +22,7 @@ spans again) and `projection_weights` are shared with the 2D layer.
 Written for lsvision, Apache-2.0.
 """
 import math
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -33,7 +33,8 @@ from .local_norm import local_norm_tokens, recompute_local_norm
 from .long_short import local_norm_projection, project_keys_values, projection_weights
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
-__all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_positions']
+__all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_frequencies',
+           'sinusoid_positions']
 
 _MASKED = -3.4028234663852886e38  # fp32 min: masked scores get exactly 0 weight, all-masked rows stay finite
 
@@ -49,13 +50,32 @@ def _softmax_fp32(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.softmax(dim=dim)
 
 
-def sinusoid_positions(positions: torch.Tensor, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def sinusoid_frequencies(dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The Transformer-XL sinusoid frequencies w_k = 10000^(-2k/dim), k < dim/2, computed as the official
+    `PositionalEmbedding.inv_freq` is (so that fp32 gives its values bit for bit)."""
+    return 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=dtype, device=device) / dim))
+
+
+def sinusoid_positions(
+        positions: torch.Tensor,
+        dim: int,
+        dtype: torch.dtype = torch.float32,
+        freq_offset: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Transformer-XL sinusoids [sin(p w) | cos(p w)] (two halves), w_k = 10000^(-2k/dim): (len(positions), dim).
 
     Computed in fp32 (fp64 if `dtype` is fp64) and returned in `dtype`.
+
+    Args:
+        positions: Positions p (any shape (n,)).
+        dim: Channels (even).
+        dtype: Output dtype.
+        freq_offset: (dim // 2,) added to w_k: a checkpoint's own frequencies minus these (e.g. fp16-rounded ones).
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=work, device=positions.device) / dim))
+    inv_freq = sinusoid_frequencies(dim, work, positions.device)
+    if freq_offset is not None:
+        inv_freq = inv_freq + freq_offset.to(work)
     angles = positions.to(work)[:, None] * inv_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1).to(dtype)
 
@@ -407,6 +427,15 @@ class CausalLongShortAttention(nn.Module):
         self.pos_drop = nn.Dropout(pos_drop)
         nn.init.normal_(self.content_bias, std=0.02)
         nn.init.normal_(self.pos_bias, std=0.02)
+        # the checkpoint's sinusoid frequencies minus 10000^(-2k/D): zero unless a checkpoint stored rounded ones
+        # (fairseq --fp16 saves them in fp16) that its model ran with. An offset rather than the frequencies, so that
+        # casting the layer to fp16/bf16 does not round the frequencies (phase errors grow with the position).
+        self.register_buffer('pos_freq_offset', torch.zeros(dim // 2, **dd))
+
+    def _load_from_state_dict(self, state_dict: Dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        # state_dicts saved before the offset existed ran with the exact frequencies: offset zero
+        state_dict.setdefault(prefix + 'pos_freq_offset', torch.zeros_like(self.pos_freq_offset))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, n, D) -> (B, h, n, d)."""
@@ -495,9 +524,10 @@ class CausalLongShortAttention(nn.Module):
         n_cv = num_seg * r
 
         # relative positions: window delta = 0..W-1, segments rho = 0..n_cv-1
-        sin_w = self.pos_drop(sinusoid_positions(torch.arange(W, device=x.device), C, x.dtype))
+        sin_w = self.pos_drop(sinusoid_positions(torch.arange(W, device=x.device), C, x.dtype, self.pos_freq_offset))
         win_pos = self.r_net(sin_w).reshape(W, h, d).transpose(0, 1)
-        seg_pos = self.r_net_chunk(sinusoid_positions(torch.arange(n_cv, device=x.device), C, x.dtype))
+        seg_pos = self.r_net_chunk(
+            sinusoid_positions(torch.arange(n_cv, device=x.device), C, x.dtype, self.pos_freq_offset))
         seg_pos = seg_pos.reshape(n_cv, h, d).transpose(0, 1)
 
         # window index/mask of one block: query i sees keys j in [i + 1, i + W] (of 2W), delta = i + W - j

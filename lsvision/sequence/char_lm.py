@@ -7,7 +7,8 @@ causal long-short attention with a per-layer cache of the previous M raw layer i
 input embedding (own bias), log-softmax. `block='official'` is the official normalized-residual block
 (y = LN1 x; z = y + Attn(y, LN1 cache); z' = LN2 z; out = z' + FF(z'), no final LayerNorm); `block='prenorm'` is a
 standard pre-LN block with a final LayerNorm. `cache_mode='official'` starts from a zero cache that is attended like
-real tokens; `'masked'` (default) masks cache slots until real tokens fill them.
+real tokens, as fairseq runs the official model; `'masked'` (default) masks cache slots until real tokens fill them
+(see `CharLM`). `lsvision.sequence.convert.load_official_checkpoint` sets `'official'` for the authors' checkpoints.
 
 Written for lsvision, Apache-2.0.
 """
@@ -124,7 +125,15 @@ class CharLM(nn.Module):
             mem_len: M, cached tokens per layer (0: no cache).
             attn: 'ls', or 'full' (causal SDPA within the block, learned absolute positions, no cache).
             block: 'official' (normalized residual, no final LN) or 'prenorm' (pre-LN + final LN).
-            cache_mode: 'masked' (empty cache slots are masked) or 'official' (zero cache attended).
+            cache_mode: How the state before the first block (`init_state`) is read. 'official': M zero vectors
+                per layer that are attended like real tokens (fairseq's zero initial cache; LN1 turns each into
+                LN1's bias, so they take attention weight). 'masked': the slots no real token has filled yet are
+                masked (window keys and cache segments), so the first tokens of a stream attend only real tokens;
+                it also allows M < W and M % l != 0. The two differ only on the first blocks of a stream, until
+                every layer's cache holds states computed from filled caches. Use 'official' for the authors'
+                checkpoints (trained and evaluated that way; `load_official_checkpoint` sets it) and to compare
+                with their numbers; 'masked' for models trained in lsvision with it, for short streams or
+                documents that each start afresh (where fake zero tokens would weigh most), and for M < W.
             drop: Dropout (embeddings, window sinusoids, residual branches, FFN, last hidden state).
             max_len: Longest block for the learned positions of `attn='full'`.
             compress_hidden_cache: See `CausalLongShortAttention`.

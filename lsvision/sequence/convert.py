@@ -9,28 +9,37 @@
   A `module.` prefix (DataParallel) and a `{'model_state_dict': ...}` / `{'model': ...}` wrapper are accepted.
 * Char-LM: the authors' `TransformerLSModel` (`autoregressive/model_lib/model.py`), exactly its names
   (`../shared/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.{weight,bias}` (weight tied to
-  `in_emb`), the `pos_emb.inv_freq` buffer (checked against lsvision's sinusoid frequencies, then dropped), and per
+  `in_emb`), the `pos_emb.inv_freq` buffer (checked against lsvision's sinusoid frequencies within the rounding of
+  its dtype, and kept as every layer's `pos_freq_offset`: fairseq `--fp16` saves it rounded to fp16), and per
   layer `layers.{i}.attn.{proj_query,proj_key,proj_val,proj_out,dconv_1,r_net,r_net_chunk,dual_ln_win,
   dual_ln_dproj}.*`, `r_w_bias` (1, h, 1, 1, d), `r_r_bias` (1, h, 1, d), `layers.{i}.{norm1,norm2}.*`,
   `layers.{i}.ff.{fc1,fc2}.*`. Either the bare state_dict or a fairseq checkpoint (`checkpoint_best.pt`: the same
   keys under `['model']` with the prefix `decoder.model.`).
 
 Files are read with `torch.load(..., weights_only=True)`. Every key that nothing maps is named in the error, never
-silently dropped, and the models load strictly.
+silently dropped, and the models load strictly. Half-precision files (fairseq `--fp16`, `.half()` state_dicts) load
+into a model of any dtype: `load_state_dict` casts each tensor to the model's.
+
+`load_official_checkpoint` also sets what the authors' code runs with and the weights alone do not say: a char-LM's
+`cache_mode='official'` (fairseq starts from a zero cache that is attended like real tokens), an LRA model's pooling
+after the file (its cls vector: `'cls'`, official `--cls_last_layer`; none: `'mean_official'`, the official MEAN
+pooling). `official_settings=False` loads the weights only.
 
 Written for lsvision, Apache-2.0.
 """
+import logging
 import re
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from lsvision.layers import sinusoid_positions
+from lsvision.layers import sinusoid_frequencies
 
 __all__ = ['convert_lra_state_dict', 'convert_char_lm_state_dict', 'load_official_checkpoint']
 
 StateDict = Dict[str, torch.Tensor]
+_logger = logging.getLogger(__name__)
 
 _FAIRSEQ_PREFIX = 'decoder.model.'  # fairseq's TransformerLS LM -> TransformerLSDecoder -> .model
 # one char-LM layer: official module -> lsvision module, and the official module's parameters
@@ -151,25 +160,42 @@ def _unwrap_char_lm(state: Dict) -> Tuple[StateDict, str]:
     return dict(state), 'char-LM state_dict'
 
 
-def _check_inv_freq(inv_freq: torch.Tensor, dim: int) -> None:
-    """The official `pos_emb.inv_freq` buffer must hold lsvision's sinusoid frequencies (it is then dropped)."""
+def _inv_freq_offset(inv_freq: torch.Tensor, dim: int) -> torch.Tensor:
+    """The official `pos_emb.inv_freq` buffer minus lsvision's sinusoid frequencies (fp32), after checking that it
+    holds those frequencies up to the rounding of its dtype.
+
+    An fp32 file gives zeros (same formula); a fairseq `--fp16` file holds them rounded to fp16 (up to 4.9e-4
+    relative), and the model it saved ran with the rounded ones, so the offset keeps them.
+
+    Raises:
+        ValueError: Another shape, or frequencies further off than the rounding of the stored dtype allows (the
+            checkpoint was trained with other position encodings); the message gives the dtype and the largest
+            relative difference.
+    """
     if tuple(inv_freq.shape) != (dim // 2,):
         raise ValueError(f'pos_emb.inv_freq has shape {tuple(inv_freq.shape)}, expected ({dim // 2},) for width {dim}')
-    # lsvision's own frequencies, read off its sinusoids at position 1: sin(w) for w <= 1 inverts exactly
-    ours = torch.asin(sinusoid_positions(torch.ones(1), dim, torch.float64)[0, :dim // 2])
-    if not torch.allclose(inv_freq.double(), ours, rtol=1e-5, atol=0):
-        worst = (inv_freq.double() - ours).abs().argmax().item()
-        raise ValueError(f'pos_emb.inv_freq differs from the sinusoid frequencies lsvision uses (10000^(-2k/D)), '
-                         f'e.g. entry {worst}: {inv_freq[worst].item()} vs {ours[worst].item()}; the checkpoint was '
-                         'trained with other position encodings and cannot be loaded.')
+    exact = sinusoid_frequencies(dim, torch.float64)
+    rel = (inv_freq.double() - exact).abs() / exact
+    # one unit of relative rounding of the stored dtype (round-to-nearest errs by half of it); at least 1e-5 so that
+    # fp32/fp64 frequencies computed by another formula pass
+    tol = max(torch.finfo(inv_freq.dtype).eps, 1e-5) if inv_freq.is_floating_point() else 1e-5
+    worst = int(rel.argmax())
+    if not rel[worst] <= tol:
+        raise ValueError(f'pos_emb.inv_freq ({inv_freq.dtype}) differs from the sinusoid frequencies lsvision uses '
+                         f'(10000^(-2k/D)) by up to {rel[worst].item():.3g} relative (entry {worst}: '
+                         f'{inv_freq[worst].item()} vs {exact[worst].item()}), more than {inv_freq.dtype} rounding '
+                         f'allows ({tol:.3g}); the checkpoint was trained with other position encodings and cannot '
+                         'be loaded.')
+    return inv_freq.float() - sinusoid_frequencies(dim, torch.float32)
 
 
 def convert_char_lm_state_dict(state: Dict) -> StateDict:
     """Official char-LM (`TransformerLSModel`) state_dict or fairseq checkpoint -> `CharLM` keys.
 
     The official names (`../shared/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.weight` (tied to
-    `in_emb.weight`: it must be equal), `out_emb.bias`, `pos_emb.inv_freq` (checked, then dropped), and per layer
-    the modules of `_LM_LAYER` and the biases of `_LM_BIASES`.
+    `in_emb.weight`: it must be equal), `out_emb.bias`, `pos_emb.inv_freq` (checked within the rounding of its
+    dtype; what rounding moved goes into every layer's `attn.pos_freq_offset`), and per layer the modules of
+    `_LM_LAYER` and the biases of `_LM_BIASES`. Tensors keep the file's dtype (fp16 for fairseq `--fp16`).
 
     Raises:
         KeyError: Naming every official key that is missing and every key that has no lsvision counterpart.
@@ -210,20 +236,58 @@ def convert_char_lm_state_dict(state: Dict) -> StateDict:
     if not torch.equal(out_weight, emb):
         raise ValueError(f"{what}: 'out_emb.weight' differs from 'in_emb.weight'; the official model ties them, and "
                          'lsvision CharLM has one tied matrix')
-    _check_inv_freq(inv_freq, emb.shape[1])
+    offset = _inv_freq_offset(inv_freq, emb.shape[1])
+    for i in range(max(layers, default=-1) + 1):
+        out[f'blocks.{i}.attn.pos_freq_offset'] = offset.clone()
     out['embed.weight'] = emb
     out['out_bias'] = out_bias
     return out
 
 
-def load_official_checkpoint(model: nn.Module, path_or_state: Union[str, Dict], kind: Optional[str] = None) -> None:
-    """Loads an official LRA or char-LM checkpoint into `model` (strict).
+def _set_official_settings(model: nn.Module, kind: str, converted: StateDict) -> None:
+    """Sets what the authors' code runs the checkpoint with (see `load_official_checkpoint`)."""
+    if kind == 'char_lm':
+        if getattr(model, 'cache_mode', 'official') != 'official':
+            _logger.info("official char-LM checkpoint: cache_mode %r -> 'official'", model.cache_mode)
+            model.cache_mode = 'official'
+        return
+    encoder = model.encoder
+    pool = 'cls' if 'encoder.cls_token' in converted else 'mean_official'
+    if encoder.pool != pool:
+        _logger.info('official LRA checkpoint %s a cls vector: pool %r -> %r',
+                     'with' if pool == 'cls' else 'without', encoder.pool, pool)
+        encoder.set_pool(pool)
+
+
+def load_official_checkpoint(
+        model: nn.Module,
+        path_or_state: Union[str, Dict],
+        kind: Optional[str] = None,
+        official_settings: bool = True,
+) -> None:
+    """Loads an official LRA or char-LM checkpoint into `model` (strict) so that it gives the official outputs.
+
+    Besides the weights, the official code runs a checkpoint with settings that the file does not hold; with
+    `official_settings` (default) they are set on `model`:
+
+    * char-LM: `cache_mode='official'`. fairseq starts every stream from a zero cache (B, M, D) per layer that is
+      attended like real tokens, and the weights were trained that way. lsvision's default `'masked'` masks the
+      cache slots that no real token has filled yet: the first blocks of a stream then differ from the official
+      model's (until every layer's cache holds states computed from filled caches), later ones are equal.
+    * LRA: the pooling after the file. With a cls vector (official `--cls_last_layer`) `pool='cls'`; without one
+      `pool='mean_official'`, the official MEAN pooling: the final-normed tokens times the padding mask, averaged
+      over all n positions (real tokens summed, divided by n). A cls parameter the model lacks is added, one the
+      file lacks is removed. (An official model trained with `pooling_mode CLS` and no `--cls_last_layer`, a cls
+      *token id* prepended to the input, saves no cls vector either; lsvision has no such mode.)
 
     Args:
         model: An `LraClassifier` / `LraDualClassifier` or a `CharLM`.
         path_or_state: A checkpoint file (read with weights_only=True) or a loaded checkpoint / state_dict: for the
-            char-LM the bare `TransformerLSModel` state_dict or a fairseq checkpoint (`['model']`).
+            char-LM the bare `TransformerLSModel` state_dict or a fairseq checkpoint (`['model']`). fp16 files
+            (fairseq `--fp16`) are accepted: every tensor is cast to the model's dtype.
         kind: 'lra' or 'char_lm'; inferred from the model when None.
+        official_settings: Set the settings above (False: load the weights only and keep the model's settings; an
+            LRA model whose pooling does not fit the file's cls vector then fails the strict load).
 
     Raises:
         KeyError, ValueError: The checkpoint does not fit (the message names the keys).
@@ -236,4 +300,6 @@ def load_official_checkpoint(model: nn.Module, path_or_state: Union[str, Dict], 
     if kind not in ('lra', 'char_lm'):
         raise ValueError(f"kind must be 'lra' or 'char_lm', got {kind!r}")
     converted = convert_lra_state_dict(state) if kind == 'lra' else convert_char_lm_state_dict(state)
-    model.load_state_dict(converted, strict=True)
+    if official_settings:
+        _set_official_settings(model, kind, converted)
+    model.load_state_dict(converted, strict=True)  # copies, casting each tensor to the model's dtype

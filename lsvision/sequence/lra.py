@@ -5,8 +5,10 @@ Paper: `Long-Short Transformer: Efficient Transformers for Language and Vision` 
 The structure is the official `lra/model.py` + `lra/model_wrapper.py`: token + learned absolute position embeddings
 (N(0, 0.02)), pre-LN blocks (attention, GELU MLP), a final LayerNorm. With `pool='cls'` (official `--cls_last_layer`)
 a zero-initialised cls vector is passed as the global token to the last layer's attention only (un-normalized), and
-the normalized cls output is pooled; `pool='mean'` averages the real tokens instead. Heads: Linear -> ReLU ->
-Linear on the pooled vector (ListOps, Text), or on [u, v, u * v, u - v] of the two documents (Retrieval).
+the normalized cls output is pooled. Without cls: `pool='mean_official'` is the official MEAN pooling (the normed
+tokens times the padding mask, averaged over all n positions: it depends on how much padding there is), and
+`pool='mean_real'` averages the real tokens only (padding-invariant). Heads: Linear -> ReLU -> Linear on the pooled
+vector (ListOps, Text), or on [u, v, u * v, u - v] of the two documents (Retrieval).
 
 Written for lsvision, Apache-2.0.
 """
@@ -21,7 +23,18 @@ from lsvision.layers import FullAttention1d, LongShortAttention1d
 
 from ._registry import register_model
 
-__all__ = ['LraEncoder', 'LraClassifier', 'LraDualClassifier']
+__all__ = ['LraEncoder', 'LraClassifier', 'LraDualClassifier', 'POOLS']
+
+POOLS = ('cls', 'mean_official', 'mean_real')
+
+
+def _check_pool(pool: str) -> None:
+    if pool == 'mean':
+        raise ValueError("pool='mean' is ambiguous: 'mean_official' is the official MEAN pooling (real tokens summed, "
+                         "divided by the padded length n), 'mean_real' lsvision's former 'mean' (divided by the "
+                         'number of real tokens)')
+    if pool not in POOLS:
+        raise ValueError(f'pool must be one of {POOLS}, got {pool!r}')
 
 
 class LraBlock(nn.Module):
@@ -82,12 +95,13 @@ class LraEncoder(nn.Module):
             dp_rank: r of the long-short attention.
             drop: Dropout (embeddings, residual branches, MLP).
             attn_drop: Attention-weight dropout.
-            pool: 'cls' (official cls_last_layer) or 'mean' (mean of the real tokens).
+            pool: 'cls' (official `--cls_last_layer`: a cls vector joins the last layer, its output is pooled),
+                'mean_official' (official MEAN pooling without cls: sum of the real tokens divided by n, the padded
+                length) or 'mean_real' (sum of the real tokens divided by their number).
             pad_id: Token id of padding (official: 0); the key-padding mask is `ids != pad_id`.
         """
         super().__init__()
-        if pool not in ('cls', 'mean'):
-            raise ValueError(f"pool must be 'cls' or 'mean', got {pool!r}")
+        _check_pool(pool)
         self.max_len = max_len
         self.pool = pool
         self.pad_id = pad_id
@@ -101,6 +115,20 @@ class LraEncoder(nn.Module):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if pool == 'cls' else None
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos_embed.weight, std=0.02)
+
+    def set_pool(self, pool: str) -> None:
+        """Switches the pooling; to 'cls' adds a zero cls vector, away from it removes the cls parameter.
+
+        Meant before loading weights (`load_official_checkpoint` calls it), not during training: it changes the
+        parameters.
+        """
+        _check_pool(pool)
+        if pool == 'cls' and self.cls_token is None:
+            w = self.embed.weight
+            self.cls_token = nn.Parameter(torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype))
+        elif pool != 'cls':
+            self.cls_token = None
+        self.pool = pool
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         B, n = ids.shape
@@ -118,6 +146,8 @@ class LraEncoder(nn.Module):
         if self.cls_token is not None:
             return x[:, 0]
         m = mask.to(x.dtype)[:, :, None]
+        if self.pool == 'mean_official':
+            return (x * m).mean(1)  # official: norm(X) * mask, then mean over all n positions
         return (x * m).sum(1) / m.sum(1).clamp(min=1.)
 
 
