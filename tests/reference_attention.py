@@ -1,14 +1,83 @@
 """Dense references of lsvision's attention layers, written for clarity, not speed.
 
 Each reference takes a fast-path module and recomputes its output with plain full attention over all keys
-and an explicit mask that says which keys each query may see.
+and an explicit mask that says which keys each query may see. The 2D reference reads only the module's parameters
+and buffers: its q, k, v projections (ViL-LS Linear, CvT-LS depthwise-separable convs with BatchNorm), projection
+logits (Linear, or weight-standardized depthwise + pointwise conv) and LayerNorms are its own arithmetic
+(long_short.md §1 and §3.3), not the module's layers.
 """
 from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 
-from lsvision.layers import LongShortAttention2d
+from lsvision.layers import LinearDynamicProjection, LinearQkv, LongShortAttention2d
+from lsvision.models.cvt import ConvDynamicProjection, SepConvQkv
+
+
+def layer_norm(t: torch.Tensor, norm: torch.nn.LayerNorm) -> torch.Tensor:
+    """LayerNorm over the last axis with `norm`'s weight, bias and eps: (t - mean) / sqrt(biased var + eps)."""
+    mean = t.mean(-1, keepdim=True)
+    var = (t - mean).square().mean(-1, keepdim=True)
+    return (t - mean) / torch.sqrt(var + norm.eps) * norm.weight + norm.bias
+
+
+def _batch_norm_2d(t: torch.Tensor, bn: torch.nn.BatchNorm2d) -> torch.Tensor:
+    """BatchNorm of a (B, C, H, W) map: the batch's statistics (biased variance) in training, else the running ones."""
+    if bn.training:
+        mean = t.mean((0, 2, 3))
+        var = (t - mean[:, None, None]).square().mean((0, 2, 3))
+    else:
+        mean, var = bn.running_mean, bn.running_var
+    scale = bn.weight / torch.sqrt(var + bn.eps)
+    return (t - mean[:, None, None]) * scale[:, None, None] + bn.bias[:, None, None]
+
+
+def _sep_conv(feat_map: torch.Tensor, sep: torch.nn.Module) -> torch.Tensor:
+    """CvT-LS SepConv (§3.1): depthwise 3x3 (stride 1, pad 1, bias) -> BatchNorm -> pointwise 1x1 (bias); tokens out."""
+    C = feat_map.shape[1]
+    y = F.conv2d(feat_map, sep.dw.weight, sep.dw.bias, padding=1, groups=C)
+    y = F.conv2d(_batch_norm_2d(y, sep.bn), sep.pw.weight, sep.pw.bias)
+    return y.flatten(2).transpose(1, 2)
+
+
+def _conv_projection_logits(feat_map: torch.Tensor, dp: torch.nn.Module) -> torch.Tensor:
+    """CvT-LS projection logits (§3.3): depthwise 3x3 conv with weight standardization (each filter over its 9 taps,
+    (w - mean) / sqrt(biased var + 1e-5), bias kept), then a pointwise conv C -> h * r (bias); tokens out."""
+    C = feat_map.shape[1]
+    w = dp.dw.weight
+    mean = w.mean((1, 2, 3), keepdim=True)
+    var = (w - mean).square().mean((1, 2, 3), keepdim=True)
+    y = F.conv2d(feat_map, (w - mean) / torch.sqrt(var + 1e-5), dp.dw.bias, padding=1, groups=C)
+    return F.conv2d(y, dp.pw.weight, dp.pw.bias).flatten(2).transpose(1, 2)
+
+
+def _qkv_and_logits(
+        attn: LongShortAttention2d,
+        x: torch.Tensor,
+        feat_size: Tuple[int, int],
+        g: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of all tokens (B, N, C) each, prefix first, and the patch tokens' projection logits (B, Np, h * r)."""
+    B, N, C = x.shape
+    patches = x[:, g:]
+    feat_map = patches.transpose(1, 2).reshape(B, C, feat_size[0], feat_size[1])
+    if isinstance(attn.qkv, LinearQkv):  # ViL-LS: one Linear, rows [q | k | v], on every token
+        q, k, v = (F.linear(x, w, b) for w, b in zip(attn.qkv.weight.chunk(3), attn.qkv.bias.chunk(3)))
+    elif isinstance(attn.qkv, SepConvQkv):  # CvT-LS: a SepConv each on the patch map; prefix q = k = v = its tokens
+        prefix = x[:, :g]
+        q, k, v = (torch.cat([prefix, _sep_conv(feat_map, sep)], dim=1)
+                   for sep in (attn.qkv.q, attn.qkv.k, attn.qkv.v))
+    else:
+        raise TypeError(f'no reference for the q, k, v module {type(attn.qkv).__name__} (a reparameterized layer?)')
+    dp = attn.dynamic_proj
+    if isinstance(dp, LinearDynamicProjection):
+        logits = F.linear(patches, dp.weight, dp.bias)
+    elif isinstance(dp, ConvDynamicProjection):
+        logits = _conv_projection_logits(feat_map, dp)
+    else:
+        raise TypeError(f'no reference for the projection-logit module {type(dp).__name__}')
+    return q, k, v, logits
 
 
 def dense_long_short_attention_2d(
@@ -32,13 +101,11 @@ def dense_long_short_attention_2d(
     def heads(t):  # (B, n, C) -> (B, h, n, d)
         return t.reshape(B, -1, h, d).transpose(1, 2)
 
-    q, k, v, qkv_prefix = attn.qkv(x, feat_size, g)  # patches (B, Np, C) each, prefix (3, B, g, C)
-    q, k, v = (torch.cat([p, t], dim=1) for p, t in zip(qkv_prefix.unbind(0), (q, k, v)))  # all tokens
-    k, v = attn.norm_local(k), attn.norm_local(v)
-    logits = attn.dynamic_proj(x[:, g:], feat_size)  # (B, Np, h*r)
-    P = logits.transpose(1, 2).reshape(B, h, r, num_patches).softmax(-1)
-    k_bar = heads(attn.norm_global((P @ heads(k[:, g:])).transpose(1, 2).reshape(B, r, C)))
-    v_bar = heads(attn.norm_global((P @ heads(v[:, g:])).transpose(1, 2).reshape(B, r, C)))
+    q, k, v, logits = _qkv_and_logits(attn, x, feat_size, g)  # all tokens (B, N, C); logits (B, Np, h*r)
+    k, v = layer_norm(k, attn.norm_local), layer_norm(v, attn.norm_local)  # LN_L over C, every token
+    P = logits.transpose(1, 2).reshape(B, h, r, num_patches).softmax(-1)  # channel head * r + j -> P[head, j]
+    k_bar = heads(layer_norm((P @ heads(k[:, g:])).transpose(1, 2).reshape(B, r, C), attn.norm_global))
+    v_bar = heads(layer_norm((P @ heads(v[:, g:])).transpose(1, 2).reshape(B, r, C), attn.norm_global))
 
     q_p = heads(q[:, g:]) * d ** -0.5
     keys = torch.cat([k_bar, heads(k[:, g:]), heads(k[:, :g])], dim=2)

@@ -103,19 +103,31 @@ def test_train_step_with_drop_path(name, kwargs):
     assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
+def _assert_bf16_close_to_fp32(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Run `model` in fp32, then as a pure bf16 copy: the bf16 logits lie within 2e-2 of the largest fp32 logit."""
+    with torch.no_grad():
+        ref = model(x)
+        out = copy.deepcopy(model).to(torch.bfloat16)(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
+    return out
+
+
 @pytest.mark.parametrize('name,kwargs', [('cvt_ls_13', TINY_LS), ('cvt_13', TINY_CONV)])
 def test_pure_bf16_forward(name, kwargs):
-    model = timm.create_model(name, **kwargs).eval().to(torch.bfloat16)
-    with torch.no_grad():
-        out = model(torch.randn(2, 3, 96, 112, dtype=torch.bfloat16))
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    """A pure bf16 model (no autocast) gives the fp32 logits to 2e-2 of their scale (measured 1.1e-2 CvT-LS,
+    6e-3 CvT)."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs).eval()
+    _assert_bf16_close_to_fp32(model, torch.randn(2, 3, 96, 112))
 
 
 def test_full_size_bf16_forward():
-    model = timm.create_model('cvt_ls_13').eval().to(torch.bfloat16)
-    with torch.no_grad():
-        out = model(torch.randn(1, 3, 224, 224, dtype=torch.bfloat16))
-    assert out.shape == (1, 1000) and torch.isfinite(out).all()
+    """Full-size CvT-LS-13 in pure bf16 at 224: the fp32 logits to 2e-2 of their scale (measured 1.2e-2)."""
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13').eval()
+    out = _assert_bf16_close_to_fp32(model, torch.randn(1, 3, 224, 224))
+    assert out.shape == (1, 1000)
 
 
 @pytest.mark.parametrize('size', [(32, 32), (100, 76), (130, 200)])

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
+from grc_reference import grc_reference, pvt_self_attention, swin_self_attention, vit_self_attention
 
 import timm
 from timm.layers import Attention as TimmAttention
@@ -23,7 +24,7 @@ import lsvision  # noqa: F401  (registers the models)
 from lsvision.flops import count_flops
 from lsvision.layers import GatedRecurrentCache, GrcAttention, GrcConfig, wrap_attention_with_grc
 from lsvision.models import CheckpointMismatchError
-from lsvision.models.pvt import PvtGrcAttention
+from lsvision.models.pvt import PvtAttention, PvtGrcAttention
 from lsvision.models.pvt_v2_grc import PvtV2GrcAttention
 from lsvision.models.swin_grc import SwinGrcWindowAttention
 from lsvision.models.vit_grc import VitGrcAttention
@@ -220,6 +221,78 @@ def test_state_dict_round_trip(name, tmp_path):
         assert torch.equal(fresh(x), ref)
         fresh.reset_cache()
         assert not torch.allclose(fresh(x), ref), 'zeroing the caches did not change the outputs'
+
+
+def _reference_case(case):
+    """A GRC attention (D = 32, 2 heads, D_m = 16) of one backbone kind, how to call it, its self branch restated
+    (grc_reference), and the (batch, grid) of its train steps and eval calls (grids other than the cache's make the
+    summary resize to T_m)."""
+    torch.manual_seed(0)
+    if case.startswith('vit'):
+        config = GrcConfig(summary_src='input', eval_update=False) if case == 'vit_input_frozen_eval' else None
+        attn = wrap_attention_with_grc(TimmAttention(32, 2, qkv_bias=True), VitGrcAttention, 32, 2, cache_hw=(4, 4),
+                                       config=config, num_prefix_tokens=1)
+        return (attn, lambda a, x, hw: a(x, feat_size=list(hw)), lambda a, x, hw: vit_self_attention(a, x),
+                [(3, (4, 4)), (2, (5, 6)), (4, (4, 4))], [(3, (4, 4)), (2, (3, 5))])
+    if case == 'pvt_v1_sr':  # spatial reduction 2 on the patch grid and on the cache grid, a cls token (prefix)
+        attn = wrap_attention_with_grc(PvtAttention(32, 2, sr_ratio=2, num_prefix_tokens=1), PvtGrcAttention, 32, 2,
+                                       cache_hw=(8, 8), num_prefix_tokens=1, mem_attn_kwargs=dict(sr_ratio=2))
+        return (attn, lambda a, x, hw: a(x, list(hw)), lambda a, x, hw: pvt_self_attention(a, x, hw, prefix=1),
+                [(3, (8, 8)), (2, (6, 10)), (3, (8, 8))], [(3, (8, 8)), (2, (4, 6))])
+    if case == 'pvt_v2_linear':  # linear SRA: pool 7, 1x1 conv, LN, GELU
+        attn = wrap_attention_with_grc(TimmPvtV2Attention(32, 2, linear_attn=True), PvtV2GrcAttention, 32, 2,
+                                       cache_hw=(8, 8), mem_attn_kwargs=dict(linear_attn=True))
+        return (attn, lambda a, x, hw: a(x, list(hw)), lambda a, x, hw: pvt_self_attention(a, x, hw),
+                [(3, (8, 8)), (2, (8, 8)), (3, (8, 8))], [(3, (8, 8))])
+    assert case == 'swin'  # 4x4 windows, 3 windows per image, a shift mask; the cache has one slot per window slot
+    attn = wrap_attention_with_grc(TimmWindowAttention(32, 2, window_size=4), SwinGrcWindowAttention, 32, 2,
+                                   cache_hw=(4, 4), mem_attn_kwargs=dict(window_size=(4, 4)))
+    mask = torch.zeros(3, 16, 16, dtype=torch.float64).masked_fill(torch.rand(3, 16, 16) > 0.7, -100.)
+    return (attn, lambda a, x, hw: a(x, mask), lambda a, x, hw: swin_self_attention(a, x, mask),
+            [(6, (4, 4)), (3, (4, 4)), (6, (4, 4))], [(6, (4, 4))])
+
+
+@pytest.mark.parametrize('case', ['vit', 'vit_input_frozen_eval', 'pvt_v1_sr', 'pvt_v2_linear', 'swin'])
+def test_grc_matches_spec_reference_fp64(case):
+    """Against grc_reference (spec §1.2 written out from the parameters), in fp64 with random mixing logits, a
+    non-zero cache and perturbed weights: three train steps (output, stored cache = batch mean of the per-sample
+    update, and every parameter's gradient; SGD in between), then eval (output; the cache is not written)."""
+    attn, run, self_ref, train_steps, eval_calls = _reference_case(case)
+    grc = attn.grc
+    attn = attn.double().train()
+    with torch.no_grad():
+        for p in attn.parameters():  # off the init, so that every term matters
+            p.add_(torch.randn_like(p) * 0.2)
+        grc.lam.normal_()  # sigmoid(lam) away from 0 and 1: both branches count
+        grc.cache.normal_()
+    params = dict(attn.named_parameters())
+    opt = torch.optim.SGD(params.values(), lr=0.01)
+    p = grc.num_prefix_tokens
+    for batch, hw in train_steps:
+        x = torch.randn(batch, p + hw[0] * hw[1], 32, dtype=torch.float64)
+        weight = torch.randn_like(x)
+        before = grc.cache.clone()
+        out = run(attn, x, hw)
+        want, stored = grc_reference(grc, x, self_ref(attn, x, hw), hw, before, training=True)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-10)  # measured <= 4e-15
+        # the stored update; the layer averages in fp32 (buffers are fp32), hence fp32 rounding (measured <= 2.4e-7)
+        torch.testing.assert_close(grc.cache, stored, rtol=0, atol=5e-7)
+        got = torch.autograd.grad((out * weight).mean(), list(params.values()), allow_unused=True)
+        ref = torch.autograd.grad((want * weight).mean(), list(params.values()), allow_unused=True)
+        for name, a, b in zip(params, got, ref):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10, msg=lambda m, name=name: f'{name}: {m}')
+                params[name].grad = a
+        opt.step()
+    attn.eval()
+    frozen = grc.cache.clone()
+    with torch.no_grad():
+        for batch, hw in eval_calls:
+            x = torch.randn(batch, p + hw[0] * hw[1], 32, dtype=torch.float64)
+            want, _ = grc_reference(grc, x, self_ref(attn, x, hw), hw, frozen, training=False)
+            torch.testing.assert_close(run(attn, x, hw), want, rtol=0, atol=1e-10)
+    assert torch.equal(grc.cache, frozen), 'eval wrote the cache'
 
 
 def test_reduction_to_wrapped_attention_pvt_v2():

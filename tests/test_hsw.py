@@ -246,6 +246,9 @@ def test_train_step_finite_gradients(attn):
 
 @pytest.mark.parametrize('attn', ['window', 'ls'])
 def test_bf16_autocast_forward(attn):
+    """bf16 autocast and a pure bf16 copy stay within 2e-2 of the fp32 features' largest value (measured 0.9-1.2e-2),
+    the pure copy's logits within 3e-2 of the largest fp32 logit (measured 2.1e-2 and 0.9e-2: a random head's small
+    logits are differences of larger features)."""
     torch.manual_seed(0)
     model = _small(attn).eval()
     x = torch.randint(0, 40, (2, 257))
@@ -258,11 +261,14 @@ def test_bf16_autocast_forward(attn):
         pure = _small(attn).eval()
         pure.load_state_dict(model.state_dict())
         pure = pure.to(torch.bfloat16)
+        pure_feats, _, _ = pure.forward_intermediates(x, mask)
         logits_pure = pure(x, mask)
-    assert torch.isfinite(low).all() and torch.isfinite(logits_pure).all()
-    scale = ref.abs().max()
-    assert (low.float() - ref).abs().max() / scale < 5e-2
-    torch.testing.assert_close(logits_pure.float(), model(x, mask), rtol=0, atol=0.1)
+        logits = model(x, mask)
+    assert low.dtype == pure_feats.dtype == logits_pure.dtype == torch.bfloat16
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(low.float(), ref, rtol=0, atol=2e-2 * scale)
+    torch.testing.assert_close(pure_feats.float(), ref, rtol=0, atol=2e-2 * scale)
+    torch.testing.assert_close(logits_pure.float(), logits, rtol=0, atol=3e-2 * float(logits.abs().max()))
 
 
 def test_flat_encoder_and_errors():

@@ -59,18 +59,24 @@ def test_fast_path_matches_dense_reference(feat_size, w, r, heads, g, batch, qkv
 
 
 def test_window_is_local_and_projection_is_global():
-    """A change in one corner reaches the far corner only through the global (projected) keys."""
+    """A change in one corner reaches the far corner only through the global (projected) keys: with learned and with
+    uniform projection weights; without them (window alone) nothing outside the corner's key span moves."""
     torch.manual_seed(0)
     attn = LongShortAttention2d(16, 2, window_size=2, dp_rank=2).eval()
     H = W = 8
     x = torch.randn(1, H * W, 16)
     x2 = x.clone()
     x2[0, 0] += 1.
+
+    def far_corner_change():
+        return float((attn(x2, (H, W)) - attn(x, (H, W)))[0, -1].abs().sum())
+
     with torch.no_grad():
-        d = (attn(x2, (H, W)) - attn(x, (H, W))).abs().sum(-1)[0].reshape(H, W)
+        learned = far_corner_change()
         attn.dynamic_proj.weight.zero_()
         attn.dynamic_proj.bias.zero_()  # uniform P: the projected keys are the mean, still global
-    assert d[7, 7] > 0
+        uniform = far_corner_change()
+    assert learned > 1e-4 and uniform > 1e-4, (learned, uniform)
     # with the window alone (no global keys), a token far outside the window span is untouched
     attn_local = LongShortAttention2d(16, 2, window_size=2, dp_rank=1).eval()
     with torch.no_grad():
@@ -104,6 +110,8 @@ def test_rel_pos_index_matches_official_buffer(golden_dir):
 
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
 def test_pure_half_precision(dtype):
+    """A pure half-precision copy runs and stays within 2e-2 of the fp32 output's largest value (measured: bf16 4e-3,
+    fp16 7e-4)."""
     torch.manual_seed(0)
     attn = LongShortAttention2d(32, 2, 4, 4, **CVT_LS, rel_pos_bias=True).eval()
     x = torch.randn(2, 1 + 10 * 7, 32)
@@ -111,8 +119,7 @@ def test_pure_half_precision(dtype):
         ref = attn(x, (10, 7))
         out = attn.to(dtype)(x.to(dtype), (10, 7))
     assert out.dtype == dtype
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2e-2 * float(ref.abs().max()))
 
 
 def test_gradients_reach_every_parameter():
