@@ -188,7 +188,6 @@ def test_sweep_within_budget_runs_every_size(tmp_path):
     json.dumps(result)
     md = sweep_markdown(result, command='python tools/benchmark.py sweep')
     assert '| cvt_ls_13 | 64x64 | yes | 4,096 |' in md and 'Produced by `python tools/benchmark.py sweep`' in md
-    pytest.importorskip('matplotlib')
     png = plot_sweep(result, tmp_path / 'sweep.png')
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert math.isfinite(result['wall_time_s'])
