@@ -1,4 +1,5 @@
 """tools/train.py and lsvision.train: configs, exact mid-epoch resume, DDP with torchrun, bad data."""
+import contextlib
 import csv
 import importlib.util
 import json
@@ -751,3 +752,39 @@ def test_pretrained_path_and_initial_checkpoint_say_what_they_loaded(one_epoch_r
     (line,) = loaded_lines('--initial-checkpoint', str(ema))
     assert line == (f"loaded initial checkpoint from {ema} (its EMA weights): {n} tensors, all of the model's; "
                     'nothing new, nothing left out')
+
+
+@pytest.mark.parametrize('torchcompile, graphs', [('eager', 1), (None, 2)])
+def test_compiled_validation_takes_every_batch_size_with_one_graph(torchcompile, graphs):
+    # 10 images in batches of 4: the last batch of 2 would compile a second graph (torch's default shapes); train.py
+    # marks the batch dim of validation inputs dynamic when it compiles. Dynamo's guards decide, so the 'eager'
+    # backend (no code generation) shows it in a second.
+    from argparse import Namespace
+
+    from lsvision.train.engine import validate
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.compile(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                              torch.nn.Flatten(), torch.nn.Linear(4, 2)), backend='eager')
+    loader = [(torch.randn(n, 3, 8, 8), torch.zeros(n, dtype=torch.long)) for n in (4, 4, 2)]
+    before = torch._dynamo.utils.counters['stats']['unique_graphs']
+    args = Namespace(torchcompile=torchcompile, channels_last=False, distributed=False)
+    metrics = validate(model, loader, args, torch.device('cpu'), contextlib.nullcontext)
+    assert torch._dynamo.utils.counters['stats']['unique_graphs'] - before == graphs
+    assert math.isfinite(metrics['loss'])
+    torch._dynamo.reset()
+
+
+def test_compile_times_tool_runs_and_tabulates(tmp_path):
+    # eager only (a compile takes minutes on a CPU): the fresh process, the three first calls, the table
+    out = tmp_path / 'times.json'
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / 'tools' / 'compile_times.py'), '--model', 'cvt_ls_13', '--model-kwargs',
+         'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=(1,1,1)', '--sizes', '32', '48', '--threads', '1',
+         '--iters', '2', '--modes', 'eager', '--steps', 'infer', '--out', str(out)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row['points'] == [[2, 32], [2, 48], [3, 32]] and row['graphs_final'] == 0
+    assert set(row['steady_s']) == set(row['ratio']) == {'32', '48'}
+    assert '| infer | eager |' in proc.stdout and 'first call b3 32 px (s)' in proc.stdout

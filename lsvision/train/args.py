@@ -131,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                             'optimizer step (one all-reduce; otherwise DDP keeps rank 0 caches); no effect on '
                             'other models')
     group.add_argument('--torchcompile', nargs='?', type=str, default=None, const='inductor',
-                       help='torch.compile the model (optional backend)')
+                       help="torch.compile the model (optional backend): torch's default shapes, with the batch dim "
+                            'of validation inputs marked dynamic (the smaller last batch needs no second compile); '
+                            'the first training step and the first validation each compile (minutes on a CPU), and '
+                            'another input size compiles again (the models specialize H and W; dynamic=True would '
+                            'not help): see docs/training_notes.md')
     group.add_argument('--torchcompile-mode', type=str, default=None)
 
     group = parser.add_argument_group('Optimizer parameters')

@@ -445,6 +445,8 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
         input, target = input.to(device, non_blocking=True), target.to(device, non_blocking=True)
         if args.channels_last:
             input = input.contiguous(memory_format=torch.channels_last)
+        if args.torchcompile:  # one graph for every batch size: the last batch, usually smaller, does not recompile
+            torch._dynamo.maybe_mark_dynamic(input, 0)
         with autocast():
             output = model(input)
         output = output.float()
