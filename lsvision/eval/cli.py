@@ -20,6 +20,7 @@ import torch.nn as nn
 import yaml
 
 import timm
+from timm.data.readers.class_map import load_class_map
 from timm.models import reparameterize_model
 
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
@@ -120,6 +121,7 @@ class TrainingRun:
 
     def model_kwargs(self, name: str) -> Dict[str, Any]:
         """The create_model arguments the run built ``name`` with (none when the run trained another model)."""
+        from lsvision.train.engine import fixed_input_size_kwargs  # train.py's rule, at call time (heavy import)
         a = self.args
         if a.get('model') != name:
             return {}
@@ -127,12 +129,11 @@ class TrainingRun:
         for key, dest in (('num_classes', 'num_classes'), ('global_pool', 'gp')):
             if a.get(dest) is not None:
                 kwargs.setdefault(key, a[dest])
-        size = a.get('input_size') or ([a.get('in_chans') or 3] + [a['img_size']] * 2 if a.get('img_size') else None)
-        if size and size[0] != 3:
-            kwargs.setdefault('in_chans', size[0])
-        cfg = timm.models.get_pretrained_cfg(name)
-        if size and cfg is not None and cfg.fixed_input_size and tuple(size[1:]) != tuple(cfg.input_size[1:]):
-            kwargs.setdefault('img_size', tuple(size[1:]))  # what train.py passes to a fixed-size model
+        in_chans = a['input_size'][0] if a.get('input_size') else a.get('in_chans')
+        if in_chans and in_chans != 3:
+            kwargs.setdefault('in_chans', in_chans)
+        fixed_input_size_kwargs(argparse.Namespace(model=name, input_size=a.get('input_size'),
+                                                   img_size=a.get('img_size')), kwargs)
         return kwargs
 
     def data_overrides(self) -> Dict[str, Any]:
@@ -140,13 +141,21 @@ class TrainingRun:
         return {k: self.args[k] for k in _RUN_DATA_KEYS if self.args.get(k) is not None}
 
 
-def _class_names_of_run(args: Dict[str, Any]) -> Optional[List[str]]:
-    """The run's classes: recorded, else its class map file (a name per line), else its training folder's classes."""
+def _class_names_from_file(path: str) -> List[str]:
+    """Class names in label order from a class map file (timm's format: a ``.txt`` of one name per line, or ``.pkl``),
+    read with timm's ``load_class_map``."""
+    class_to_idx = load_class_map(path)
+    return [name for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
+
+
+def _class_names_of_run(args: Dict[str, Any], run_folder: str) -> Optional[List[str]]:
+    """The run's classes: recorded (checkpoint, else the run folder's class_names.txt), else its class map file, else
+    its training folder's classes."""
     if args.get('class_names'):
         return list(args['class_names'])
-    if args.get('class_map') and os.path.isfile(args['class_map']):
-        with open(args['class_map']) as f:
-            return [line.strip().split()[0] for line in f if line.strip()]
+    for path in (os.path.join(run_folder, 'class_names.txt'), args.get('class_map')):
+        if path and os.path.isfile(path):
+            return _class_names_from_file(path)
     data_dir = args.get('data_dir')
     if data_dir and not args.get('dataset'):
         for split in (args.get('train_split') or 'train', 'train'):
@@ -159,28 +168,22 @@ def _class_names_of_run(args: Dict[str, Any]) -> Optional[List[str]]:
 def training_run(checkpoint: str) -> Optional[TrainingRun]:
     """The run a tools/train.py checkpoint records (its ``args``, else ``args.yaml`` beside it); None for other
     checkpoints (timm's, the authors', safetensors)."""
-    recorded, source = None, checkpoint
-    if not checkpoint.endswith('.safetensors'):
-        try:  # mmap: only the small `args` record is read here
-            ckpt = torch.load(checkpoint, map_location='cpu', weights_only=True, mmap=True)
-            recorded = ckpt.get('args') if isinstance(ckpt, dict) else None
-            if isinstance(recorded, dict) and ckpt.get('class_names'):
-                recorded = dict(recorded, class_names=list(ckpt['class_names']))
-        except Exception:  # not a zip checkpoint: the weights' own load reports a broken file
-            recorded = None
-    if not isinstance(recorded, dict):
-        source = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), 'args.yaml')
+    from lsvision.models import checkpoint_record
+    run_folder = os.path.dirname(os.path.abspath(checkpoint))
+    record = checkpoint_record(checkpoint)
+    recorded, source = record.get('args'), checkpoint
+    if isinstance(recorded, dict):
+        if record.get('class_names'):
+            recorded = dict(recorded, class_names=list(record['class_names']))
+    else:
+        source = os.path.join(run_folder, 'args.yaml')
         if not os.path.isfile(source):
             return None
         with open(source) as f:
             recorded = yaml.safe_load(f)
         if not isinstance(recorded, dict) or 'model' not in recorded:
             return None
-        names = os.path.join(os.path.dirname(source), 'class_names.txt')
-        if os.path.isfile(names) and not recorded.get('class_names'):
-            with open(names) as f:
-                recorded['class_names'] = [line.rstrip('\n') for line in f if line.strip()]
-    return TrainingRun(args=recorded, source=source, class_names=_class_names_of_run(recorded))
+    return TrainingRun(args=recorded, source=source, class_names=_class_names_of_run(recorded, run_folder))
 
 
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False,
@@ -244,8 +247,7 @@ def folder_classes(class_map: Optional[str], run: Optional[TrainingRun]) -> List
         ValueError: neither gives them (a checkpoint not written by tools/train.py, and no --class-map).
     """
     if class_map:
-        with open(class_map) as f:
-            return [line.strip().split()[0] for line in f if line.strip()]
+        return _class_names_from_file(class_map)
     if run is not None and run.class_names:
         return run.class_names
     raise ValueError('the folder suite needs the classes the model was trained on, in the order of its logits: '

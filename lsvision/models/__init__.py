@@ -8,6 +8,7 @@ from ._helpers import (  # noqa: F401  (checkpoint checks shared by tools/train.
     CheckpointMismatchError,
     check_state_dict_fits,
     checkpoint_arch,
+    checkpoint_record,
     explain_checkpoint_errors,
     read_checked_state_dict,
     state_dict_mismatch,

@@ -13,7 +13,7 @@ from lsvision.layers import GatedRecurrentCache
 __all__ = [
     'check_image_input', 'init_linear_trunc_normal', 'require_non_grc_keys', 'GrcModelMixin',
     'GRC_CHECKPOINT_ERROR', 'CheckpointMismatchError', 'state_dict_mismatch', 'check_state_dict_fits',
-    'read_checked_state_dict', 'checkpoint_arch', 'explain_checkpoint_errors',
+    'read_checked_state_dict', 'checkpoint_arch', 'checkpoint_record', 'explain_checkpoint_errors',
 ]
 
 GRC_CHECKPOINT_ERROR = (
@@ -97,15 +97,22 @@ def check_state_dict_fits(
     raise CheckpointMismatchError(f'{source} does not fit {model_name} ({what}): {detail}. Fix: {fix}.')
 
 
-def checkpoint_arch(path: str) -> Optional[str]:
-    """The `arch` a training checkpoint records (timm's and tools/train.py's), read lazily (mmap); None if absent."""
+def checkpoint_record(path: str) -> Dict[str, Any]:
+    """A checkpoint's top-level entries, read lazily (mmap: the tensors stay on disk until used), for its small
+    records (`arch`, tools/train.py's `args` and `class_names`); {} for a safetensors file, a bare tensor file or an
+    unreadable one (the state dict read reports the latter)."""
     if str(path).endswith('.safetensors'):
-        return None
+        return {}
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)
-    except Exception:  # not a zip checkpoint (no mmap) or unreadable: the state dict read reports the latter
-        return None
-    arch = ckpt.get('arch') if isinstance(ckpt, dict) else None
+    except Exception:  # not a zip checkpoint (no mmap) or unreadable
+        return {}
+    return ckpt if isinstance(ckpt, dict) else {}
+
+
+def checkpoint_arch(path: str) -> Optional[str]:
+    """The `arch` a training checkpoint records (timm's and tools/train.py's), read lazily (mmap); None if absent."""
+    arch = checkpoint_record(path).get('arch')
     return arch if isinstance(arch, str) else None
 
 

@@ -10,10 +10,11 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
 import yaml
 
 from timm.utils import ParseKwargs
+
+from lsvision.models._helpers import checkpoint_record
 
 __all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'parse_args', 'args_to_dict',
            'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
@@ -348,11 +349,8 @@ def _resumed_run_config(resume: str, output: str, experiment: str,
         return (load_config(path, parser), path) if experiment and os.path.isfile(path) else ({}, '')
     if not os.path.isfile(resume):
         raise ConfigError(f'--resume {resume}: no such checkpoint file')
-    try:  # mmap: only the small `args` record is read here, the tensors later by the run
-        recorded = torch.load(resume, map_location='cpu', weights_only=True, mmap=True).get('args')
-    except Exception:  # an older or foreign checkpoint: fall back to args.yaml
-        recorded = None
-    if isinstance(recorded, dict):
+    recorded = checkpoint_record(resume).get('args')  # only this small record is read here, the tensors later
+    if isinstance(recorded, dict):  # else an older or foreign checkpoint: fall back to args.yaml
         return validate_config(recorded, parser, resume), resume
     path = os.path.join(os.path.dirname(os.path.abspath(resume)), 'args.yaml')
     if os.path.isfile(path):

@@ -62,7 +62,9 @@ from .data import (
 )
 from .weights import describe_load, file_num_classes, file_tensor_shapes, recorded_loads
 
-__all__ = ['NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'epoch_label', 'run']
+__all__ = [
+    'NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'epoch_label', 'fixed_input_size_kwargs', 'run',
+]
 
 _logger = logging.getLogger('train')
 
@@ -201,7 +203,7 @@ def _check_splits(args: argparse.Namespace) -> None:
             f'{os.path.join(root, "train")}/<class>/, or name the folder with --train-split NAME')
 
 
-def _fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> bool:
+def fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> bool:
     """For a model with a fixed input size (Swin, ViT), pass --img-size / --input-size to it as timm's `img_size=`
     (models of any input size need nothing). Returns whether `img_size` was added.
 
@@ -256,7 +258,7 @@ def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Di
         if classes:  # timm drops the file's head when this differs from num_classes; unset, it is the released
             overlay['num_classes'] = classes  # weights' count (1000), which would drop a head that fits
         model_kwargs['pretrained_cfg_overlay'] = overlay
-    sized = _fixed_input_size_kwargs(args, model_kwargs)
+    sized = fixed_input_size_kwargs(args, model_kwargs)
     explained = contextlib.nullcontext()
     if args.pretrained_path:
         explained = explain_checkpoint_errors(args.model, args.pretrained_path, dict(
