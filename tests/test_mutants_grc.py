@@ -1,0 +1,69 @@
+"""Tests written to kill mutants of the GRC layer (`lsvision/layers/grc.py`) that survived `tests/test_grc.py`
+(docs/testing.md, "Mutation testing"): the reparameterized (folded) eval path, gates without biases and the '2d'
+summary resize, each against `tests/grc_reference.py` (spec grc.md restated from the parameters) in fp64.
+"""
+import pytest
+import torch
+from grc_reference import grc_reference
+from test_grc import _reference_case
+
+from timm.models import reparameterize_model
+
+CASES = ['vit', 'vit_input_frozen_eval', 'pvt_v1_sr', 'pvt_v2_linear', 'swin']
+
+
+def _perturbed(case):
+    """The reference case's layer in fp64, off its init: perturbed weights, mixing logits away from 0, a random
+    cache."""
+    attn, run, self_ref, train_steps, eval_calls = _reference_case(case)
+    attn = attn.double()
+    grc = attn.grc
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        grc.lam.normal_()
+        grc.cache.normal_()
+    return attn, run, self_ref, train_steps, eval_calls
+
+
+@pytest.mark.parametrize('case', CASES)
+def test_reparameterized_eval_matches_spec_reference_fp64(case):
+    """The folded layer (gate terms of the frozen cache, mixing weights, PE filters, gathered position bias,
+    patch-major reduction) gives the spec's eval output, computed from the unfolded layer's parameters."""
+    attn, run, self_ref, _, eval_calls = _perturbed(case)
+    attn.eval()
+    folded = reparameterize_model(attn)
+    assert folded.grc.reparameterized and folded.grc.gate_weight is not None
+    grc = attn.grc
+    p = grc.num_prefix_tokens
+    for batch, hw in eval_calls:
+        x = torch.randn(batch, p + hw[0] * hw[1], 32, dtype=torch.float64)
+        want, _ = grc_reference(grc, x, self_ref(attn, x, hw), hw, grc.cache, training=False)
+        with torch.no_grad():
+            torch.testing.assert_close(run(folded, x, hw), want, rtol=0, atol=1e-10)
+    assert torch.equal(folded.grc.cache, grc.cache)
+
+
+@pytest.mark.parametrize('case', ['vit', 'pvt_v1_sr'])
+def test_gates_without_biases_match_spec_reference_fp64(case):
+    """Gate Linears without biases (the layer's bias-free matmul branch): train output and stored cache, then the
+    folded eval output, against the reference."""
+    attn, run, self_ref, train_steps, _ = _perturbed(case)
+    grc = attn.grc
+    for layer in (grc.linear_reset, grc.linear_update, grc.linear_candidate):
+        layer.bias = None
+    attn.train()
+    p = grc.num_prefix_tokens
+    batch, hw = train_steps[1]
+    x = torch.randn(batch, p + hw[0] * hw[1], 32, dtype=torch.float64)
+    before = grc.cache.clone()
+    with torch.no_grad():
+        out = run(attn, x, hw)
+        want, stored = grc_reference(grc, x, self_ref(attn, x, hw), hw, before, training=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(grc.cache, stored, rtol=0, atol=5e-7)
+    attn.eval()
+    folded = reparameterize_model(attn)
+    with torch.no_grad():
+        want, _ = grc_reference(grc, x, self_ref(attn, x, hw), hw, grc.cache, training=False)
+        torch.testing.assert_close(run(folded, x, hw), want, rtol=0, atol=1e-10)
