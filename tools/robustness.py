@@ -34,6 +34,7 @@ from lsvision.eval import (
     evaluate_imagenet_c,
 )
 from lsvision.eval.cli import add_model_args, run_and_report
+from lsvision.eval.distributed import close_eval_processes, error_prefix
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -88,11 +89,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             suites['imagenet_9'] = evaluate_imagenet_9(model, args.imagenet_9, settings, args.in9_variants)
         return suites
 
+    data_paths = {f'--{name.replace("_", "-")}': getattr(args, name) for name in (
+        'imagenet_c', 'imagenet_a', 'imagenet_r', 'imagenet_9', 'imagenet', 'corrupt_on_the_fly')}
     try:
-        run_and_report(args, 'robustness', evaluate, argv)
+        run_and_report(args, 'robustness', evaluate, argv, data_paths)
     except (LayoutError, ValueError, FileNotFoundError, ImportError) as e:
-        print(f'error: {e}', file=sys.stderr)
+        print(f'{error_prefix()}error: {e}', file=sys.stderr)
         return 2
+    finally:
+        close_eval_processes()
     return 0
 
 

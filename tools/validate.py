@@ -22,6 +22,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from lsvision.eval import V2_VARIANTS, EvalSettings, LayoutError, evaluate_folder, evaluate_imagenet, evaluate_v2
 from lsvision.eval.cli import TrainingRun, add_model_args, folder_classes, run_and_report
+from lsvision.eval.distributed import close_eval_processes, error_prefix
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -65,11 +66,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             suites['imagenet_v2'] = evaluate_v2(model, args.imagenet_v2, settings, args.v2_variants)
         return suites
 
+    data_paths = dict(zip(('--data-dir', '--class-map', '--imagenet', '--real-labels', '--imagenet-v2'),
+                          (args.data_dir, args.class_map, args.imagenet, args.real_labels, args.imagenet_v2)))
     try:
-        run_and_report(args, 'validate', evaluate, argv)
+        run_and_report(args, 'validate', evaluate, argv, data_paths)
     except (LayoutError, ValueError, KeyError, FileNotFoundError) as e:
-        print(f'error: {e}', file=sys.stderr)
+        print(f'{error_prefix()}error: {e}', file=sys.stderr)
         return 2
+    finally:
+        close_eval_processes()
     return 0
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -23,9 +24,10 @@ import timm
 from timm.data.readers.class_map import load_class_map
 from timm.models import reparameterize_model
 
+from .distributed import JobProgress, check_paths, init_eval_processes
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
 from .runner import EvalSettings, default_workers, file_sha256
-from .suites import visible_folders
+from .suites import LayoutWarning, visible_folders
 
 __all__ = [
     'add_model_args', 'resolve_model_names', 'load_model', 'settings_from_args', 'run_and_report', 'TrainingRun',
@@ -270,11 +272,18 @@ def run_and_report(
         tool: str,
         evaluate: Callable[[nn.Module, EvalSettings, Optional[TrainingRun]], Dict[str, Any]],
         argv: Optional[Sequence[str]] = None,
+        data_paths: Optional[Dict[str, Optional[str]]] = None,
 ) -> Dict[str, Any]:
     """Runs ``evaluate(model, settings, run)`` for every model of ``args`` and writes results.json, results.md and
     (with ImageNet-C results) imagenet_c.png to ``args.out_dir``, each rewritten after every model. ``run`` is the
     training run a tools/train.py checkpoint records (None otherwise); its eval preprocessing is the model's
     settings' unless the command line overrides it.
+
+    Under torchrun the processes share the images of every set (`lsvision.eval.distributed`); rank 0 writes the
+    outputs (``"processes": N`` in the JSON) and shows the one progress bar.
+
+    Args:
+        data_paths: option name -> dataset path of the suites asked for; every process must be able to read them.
 
     Returns:
         the results dict (as written to the JSON).
@@ -289,9 +298,15 @@ def run_and_report(
     if len(checkpoints) != len(names):
         raise ValueError(f'{len(checkpoints)} checkpoint(s) for {len(names)} model(s) ({", ".join(names)}); give one '
                          'per model, in the same order')
+    processes = init_eval_processes(args.device)
+    args.device = str(processes.device)
+    if not processes.primary:  # rank 0 speaks for the job; the results list every process's findings
+        warnings.simplefilter('ignore', LayoutWarning)
+    check_paths(dict(data_paths or {}))
     settings = settings_from_args(args)
+    settings.tracker = JobProgress(settings.progress)
     results: Dict[str, Any] = dict(
-        tool=tool, command=list(argv if argv is not None else sys.argv[1:]),
+        tool=tool, command=list(argv if argv is not None else sys.argv[1:]), processes=processes.world_size,
         date=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
         versions=dict(lsvision=lsvision.__version__, timm=timm.__version__, torch=torch.__version__),
         settings=dict(batch_size=settings.batch_size, device=str(settings.device), amp=args.amp,
@@ -302,7 +317,10 @@ def run_and_report(
     md_path = os.path.join(args.out_dir, 'results.md')
     png_path = os.path.join(args.out_dir, 'imagenet_c.png')
     for i, (name, ckpt) in enumerate(zip(names, checkpoints), 1):
-        print(f'[{i}/{len(names)}] {name}' + (f' ({ckpt})' if ckpt else ''), file=sys.stderr, flush=True)
+        if processes.primary:
+            print(f'[{i}/{len(names)}] {name}' + (f' ({ckpt})' if ckpt else '')
+                  + (f' on {processes.world_size} processes' if processes.world_size > 1 else ''),
+                  file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         run = training_run(ckpt) if ckpt else None
         model, identity = load_model(name, ckpt, args.pretrained, _parse_kwargs(args.model_kwargs), run)
@@ -313,9 +331,13 @@ def run_and_report(
         identity['suites'] = evaluate(model, _run_settings(settings, run, name), run)
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)
         results['models'].append(identity)
-        write_json(results, json_path)
-        write_markdown(markdown_report(results), md_path)
+        if processes.primary:
+            write_json(results, json_path)
+            write_markdown(markdown_report(results), md_path)
         del model
+    settings.tracker.close()
+    if not processes.primary:
+        return results
     try:
         if plot_corruptions(results, png_path):
             results['plot'] = png_path

@@ -78,14 +78,21 @@ class EvalImageDataset(ImageDataset):
         samples: (image path, label) in loader order.
         transform: the eval transform (``timm.data.create_loader`` sets it).
         input_img_mode: PIL mode the images are converted to.
+        indices: the positions in ``samples`` this dataset yields, in order (one process's shard under torchrun);
+            default: all. The index in the target is the position in ``samples``.
     """
 
     def __init__(self, root: str, samples: Sequence[Tuple[str, int]], transform: Optional[Callable] = None,
-                 input_img_mode: str = 'RGB'):
+                 input_img_mode: str = 'RGB', indices: Optional[Sequence[int]] = None):
         super().__init__(root, reader=_FileListReader(root, samples), input_img_mode=input_img_mode,
                          transform=transform)
+        self.indices = range(len(samples)) if indices is None else indices
 
-    def __getitem__(self, index: int) -> Tuple[Any, torch.Tensor]:
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int) -> Tuple[Any, torch.Tensor]:
+        index = self.indices[position]
         path, label = self.reader.samples[index]
         try:
             img = _read_image(path, self.input_img_mode)
@@ -151,8 +158,28 @@ class ImageChecks:
                 f'protocol assumes {width}x{height} images, so the eval transform resized and centre-cropped them '
                 'and the result is not comparable with published ones')
 
+    def state(self) -> Dict[str, Any]:
+        """What this process found (to gather across processes): images evaluated, skipped, off-size, warnings."""
+        return dict(evaluated=self.evaluated, skipped=self.skipped, off_size=self.off_size, warnings=self.warnings)
+
+    def merge(self, states: Sequence[Dict[str, Any]]) -> None:
+        """Becomes the union of the `state` of every process, in rank order (= file order with contiguous shards).
+
+        The wrongly sized images' warning is issued by `finish` once, for the merged set.
+        """
+        self.evaluated = sum(s['evaluated'] for s in states)
+        self.skipped = [item for s in states for item in s['skipped']]
+        self.warnings = [w for s in states for w in s['warnings']]
+        off_size: Dict[str, List[str]] = {}
+        for s in states:
+            for size, files in s['off_size'].items():
+                off_size.setdefault(size, []).extend(files)
+        self.off_size = off_size
+
     def finish(self) -> Dict[str, Any]:
         """Warns about wrongly sized images (one warning for the set) and returns what the results record.
+
+        Under torchrun call it after `merge`: the numbers are then the whole set's on every process.
 
         Raises:
             LayoutError: no image of the set could be read.
@@ -165,6 +192,6 @@ class ImageChecks:
             warnings.warn(message, LayoutWarning, stacklevel=3)
         if not self.evaluated:
             example = f' (e.g. {self.skipped[0]["file"]}: {self.skipped[0]["reason"]})' if self.skipped else ''
-            raise LayoutError(f'{self.name}: none of its {len(self.dataset)} images could be read{example}; nothing '
-                              'to evaluate')
+            raise LayoutError(f'{self.name}: none of its {len(self.dataset.reader)} images could be read{example}; '
+                              'nothing to evaluate')
         return dict(count=self.evaluated, skipped=self.skipped, off_size=self.off_size)

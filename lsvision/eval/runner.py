@@ -26,9 +26,10 @@ import torch.nn as nn
 from torchvision.transforms import Compose
 from tqdm import tqdm
 
-from timm.data import create_loader, resolve_model_data_config
+from timm.data import RealLabelsImagenet, create_loader, resolve_model_data_config
 
 from .dataset import META_INDEX, META_LABEL, EvalImageDataset, ImageChecks
+from .distributed import JobProgress, all_gather, check_same_files, rank_and_world, shard_range
 from .metrics import In9Accuracy, TopKAccuracy, add_real_results, corruption_summary, real_labels, real_result
 from .suites import (
     CORRUPTIONS,
@@ -90,6 +91,13 @@ class EvalSettings:
     progress: bool = True
     data_overrides: Dict[str, Any] = field(default_factory=dict)
     prefetcher: Optional[bool] = None  # timm's PrefetchLoader (normalises on the device); None: on for CUDA
+    tracker: Optional[JobProgress] = None  # the job's progress bar (shared by copies); made at first use
+
+    def job_progress(self) -> JobProgress:
+        """The progress bar of the whole job (rank 0 only; disabled without ``progress``)."""
+        if self.tracker is None:
+            self.tracker = JobProgress(self.progress)
+        return self.tracker
 
 
 def model_eval_protocol(model: nn.Module, overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
@@ -138,11 +146,13 @@ def predict(
         desc: str = '',
         num_classes: int = 1000,
         checks: Optional[ImageChecks] = None,
+        progress: Optional[JobProgress] = None,
 ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The evaluation loop: yields (float32 logits on CPU, targets, dataset indices) batch by batch in dataset order.
 
     With an `EvalImageDataset` (targets carry label, index, readability and size), ``checks`` decides which images
-    are scored: unreadable ones are left out (their rows never reach the model) and recorded there.
+    are scored: unreadable ones are left out (their rows never reach the model) and recorded there. ``progress``
+    (the job's bar) counts the batches' images; without it the loop shows its own bar (``settings.progress``).
 
     Raises:
         ValueError: the model does not output ``num_classes`` logits, or ``checks`` is missing for an
@@ -152,7 +162,11 @@ def predict(
            else nullcontext())
     model.eval()
     seen = 0
-    for images, target in tqdm(loader, desc=desc, leave=False, disable=not settings.progress, unit='batch'):
+    batches = loader if progress is not None else tqdm(loader, desc=desc, leave=False,
+                                                       disable=not settings.progress, unit='batch')
+    for images, target in batches:
+        if progress is not None:
+            progress.advance(len(target))
         if target.ndim == 2:  # EvalImageDataset: [label, index, readable, width, height] per image
             if checks is None:
                 raise ValueError('predict: a loader of an EvalImageDataset needs the ImageChecks of the set')
@@ -185,29 +199,80 @@ def _score(
         expected_size: Optional[Tuple[int, int]] = None,
         wrap: Optional[Callable[[Any], None]] = None,
         num_classes: int = 1000,
+        accumulators: Sequence[Any] = (),
+        counted: bool = False,
 ) -> Dict[str, Any]:
     """Scores the images of ``scan``: ``update(logits, targets, indices)`` per batch of readable images.
+
+    Under torchrun this process scores its shard of the file list (`shard_range`) and the ``accumulators`` that
+    ``update`` fills are then merged across processes, so on return they hold the whole set's counts everywhere.
 
     Args:
         expected_size: (width, height) every image must have (no-resize protocols); None: any size.
         wrap: called with the dataset after the loader set its transform (e.g. to prepend a corruption).
+        accumulators: what ``update`` accumulates: `TopKAccuracy`, `In9Accuracy`, timm's ``RealLabelsImagenet``
+            or integer count tensors.
+        counted: the set's images are already in the job's progress total.
 
     Returns:
         the record of the set: folder, images found, ``count`` evaluated, ``skipped`` (unreadable: file and reason),
         ``off_size`` (size -> files, with ``expected_size``), protocol and the warnings of the scan and the images.
     """
-    dataset = EvalImageDataset(scan.root, scan.samples)
+    check_same_files(name, scan.samples)
+    progress = settings.job_progress()
+    if not counted:
+        progress.add_total(len(scan.samples))
+    progress.set_description(name)
+    dataset = EvalImageDataset(scan.root, scan.samples, indices=shard_range(len(scan.samples)))
     loader = _loader(dataset, protocol, settings)
     if wrap is not None:
         wrap(dataset)
     checks = ImageChecks(name, dataset, settings.strict, expected_size)
-    for logits, target, index in predict(model, loader, settings, name, num_classes, checks):
+    for logits, target, index in predict(model, loader, settings, name, num_classes, checks, progress):
         update(logits, target, index)
+    gathered = all_gather((checks.state(), [_counts(acc) for acc in accumulators]))
+    checks.merge([state for state, _ in gathered])
+    rank = rank_and_world()[0]
+    for r, (_, counts) in enumerate(gathered):
+        if r != rank:
+            for acc, c in zip(accumulators, counts):
+                _add_counts(acc, c)
+    progress.finish_set(len(scan.samples))
     images = checks.finish()
     if expected_size is None:
         images.pop('off_size')
     return dict(root=os.path.abspath(scan.root), images=scan.total, class_folders=len(scan.counts),
                 protocol=protocol, **images, layout_warnings=scan.warnings + checks.warnings)
+
+
+def _counts(acc: Any) -> Any:
+    """The part of an accumulator that another process adds to its own (exact integers, or ReaL's per-image hits)."""
+    if isinstance(acc, torch.Tensor):
+        return acc
+    if isinstance(acc, TopKAccuracy):
+        return dict(count=acc.count, correct=acc.correct)
+    if isinstance(acc, In9Accuracy):
+        return dict(count=acc.count, correct=acc.correct, unmapped=acc.unmapped)
+    if isinstance(acc, RealLabelsImagenet):
+        return acc.is_correct
+    raise TypeError(f'cannot merge a {type(acc).__name__} across processes')
+
+
+def _add_counts(acc: Any, counts: Any) -> None:
+    """Adds another process's `_counts` to ``acc``."""
+    if isinstance(acc, torch.Tensor):
+        acc.add_(counts)
+    elif isinstance(acc, RealLabelsImagenet):  # accuracy is the mean of per-image hits: order does not matter
+        for k, hits in counts.items():
+            acc.is_correct[k].extend(hits)
+    else:
+        acc.count += counts['count']
+        if isinstance(acc.correct, dict):
+            acc.correct = {k: acc.correct[k] + counts['correct'][k] for k in acc.correct}
+        else:
+            acc.correct += counts['correct']
+        if isinstance(acc, In9Accuracy):
+            acc.unmapped += counts['unmapped']
 
 
 def evaluate_imagenet(
@@ -244,7 +309,9 @@ def evaluate_imagenet(
         if real_eval is not None:
             add_real_results(real_eval, logits, index)
 
-    out = dict(_score(model, scan, protocol, settings, 'ImageNet', update), **acc.result())
+    accumulators = [acc] if real_eval is None else [acc, real_eval]
+    out = dict(_score(model, scan, protocol, settings, 'ImageNet', update, accumulators=accumulators),
+               **acc.result())
     out['real'] = real_result(real_eval, acc.count) if real_eval is not None else None
     if real_eval is not None:
         out['real']['labels'] = real_json or 'timm/data/_info/imagenet_real_labels.json'
@@ -292,8 +359,8 @@ def evaluate_folder(
         seen.add_(torch.bincount(target, minlength=len(class_names)))
         hits.add_(torch.bincount(target[logits.argmax(1) == target], minlength=len(class_names)))
 
-    out = dict(_score(model, scan, protocol, settings, 'folder', update, num_classes=len(class_names)),
-               **acc.result())
+    out = dict(_score(model, scan, protocol, settings, 'folder', update, num_classes=len(class_names),
+                      accumulators=[acc, seen, hits]), **acc.result())
     out['classes'] = class_names
     out['per_class'] = {name: dict(count=int(seen[i]), top1=100.0 * int(hits[i]) / int(seen[i]) if seen[i] else None)
                         for i, name in enumerate(class_names)}
@@ -311,7 +378,8 @@ def evaluate_v2(model: nn.Module, root: str, settings: EvalSettings,
     out = {}
     for variant, scan in scans.items():
         acc = TopKAccuracy()
-        record = _score(model, scan, protocol, settings, f'ImageNetV2 {variant}', _update_accuracy(acc))
+        record = _score(model, scan, protocol, settings, f'ImageNetV2 {variant}', _update_accuracy(acc),
+                        accumulators=[acc])
         out[variant] = dict(record, **acc.result(), labels='int(folder name)')
     return out
 
@@ -353,21 +421,23 @@ def evaluate_imagenet_c(
                    f'dataset, e.g. {details[0]}']
         warnings.warn(summary[0], LayoutWarning, stacklevel=2)
     protocol = no_resize_protocol(model)
-    out = _corruption_results(model, {key: partial(scan, key, True) for key in folders}, protocol, settings,
-                              clean_error, 'ImageNet-C', NO_RESIZE_SIZE)
+    out = _corruption_results(model, {key: partial(scan, key, True) for key in folders},
+                              {key: scan.total for key, scan in scans.items()}, protocol, settings, clean_error,
+                              'ImageNet-C', NO_RESIZE_SIZE)
     return dict(out, root=os.path.abspath(root), layout_warnings=summary + out['layout_warnings'],
                 layout_warning_details=details)
 
 
 def _corruption_results(model: nn.Module, sets: Dict[Tuple[str, int], Callable[[], FolderScan]],
-                        protocol: Dict[str, Any], settings: EvalSettings, clean_error: Optional[float], suite: str,
-                        expected_size: Optional[Tuple[int, int]] = None,
+                        totals: Dict[Tuple[str, int], int], protocol: Dict[str, Any], settings: EvalSettings,
+                        clean_error: Optional[float], suite: str, expected_size: Optional[Tuple[int, int]] = None,
                         wrap: Optional[Callable[[str, int, Any], None]] = None,
                         num_classes: int = 1000) -> Dict[str, Any]:
     """Raw error per (corruption, severity) and the CE summary.
 
     Args:
         sets: (corruption, severity) -> the scan (with its file list) of the set, made when the set is scored.
+        totals: (corruption, severity) -> the images of the set (all sets go into the progress total up front).
 
     Returns:
         the summary; ``layout_warnings`` holds the image warnings only (unreadable or wrongly sized images, per
@@ -377,13 +447,14 @@ def _corruption_results(model: nn.Module, sets: Dict[Tuple[str, int], Callable[[
     raw: Dict[str, Dict[str, Any]] = {}
     image_warnings: List[str] = []
     skipped: List[Dict[str, str]] = []
-    bar = tqdm(sets.items(), desc=suite, disable=not settings.progress, unit='set')
-    for (c, s), list_set in bar:
-        bar.set_postfix_str(f'{c} {s}')
+    settings.job_progress().add_total(sum(totals.values()))
+    for (c, s), list_set in sets.items():
         scan = list_set()
         acc = TopKAccuracy()
         record = _score(model, scan, protocol, settings, f'{suite} {c}/{s}', _update_accuracy(acc), expected_size,
-                        None if wrap is None else partial(wrap, c, s), num_classes)
+                        None if wrap is None else partial(wrap, c, s), num_classes, [acc], counted=True)
+        if record['images'] != totals[c, s]:  # the folder changed since it was counted
+            settings.job_progress().add_total(record['images'] - totals[c, s])
         image_warnings += record['layout_warnings'][len(scan.warnings):]  # the scans' own ones are summarised
         skipped += record['skipped']
         errors.setdefault(c, {})[s] = 1 - acc.correct[1] / acc.count
@@ -423,7 +494,7 @@ def evaluate_imagenet_ar(model: nn.Module, root: str, settings: EvalSettings, su
         masked.update(logits, target)
         unmasked.update(logits, target)
 
-    record = _score(model, scan, protocol, settings, name, update)
+    record = _score(model, scan, protocol, settings, name, update, accumulators=[masked, unmasked])
     return dict(record, **masked.result(), top1_unmasked=unmasked.accuracy(1),
                 top5_unmasked=unmasked.accuracy(5), logits=f'sliced to the 200 {name} classes (timm '
                                                            f'_info/imagenet_{subset}_indices.txt)')
@@ -444,7 +515,8 @@ def evaluate_imagenet_9(model: nn.Module, root: str, settings: EvalSettings,
                                mapping='argmax over 1000 logits, then in_to_in9; unmapped (-1) counts as wrong')
     for v, scan in scans.items():
         acc = In9Accuracy(table)
-        record = _score(model, scan, protocol, settings, f'ImageNet-9 {v}', _update_accuracy(acc), NO_RESIZE_SIZE)
+        record = _score(model, scan, protocol, settings, f'ImageNet-9 {v}', _update_accuracy(acc), NO_RESIZE_SIZE,
+                        accumulators=[acc])
         out['variants'][v] = dict(record, **acc.result())
     res = out['variants']
     out['bg_gap'] = (res['mixed_same']['top1'] - res['mixed_rand']['top1']
@@ -488,8 +560,8 @@ def evaluate_corrupt_on_the_fly(
     def wrap(c: str, s: int, dataset: Any) -> None:
         dataset.transform = Compose([ImageNetCCorruption(c, s, seed=seed), dataset.transform])
 
-    out = _corruption_results(model, sets, protocol, settings, clean_error, 'corrupt-on-the-fly', None, wrap,
-                              num_classes)
+    out = _corruption_results(model, sets, {key: scan.total for key in sets}, protocol, settings, clean_error,
+                              'corrupt-on-the-fly', None, wrap, num_classes)
     out['layout_warnings'] = scan.warnings + out['layout_warnings']
     if not imagenet_labels:
         out.update(mce=None, relative_mce=None)

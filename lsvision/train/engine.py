@@ -48,6 +48,7 @@ from timm.utils import (
 )
 
 from ..data.digits import export_digits
+from ..eval.distributed import DatasetShard, shard_range
 from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
 from .args import args_to_dict, args_to_yaml
@@ -439,7 +440,11 @@ class _LossWindow:
 @torch.no_grad()
 def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argparse.Namespace, device: torch.device,
              autocast: Any) -> Dict[str, float]:
-    """Loss, top-1 and top-5 over the whole validation set, summed across processes."""
+    """Loss, top-1 and top-5 over the whole validation set, summed across processes.
+
+    Under torchrun each process's ``loader`` holds its own shard of the set (`DatasetShard`, no padding), so every
+    image is scored exactly once and the result equals one process's evaluation of the same weights.
+    """
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction='sum')
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top1 hits, top5 hits, count
@@ -461,6 +466,9 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
     if args.distributed:
         dist.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
+    if getattr(args, 'rank', 0) == 0:
+        _logger.info(f'validation: {int(n)} images scored' + (f' by {args.world_size} processes (each image once)'
+                                                             if args.distributed else ''))
     return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n}
 
 
@@ -567,10 +575,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if batches_per_epoch == 0:
         raise TrainSetupError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
                          f'of {args.batch_size}; lower --batch-size')
+    # each process scores its own contiguous shard of the val set: timm's distributed sampler would pad the set to
+    # a multiple of the processes and score the padding twice
     loader_eval = create_loader(
-        dataset_eval, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
+        DatasetShard(dataset_eval, shard_range(len(dataset_eval), args.rank, args.world_size)),
+        input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
-        std=data_config['std'], num_workers=args.workers, distributed=args.distributed,
+        std=data_config['std'], num_workers=args.workers, distributed=False,
         crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=prefetch)
 
     # loss, mixup

@@ -1,0 +1,214 @@
+"""Evaluation under torchrun (gloo, CPU): every image scored by exactly one process, numbers equal to one process.
+
+Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of
+validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes 2
+--nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R and -9, one two-"node" launch where node 1 lacks a
+dataset, and one ``torchrun --nproc-per-node 2`` of train.py on the digits. The trees carry macOS junk files and an
+unreadable image, and one ImageNet-C set holds a single image (one process gets none of it).
+
+Batch size 1 everywhere: the tiny model's logits of an image then do not depend on which images share its batch, so
+one process and two give bitwise-equal logits and the results must be equal, not close.
+"""
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+from eval_fixtures import (
+    add_mac_junk,
+    make_imagenet,
+    make_imagenet_9,
+    make_imagenet_ar,
+    make_imagenet_c,
+    make_v2,
+    truncate,
+)
+from safetensors.torch import save_file
+
+import timm
+
+import lsvision  # noqa: F401  (registers cvt_ls_13)
+from lsvision.eval.distributed import shard_range
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ['embed_dims=[16,32,64]', 'num_heads=[1,1,1]', 'depths=[1,1,1]']
+CORRUPTIONS = ('gaussian_noise', 'contrast', 'speckle_noise')
+ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1')
+
+
+def load_tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / 'tools' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def restore_threads():
+    threads = torch.get_num_threads()  # the tools' --threads 1 sets the process's count
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope='module')
+def trees(tmp_path_factory) -> Dict[str, Any]:
+    root = tmp_path_factory.mktemp('dist_eval')
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
+    save_file(model.state_dict(), str(root / 'tiny.safetensors'))
+    imagenet = make_imagenet(root / 'imagenet')
+    truncate(next((root / 'imagenet' / 'val').rglob('ILSVRC2012_val_00000004.JPEG')))
+    c = make_imagenet_c(root / 'c', CORRUPTIONS)
+    shutil.rmtree(next((c / 'contrast' / '3').rglob('ILSVRC2012_val_00000002.JPEG')).parent)  # 1 image, 2 processes
+    truncate(next((c / 'gaussian_noise' / '2').rglob('ILSVRC2012_val_00000002.JPEG')))
+    a = make_imagenet_ar(root / 'a', 'a')['root']
+    truncate(sorted(a.rglob('*.jpg'))[-1])
+    trees = dict(ckpt=root / 'tiny.safetensors', imagenet=imagenet['root'], real_json=imagenet['real_json'],
+                 v2=make_v2(root / 'v2'), c=c, a=a, r=make_imagenet_ar(root / 'r', 'r')['root'],
+                 in9=make_imagenet_9(root / 'bg')[0])
+    for key in ('imagenet', 'v2', 'c', 'a', 'r', 'in9'):
+        add_mac_junk(trees[key])
+    return trees
+
+
+def _model_args(trees: Dict[str, Any]) -> List[str]:
+    return ['--models', 'cvt_ls_13', '--checkpoint', str(trees['ckpt']), '--model-kwargs', *TINY, '--batch-size',
+            '1', '--workers', '0', '--threads', '1', '--device', 'cpu']
+
+
+def _validate_args(trees: Dict[str, Any]) -> List[str]:
+    return ['--imagenet', str(trees['imagenet']), '--real-labels', str(trees['real_json']), '--imagenet-v2',
+            str(trees['v2']), *_model_args(trees)]
+
+
+def _robustness_args(trees: Dict[str, Any]) -> List[str]:
+    return ['--imagenet', str(trees['imagenet']), '--imagenet-c', str(trees['c']), '--corruptions', *CORRUPTIONS,
+            '--imagenet-a', str(trees['a']), '--imagenet-r', str(trees['r']), '--imagenet-9', str(trees['in9']),
+            *_model_args(trees)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(*args: str) -> List[str]:
+    return [sys.executable, '-m', 'torch.distributed.run', *args]
+
+
+def _two_nodes(script: str, node_args: List[List[str]], timeout: int = 240) -> List[subprocess.CompletedProcess]:
+    """Two torchrun agents on this machine as two one-process "nodes" (static rendezvous on a free port)."""
+    port = _free_port()
+    procs = [subprocess.Popen(
+        _torchrun('--nnodes', '2', '--nproc-per-node', '1', '--node-rank', str(node), '--master-addr', '127.0.0.1',
+                  '--master-port', str(port), str(ROOT / 'tools' / script), *args),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for node, args in enumerate(node_args)]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def _one_process(tool: str, args: List[str], out: Path) -> Dict[str, Any]:
+    with pytest.warns():  # the fixtures' layout and the unreadable images warn
+        assert load_tool(tool).main([*args, '--no-progress', '--out-dir', str(out)]) == 0
+    return json.loads((out / 'results.json').read_text())
+
+
+def _assert_same_results(got: Dict[str, Any], expected: Dict[str, Any], processes: int) -> None:
+    assert got['processes'] == processes and expected['processes'] == 1
+    for g, e in zip(got['models'], expected['models'], strict=True):
+        assert g['suites'] == e['suites']
+
+
+def test_shard_range_covers_every_index_once():
+    for n in (0, 1, 5, 7, 50):
+        for world in (1, 2, 3, 8):
+            shards = [shard_range(n, rank, world) for rank in range(world)]
+            assert [i for s in shards for i in s] == list(range(n))  # contiguous, rank order, no padding
+            assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    assert [len(shard_range(1, rank, 3)) for rank in range(3)] == [1, 0, 0]
+
+
+def test_validate_two_processes_equals_one(trees, tmp_path):
+    proc = subprocess.run(
+        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
+                  *_validate_args(trees), '--out-dir', str(tmp_path / 'two')),
+        capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / 'two' / 'results.json').read_text())
+    expected = _one_process('validate', _validate_args(trees), tmp_path / 'one')
+    _assert_same_results(got, expected, 2)
+    inet = got['models'][0]['suites']['imagenet']
+    assert (inet['images'], inet['count'], len(inet['skipped'])) == (6, 5, 1)  # the junk files are not images
+    assert inet['real']['count'] == 4
+    # written once, by rank 0: the markdown is printed once, and one progress bar counted every image
+    assert proc.stdout.count('| model |') == expected_tables(tmp_path / 'one' / 'results.md')
+    assert (tmp_path / 'two' / 'results.md').read_text() == (tmp_path / 'one' / 'results.md').read_text()
+    assert 'on 2 processes' in proc.stderr and '36/36' in proc.stderr  # 6 ImageNet + 3 x 10 V2 images
+
+
+def expected_tables(md: Path) -> int:
+    return md.read_text().count('| model |')
+
+
+def test_robustness_two_nodes_equals_one_process(trees, tmp_path):
+    args = [*_robustness_args(trees), '--out-dir', str(tmp_path / 'two')]
+    procs = _two_nodes('robustness.py', [args, args])
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-4000:]
+    got = json.loads((tmp_path / 'two' / 'results.json').read_text())
+    expected = _one_process('robustness', _robustness_args(trees), tmp_path / 'one')
+    _assert_same_results(got, expected, 2)
+    suites = got['models'][0]['suites']
+    c = suites['imagenet_c']
+    assert c['corruptions']['contrast']['severities']['3']['count'] == 1  # rank 1 had nothing of this set
+    assert [os.path.basename(s['file']) for s in c['skipped']] == ['ILSVRC2012_val_00000002.JPEG']
+    assert (suites['imagenet_a']['count'], len(suites['imagenet_a']['skipped'])) == (3, 1)
+    assert suites['imagenet_9']['bg_gap'] == expected['models'][0]['suites']['imagenet_9']['bg_gap']
+    assert not procs[1].stdout  # node 1 (rank 1) writes and prints nothing
+    assert (tmp_path / 'two' / 'imagenet_c.png').is_file()
+
+
+def test_a_node_without_the_dataset_fails_the_job_naming_rank_and_path(trees, tmp_path):
+    missing = tmp_path / 'not_mounted' / 'imagenet-a'
+    base = [*_model_args(trees), '--out-dir', str(tmp_path / 'out')]
+    procs = _two_nodes('robustness.py', [['--imagenet-a', str(trees['a']), *base],
+                                         ['--imagenet-a', str(missing), *base]], timeout=120)
+    assert all(p.returncode != 0 for p in procs)
+    for p in procs:  # both processes stop with the same message, before reading an image
+        assert f'rank 1 on {socket.gethostname()}: --imagenet-a {missing} does not exist' in p.stderr, p.stderr
+    assert not (tmp_path / 'out' / 'results.json').exists()
+
+
+def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
+    out = tmp_path / 'train'
+    proc = subprocess.run(
+        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'train.py'), '--epochs', '1',
+                  '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output', str(out)),
+        capture_output=True, text=True, timeout=400, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert 'validation: 359 images scored by 2 processes (each image once)' in proc.stderr
+    result = json.loads((out / 'digits_demo' / 'result.json').read_text())
+    from lsvision.data import export_digits
+    val = Path(export_digits()['root']) / 'val'
+    res = _one_process_quiet('validate', ['--data-dir', str(val), '--model', 'cvt_ls_13', '--checkpoint',
+                                          result['last_checkpoint'], '--workers', '0', '--threads', '1'],
+                             tmp_path / 'val')
+    folder = res['models'][0]['suites']['folder']
+    assert folder['count'] == 359
+    assert folder['top1'] == pytest.approx(result['model_metrics']['top1'], abs=1e-9)
+
+
+def _one_process_quiet(tool: str, args: List[str], out: Path) -> Dict[str, Any]:
+    assert load_tool(tool).main([*args, '--no-progress', '--out-dir', str(out)]) == 0
+    return json.loads((out / 'results.json').read_text())
