@@ -4,10 +4,13 @@ summary resize, each against `tests/grc_reference.py` (spec grc.md restated from
 """
 import pytest
 import torch
+import torch.nn.functional as F
 from grc_reference import grc_reference
 from test_grc import _reference_case
 
 from timm.models import reparameterize_model
+
+from lsvision.layers import GatedRecurrentCache, GrcConfig
 
 CASES = ['vit', 'vit_input_frozen_eval', 'pvt_v1_sr', 'pvt_v2_linear', 'swin']
 
@@ -67,3 +70,30 @@ def test_gates_without_biases_match_spec_reference_fp64(case):
     with torch.no_grad():
         want, _ = grc_reference(grc, x, self_ref(attn, x, hw), hw, grc.cache, training=False)
         torch.testing.assert_close(run(folded, x, hw), want, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize('prefix', [0, 1])
+def test_2d_summary_resize_matches_spec_reference_fp64(prefix):
+    """interp_mode='2d' on a grid other than the cache's: the stored update is the spec's, from the summary resized
+    bilinearly over the patch grid (align_corners=False) with the prefix tokens kept. D_m = 16 = the cache's patch
+    count, so that a test of the summary's length against the wrong axis would pass a wrong-length summary on."""
+    torch.manual_seed(0)
+    grc = GatedRecurrentCache(32, 2, cache_len=prefix + 16, cache_hw=(4, 4), num_prefix_tokens=prefix,
+                              config=GrcConfig(interp_mode='2d')).double().train()
+    with torch.no_grad():
+        for p in grc.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        grc.cache.normal_()
+    before = grc.cache.clone()
+    B, hw = 3, (5, 6)
+    x = torch.randn(B, prefix + hw[0] * hw[1], 32, dtype=torch.float64)
+    o_self = torch.randn_like(x)
+    with torch.no_grad():
+        grc(x, o_self, list(hw))
+    grid = o_self[:, prefix:].transpose(1, 2).reshape(B, 32, *hw)
+    resized = F.interpolate(grid, size=(4, 4), mode='bilinear', align_corners=False).flatten(2).transpose(1, 2)
+    o_resized = torch.cat([o_self[:, :prefix], resized], dim=1)
+    # the stored update depends on the summary and the cache only; x here only feeds the output, not compared
+    x_cache_grid = torch.randn_like(o_resized)
+    _, stored = grc_reference(grc, x_cache_grid, o_resized, (4, 4), before, training=True)
+    torch.testing.assert_close(grc.cache, stored, rtol=0, atol=5e-7)
