@@ -19,8 +19,10 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,7 @@ from .weights import describe_load, file_num_classes, file_tensor_shapes, record
 
 __all__ = [
     'NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'epoch_label', 'fixed_input_size_kwargs', 'run',
+    'train_step', 'backward_micro_batch', 'micro_batches_of_update', 'optimizer_update',
 ]
 
 _logger = logging.getLogger('train')
@@ -472,10 +475,9 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
     return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n}
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    """Train `args.model` as `args` says; return the final metrics and the checkpoint paths."""
+def _setup(args: argparse.Namespace) -> torch.device:
+    """Checks the arguments that need no data, joins torchrun's process group and seeds this process."""
     setup_default_logging()
-    start_time = time.time()
     args.data_dir = args.data_dir or args.data or ''
     if not args.device:
         args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -490,15 +492,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         torch.set_num_threads(args.threads)
     _check_model_name(args.model)
     device = init_distributed_device(args)
-    primary = args.rank == 0
     if args.pin_mem is None:  # pinned host memory makes the copies to a GPU asynchronous
         args.pin_mem = device.type == 'cuda'
-    prefetch = not args.no_prefetcher
     if args.distributed:
         _logger.info(f'process {args.rank}/{args.world_size} on {args.device}, backend {dist.get_backend()}')
     seed_everything(derive_seed(args.seed, args.rank))
+    return device
 
-    # data: the embedded digits when no dataset is named
+
+def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Optional[List[str]]]:
+    """(train dataset, val dataset, class names in logit order); the embedded digits when no dataset is named."""
     if not args.data_dir and not args.dataset:
         if primary:
             info = export_digits()
@@ -523,9 +526,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         args.num_classes = num_classes_of(dataset_train)
         if args.num_classes is None:
             raise TrainSetupError('cannot tell the number of classes of this dataset; pass --num-classes')
-    class_names = class_names_of(dataset_train)  # what the logits mean: saved for validate.py's folder suite
+    return dataset_train, dataset_eval, class_names_of(dataset_train)  # class names: for validate.py's folder suite
 
-    # model
+
+def _model_on_device(args: argparse.Namespace, device: torch.device, primary: bool
+                     ) -> Tuple[nn.Module, List[GatedRecurrentCache], bool, Dict[str, Any]]:
+    """(the model on its device, the GRC layers whose caches are synced, whether it has GRC layers, its data
+    config)."""
     model, model_kwargs = _build_model(args, primary)
     grc_layers, has_grc = _grc_layers_to_sync(model, args, model_kwargs)
     if args.grad_checkpointing:
@@ -543,8 +550,23 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         elif primary:
             _logger.warning(f'--sync-bn ignored on {device.type}: torch SyncBatchNorm runs on GPUs only; batch norm '
                             f'statistics are averaged across processes at each epoch end (--dist-bn {args.dist_bn})')
+    return model, grc_layers, has_grc, data_config
 
-    # transforms and loaders
+
+@dataclass
+class _Loaders:
+    """The training loader (its resumable sampler, the seeded batch erasing) and the validation loader."""
+    train: Any
+    sampler: ResumableSampler
+    batch_erasing: Optional[_SeededBatchErasing]
+    batches_per_epoch: int
+    eval: Any
+
+
+def _loaders(args: argparse.Namespace, dataset_train: Any, dataset_eval: Any, data_config: Dict[str, Any],
+             device: torch.device, primary: bool) -> _Loaders:
+    """The transforms and loaders: a resumable seeded training order, and a validation shard per process."""
+    prefetch = not args.no_prefetcher
     dataset_train.transform = create_transform(
         data_config['input_size'], is_training=True, no_aug=args.no_aug, train_crop_mode=args.train_crop_mode,
         scale=args.scale, ratio=args.ratio, hflip=args.hflip, vflip=args.vflip, color_jitter=args.color_jitter,
@@ -574,7 +596,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                      + f', pin_memory {args.pin_mem}')
     if batches_per_epoch == 0:
         raise TrainSetupError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
-                         f'of {args.batch_size}; lower --batch-size')
+                              f'of {args.batch_size}; lower --batch-size')
     # each process scores its own contiguous shard of the val set: timm's distributed sampler would pad the set to
     # a multiple of the processes and score the padding twice
     loader_eval = create_loader(
@@ -583,8 +605,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
         std=data_config['std'], num_workers=args.workers, distributed=False,
         crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=prefetch)
+    return _Loaders(loader_train, sampler, batch_erasing, batches_per_epoch, loader_eval)
 
-    # loss, mixup
+
+def _loss_and_mixup(args: argparse.Namespace, device: torch.device) -> Tuple[nn.Module, Optional[Mixup]]:
+    """The training criterion (timm's losses, as timm's train.py picks them) and Mixup/CutMix (or None)."""
     mixup_fn = None
     mixup_active = args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
     if mixup_active:
@@ -601,9 +626,23 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         criterion = LabelSmoothingCrossEntropy(smoothing=args.smoothing)
     else:
         criterion = nn.CrossEntropyLoss()
-    criterion = criterion.to(device)
+    return criterion.to(device), mixup_fn
 
-    # optimizer, precision, EMA, schedule
+
+@dataclass
+class _Optimization:
+    """The optimizer and what drives it: autocast, the float16 loss scaler, the EMA and the lr schedule."""
+    optimizer: torch.optim.Optimizer
+    autocast: Callable[[], Any]
+    scaler: Optional[torch.amp.GradScaler]
+    model_ema: Optional[ModelEmaV3]
+    lr_scheduler: Any
+    num_epochs: int
+
+
+def _optimization(args: argparse.Namespace, model: nn.Module, device: torch.device, primary: bool,
+                  batches_per_epoch: int) -> _Optimization:
+    """timm's optimizer, precision, EMA and schedule (stepped per update with gradient accumulation)."""
     _resolve_lr(args)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **(args.opt_kwargs or {}))
     if args.amp_dtype is None:
@@ -614,78 +653,84 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         _logger.info(f'AMP: {args.amp_dtype} autocast on {device.type}'
                      + (' with a loss scaler' if args.amp_dtype == 'float16' else '') + ' (--no-amp: float32)')
     amp_dtype = torch.bfloat16 if args.amp_dtype == 'bfloat16' else torch.float16
-    if args.amp:
-        def autocast():
-            return torch.autocast(device_type=device.type, dtype=amp_dtype)
-    else:
-        autocast = contextlib.nullcontext
+    autocast = (partial(torch.autocast, device_type=device.type, dtype=amp_dtype) if args.amp
+                else contextlib.nullcontext)
     scaler = torch.amp.GradScaler(device.type) if args.amp and amp_dtype == torch.float16 else None
     model_ema = None
     if args.model_ema:
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
                                device='cpu' if args.model_ema_force_cpu else None)
     updates_per_epoch = (batches_per_epoch + args.grad_accum_steps - 1) // args.grad_accum_steps
-    tail_start = batches_per_epoch - (batches_per_epoch % args.grad_accum_steps or args.grad_accum_steps)
     lr_scheduler, num_epochs = create_scheduler_v2(
         optimizer, **scheduler_kwargs(args, decreasing_metric=args.eval_metric == 'loss'),
         updates_per_epoch=updates_per_epoch)
     if primary and args.warmup_epochs > 0 and args.warmup_epochs >= num_epochs:
         _logger.warning(f'--warmup-epochs {args.warmup_epochs} is not shorter than the run ({num_epochs} epochs): the '
                         f'lr rises from {args.warmup_lr:g} and never reaches {args.lr:.3g}; lower --warmup-epochs')
+    return _Optimization(optimizer, autocast, scaler, model_ema, lr_scheduler, num_epochs)
 
-    # run directory, resume
+
+def _run_directory(args: argparse.Namespace, data_config: Dict[str, Any], primary: bool) -> str:
+    """The run's directory: a resumed checkpoint's, else a new one rank 0 picks (and creates) for all processes."""
     if args.resume and args.resume != 'auto':
-        output_dir = os.path.dirname(os.path.abspath(args.resume))
-    else:
-        exp_name = args.experiment or '-'.join([
-            datetime.now().strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model), str(data_config['input_size'][-1])])
-        # a new run never writes into an older run's directory; --resume auto continues in it. Rank 0 picks (and
-        # creates) the directory, the others take its choice.
-        output_dir = [get_outdir(args.output or './output/train', exp_name, inc=args.resume != 'auto')
-                      if primary else None]
-        if args.distributed:
-            dist.broadcast_object_list(output_dir, src=0)
-        output_dir = output_dir[0]
-    keeper = CheckpointKeeper(output_dir, max_history=args.checkpoint_hist, decreasing=args.eval_metric == 'loss')
-    resume_path = _find_resume(output_dir) if args.resume == 'auto' else args.resume
-    start_epoch, start_batch, num_updates = 0, 0, 0
-    loss_sum, loss_count = 0.0, 0
-    if resume_path:
-        ckpt = load_checkpoint(resume_path)
-        if 'next_epoch' not in ckpt:
-            raise TrainSetupError(f'{resume_path} is not a tools/train.py training checkpoint (no training state); '
-                                  'load its weights with --initial-checkpoint instead of --resume')
-        arch = ckpt.get('arch')
-        if arch and arch != args.model:
-            raise TrainSetupError(
-                f'{resume_path} is a checkpoint of {arch}, not of --model {args.model}; resume it without --model '
-                "(the run's arguments are restored), or start a new run from its weights with --initial-checkpoint")
-        check_state_dict_fits(_unwrap(model), ckpt['state_dict'], args.model, arch, source=resume_path)
-        _unwrap(model).load_state_dict(ckpt['state_dict'])
-        if model_ema is not None and 'state_dict_ema' in ckpt:
-            model_ema.load_state_dict(ckpt['state_dict_ema'])
-        if not args.no_resume_opt:
-            optimizer.load_state_dict(ckpt['optimizer'])
-            if scaler is not None and 'scaler' in ckpt:
-                scaler.load_state_dict(ckpt['scaler'])
-        start_epoch, start_batch, num_updates = ckpt['next_epoch'], ckpt['next_batch'], ckpt['num_updates']
-        loss_sum, loss_count = ckpt.get('train_loss_sum', 0.0), ckpt.get('train_loss_count', 0)
-        keeper.load_state_dict(ckpt.get('keeper', {}))
-        set_rng_state(ckpt['rng'])
-        if primary:
-            _logger.info(f'resumed {resume_path}: at {epoch_label(start_epoch, num_epochs)}, {start_batch} of its '
-                         f'batches done, {num_updates} updates')
-            if getattr(args, 'resume_config', ''):
-                overrides = getattr(args, 'resume_overrides', [])
-                _logger.info(f'arguments of the run restored from {args.resume_config}; given on the command line: '
-                             + ('; '.join(overrides) if overrides else 'none'))
-    elif args.start_epoch is not None:
-        start_epoch = args.start_epoch
-    if start_epoch > 0 or start_batch > 0:
-        lr_scheduler.step(start_epoch)
-        if args.sched_on_updates:
-            lr_scheduler.step_update(num_updates)
+        return os.path.dirname(os.path.abspath(args.resume))
+    exp_name = args.experiment or '-'.join([
+        datetime.now().strftime('%Y%m%d-%H%M%S'), safe_model_name(args.model), str(data_config['input_size'][-1])])
+    # a new run never writes into an older run's directory; --resume auto continues in it
+    output_dir = [get_outdir(args.output or './output/train', exp_name, inc=args.resume != 'auto')
+                  if primary else None]
+    if args.distributed:
+        dist.broadcast_object_list(output_dir, src=0)
+    return output_dir[0]
 
+
+@dataclass
+class _Progress:
+    """Where the run stands: the next epoch and batch, the updates made, the epoch's loss totals so far."""
+    epoch: int = 0
+    batch: int = 0
+    num_updates: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+
+
+def _resume(args: argparse.Namespace, resume_path: str, model: nn.Module, opt: _Optimization,
+            keeper: CheckpointKeeper, primary: bool) -> _Progress:
+    """Loads a training checkpoint's full state (weights, EMA, optimizer, scaler, keeper, RNG); its progress."""
+    ckpt = load_checkpoint(resume_path)
+    if 'next_epoch' not in ckpt:
+        raise TrainSetupError(f'{resume_path} is not a tools/train.py training checkpoint (no training state); '
+                              'load its weights with --initial-checkpoint instead of --resume')
+    arch = ckpt.get('arch')
+    if arch and arch != args.model:
+        raise TrainSetupError(
+            f'{resume_path} is a checkpoint of {arch}, not of --model {args.model}; resume it without --model '
+            "(the run's arguments are restored), or start a new run from its weights with --initial-checkpoint")
+    check_state_dict_fits(_unwrap(model), ckpt['state_dict'], args.model, arch, source=resume_path)
+    _unwrap(model).load_state_dict(ckpt['state_dict'])
+    if opt.model_ema is not None and 'state_dict_ema' in ckpt:
+        opt.model_ema.load_state_dict(ckpt['state_dict_ema'])
+    if not args.no_resume_opt:
+        opt.optimizer.load_state_dict(ckpt['optimizer'])
+        if opt.scaler is not None and 'scaler' in ckpt:
+            opt.scaler.load_state_dict(ckpt['scaler'])
+    progress = _Progress(ckpt['next_epoch'], ckpt['next_batch'], ckpt['num_updates'],
+                         ckpt.get('train_loss_sum', 0.0), ckpt.get('train_loss_count', 0))
+    keeper.load_state_dict(ckpt.get('keeper', {}))
+    set_rng_state(ckpt['rng'])
+    if primary:
+        _logger.info(f'resumed {resume_path}: at {epoch_label(progress.epoch, opt.num_epochs)}, {progress.batch} of '
+                     f'its batches done, {progress.num_updates} updates')
+        if getattr(args, 'resume_config', ''):
+            overrides = getattr(args, 'resume_overrides', [])
+            _logger.info(f'arguments of the run restored from {args.resume_config}; given on the command line: '
+                         + ('; '.join(overrides) if overrides else 'none'))
+    return progress
+
+
+def _distributed_model(args: argparse.Namespace, model: nn.Module, device: torch.device, has_grc: bool,
+                       grc_layers: Sequence[GatedRecurrentCache], primary: bool) -> nn.Module:
+    """The model wrapped for torchrun (DDP) and torch.compile, as asked."""
     if args.distributed:
         # DDP's buffer broadcast sends rank 0's buffers before every forward (they are synced at DDP's creation
         # either way). It is only needed for buffers nothing else keeps equal: batch norm statistics are averaged at
@@ -702,220 +747,363 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                           else '')))
     if args.torchcompile:
         model = torch.compile(model, backend=args.torchcompile, mode=args.torchcompile_mode)
+    return model
 
-    if primary:
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
-            f.write(args_to_yaml(args))
-        if class_names:
-            with open(os.path.join(output_dir, 'class_names.txt'), 'w') as f:
-                f.write(''.join(f'{name}\n' for name in class_names))
-        _logger.info(f'run directory {output_dir}; {num_epochs} epochs x {batches_per_epoch} batches of '
-                     f'{args.batch_size} x {args.world_size} process(es)')
-    log_wandb = args.log_wandb and primary
-    if log_wandb:
-        import wandb
-        wandb.init(project='lsvision', name=os.path.basename(output_dir), dir=output_dir, config=args_to_dict(args))
 
-    losses = _LossWindow(device, args.distributed)
-    losses.epoch_sum, losses.epoch_count = loss_sum, loss_count
+def _write_run_files(args: argparse.Namespace, output_dir: str, class_names: Optional[List[str]]) -> None:
+    """args.yaml (a config that replays the run) and class_names.txt (the classes in logit order)."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, 'args.yaml'), 'w') as f:
+        f.write(args_to_yaml(args))
+    if class_names:
+        with open(os.path.join(output_dir, 'class_names.txt'), 'w') as f:
+            f.write(''.join(f'{name}\n' for name in class_names))
 
-    def checkpoint_state(next_epoch: int, next_batch: int, metric: Optional[float]) -> Dict[str, Any]:
+
+def micro_batches_of_update(batch_idx: int, batches_per_epoch: int, grad_accum_steps: int) -> int:
+    """How many micro-batches the optimizer update of batch ``batch_idx`` accumulates: ``grad_accum_steps``, but
+    the epoch's last update may accumulate fewer (the remainder), as timm's train.py."""
+    tail_start = batches_per_epoch - (batches_per_epoch % grad_accum_steps or grad_accum_steps)
+    return grad_accum_steps if batch_idx < tail_start else batches_per_epoch - tail_start
+
+
+def backward_micro_batch(model: nn.Module, criterion: nn.Module, input: torch.Tensor, target: torch.Tensor,
+                         autocast: Callable[[], Any], scaler: Optional[torch.amp.GradScaler],
+                         micro_batches: int) -> torch.Tensor:
+    """Forward, loss and backward of one micro-batch; returns its (unscaled) mean loss.
+
+    The loss is divided by the ``micro_batches`` its update accumulates, so the accumulated gradient is that of
+    their mean loss (one big batch); under float16 the scaler multiplies it before the backward.
+    """
+    with autocast():
+        output = model(input)
+        loss = criterion(output, target)
+    scaled = loss / micro_batches
+    if scaler is not None:
+        scaler.scale(scaled).backward()
+    else:
+        scaled.backward()
+    return loss
+
+
+def optimizer_update(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler],
+                     parameters: Any, clip_grad: Optional[float], clip_mode: str) -> None:
+    """One optimizer step on the accumulated gradients (unscaled first, then clipped if asked), then zeroes them."""
+    if scaler is not None:
+        if clip_grad is not None:
+            scaler.unscale_(optimizer)
+            dispatch_clip_grad(parameters, clip_grad, mode=clip_mode)
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        if clip_grad is not None:
+            dispatch_clip_grad(parameters, clip_grad, mode=clip_mode)
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def train_step(model: nn.Module, criterion: nn.Module, opt: _Optimization, input: torch.Tensor,
+               target: torch.Tensor, batch_idx: int, batches_per_epoch: int, args: argparse.Namespace
+               ) -> Tuple[torch.Tensor, bool]:
+    """One micro-batch: its backward (gradients accumulated, without DDP's all-reduce until the update's last
+    micro-batch) and, at the end of an accumulation or of the epoch, the optimizer update.
+
+    Returns:
+        (the micro-batch's mean loss, whether the optimizer stepped).
+    """
+    need_update = batch_idx + 1 == batches_per_epoch or (batch_idx + 1) % args.grad_accum_steps == 0
+    sync_ctx = model.no_sync if args.distributed and not need_update else contextlib.nullcontext
+    with sync_ctx():
+        loss = backward_micro_batch(model, criterion, input, target, opt.autocast, opt.scaler,
+                                    micro_batches_of_update(batch_idx, batches_per_epoch, args.grad_accum_steps))
+    if need_update:
+        optimizer_update(opt.optimizer, opt.scaler, model.parameters(), args.clip_grad, args.clip_mode)
+    return loss, need_update
+
+
+class _Run:
+    """The training loop of a set-up run: epochs of train steps, evaluation, summary and checkpoints.
+
+    Args:
+        args: The run's arguments.
+        device: This process's device.
+        model: The model as trained (DDP / compiled as asked).
+        loaders: Training and validation loaders.
+        criterion: The training loss.
+        mixup_fn: Mixup/CutMix, or None.
+        opt: Optimizer, precision, EMA and schedule.
+        grc_layers: GRC layers whose caches are averaged after each update.
+        keeper: The checkpoint files.
+        output_dir: The run directory.
+        progress: Where the run starts (a resumed one: where it stopped).
+        class_names: The classes in logit order (saved in checkpoints).
+        start_time: When the run started (for --time-budget).
+    """
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, model: nn.Module, loaders: _Loaders,
+                 criterion: nn.Module, mixup_fn: Optional[Mixup], opt: _Optimization,
+                 grc_layers: Sequence[GatedRecurrentCache], keeper: CheckpointKeeper, output_dir: str,
+                 progress: _Progress, class_names: Optional[List[str]], start_time: float):
+        self.args, self.device, self.model, self.loaders = args, device, model, loaders
+        self.criterion, self.mixup_fn, self.opt, self.grc_layers = criterion, mixup_fn, opt, grc_layers
+        self.keeper, self.output_dir, self.class_names, self.start_time = keeper, output_dir, class_names, start_time
+        self.primary = args.rank == 0
+        self.num_epochs = opt.num_epochs
+        self.batches_per_epoch = loaders.batches_per_epoch
+        self.start_epoch, self.start_batch = progress.epoch, progress.batch
+        self.num_updates = progress.num_updates
+        self.losses = _LossWindow(device, args.distributed)
+        self.losses.epoch_sum, self.losses.epoch_count = progress.loss_sum, progress.loss_count
+        self.use_bar = self.primary and (args.progress == 'bar' or (args.progress == 'auto' and sys.stderr.isatty()))
+        self.log_wandb = args.log_wandb and self.primary
+        self.steps_this_process = 0
+        self.samples_seen = 0
+        self.out_of_time = False
+        self.step_lr = 0.0  # the lr of the latest update: progress lines and summary.csv
+        self.eval_metrics: Dict[str, float] = {}  # of the weights that pick "best": the EMA's when there is one
+        self.model_metrics: Dict[str, float] = {}
+        self.ema_metrics: Optional[Dict[str, float]] = None
+
+    def checkpoint_state(self, next_epoch: int, next_batch: int, metric: Optional[float]) -> Dict[str, Any]:
         """Everything a resumed run needs (the loss window must have been read: its totals are saved)."""
+        args, opt = self.args, self.opt
         state = {
             'arch': args.model, 'epoch': next_epoch - 1 if next_batch == 0 else next_epoch,
-            'next_epoch': next_epoch, 'next_batch': next_batch, 'num_updates': num_updates,
-            'state_dict': _unwrap(model).state_dict(), 'optimizer': optimizer.state_dict(),
-            'rng': get_rng_state(), 'keeper': keeper.state_dict(), 'metric': metric,
-            'train_loss_sum': losses.epoch_sum, 'train_loss_count': losses.epoch_count, 'lsvision_checkpoint': 1,
+            'next_epoch': next_epoch, 'next_batch': next_batch, 'num_updates': self.num_updates,
+            'state_dict': _unwrap(self.model).state_dict(), 'optimizer': opt.optimizer.state_dict(),
+            'rng': get_rng_state(), 'keeper': self.keeper.state_dict(), 'metric': metric,
+            'train_loss_sum': self.losses.epoch_sum, 'train_loss_count': self.losses.epoch_count,
+            'lsvision_checkpoint': 1,
             'args': args_to_dict(args),  # what --resume <this file> restores
-            'class_names': class_names,  # the classes in logit order (tools/validate.py --data-dir)
+            'class_names': self.class_names,  # the classes in logit order (tools/validate.py --data-dir)
         }
-        if scaler is not None:
-            state['scaler'] = scaler.state_dict()
-        if model_ema is not None:
-            state['state_dict_ema'] = model_ema.state_dict()
+        if opt.scaler is not None:
+            state['scaler'] = opt.scaler.state_dict()
+        if opt.model_ema is not None:
+            state['state_dict_ema'] = opt.model_ema.state_dict()
         return state
 
-    def non_finite(e: _NonFiniteWindow, epoch: int, done: int) -> NonFiniteLossError:
+    def non_finite(self, e: _NonFiniteWindow, epoch: int, done: int) -> NonFiniteLossError:
+        keeper = self.keeper
         last_good = [p for p in (keeper.path('recovery.pth.tar'), keeper.path('last.pth.tar')) if os.path.isfile(p)]
         return NonFiniteLossError(
             f'non-finite training loss ({"nan or inf" if e.loss is None else e.loss}) at '
-            f'{epoch_label(epoch, num_epochs)}, batch {e.batch_idx + 1}/{batches_per_epoch} '
-            f'(lr {optimizer.param_groups[0]["lr"]:.3g}); found at batch '
-            f'{done}/{batches_per_epoch} (the loss is read every --log-interval {args.log_interval} batches), no '
-            'checkpoint written since. ' + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. '
-                                             if last_good else 'No checkpoint was written yet. ')
+            f'{epoch_label(epoch, self.num_epochs)}, batch {e.batch_idx + 1}/{self.batches_per_epoch} '
+            f'(lr {self.opt.optimizer.param_groups[0]["lr"]:.3g}); found at batch '
+            f'{done}/{self.batches_per_epoch} (the loss is read every --log-interval {self.args.log_interval} '
+            'batches), no checkpoint written since. '
+            + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. ' if last_good
+               else 'No checkpoint was written yet. ')
             + 'Try a lower --lr / --lr-base, --clip-grad 1.0, or --amp-dtype bfloat16.')
 
-    use_bar = primary and (args.progress == 'bar' or (args.progress == 'auto' and sys.stderr.isatty()))
-    steps_this_process = 0
-    eval_metrics: Dict[str, float] = {}  # of the weights that pick "best": the EMA's when there is one (as timm)
-    model_metrics: Dict[str, float] = {}
-    ema_metrics: Optional[Dict[str, float]] = None
-
-    def evaluate() -> Tuple[Dict[str, float], Dict[str, float], Optional[Dict[str, float]]]:
-        """(metrics that pick best, the model's, the EMA's or None)."""
+    def evaluate(self) -> None:
+        """Validates the model (and the EMA); the EMA's metrics pick "best" when there is one (as timm)."""
+        args, model_ema = self.args, self.opt.model_ema
         if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
-            distribute_bn(model, args.world_size, args.dist_bn == 'reduce')
-        raw = validate(model, loader_eval, args, device, autocast)
+            distribute_bn(self.model, args.world_size, args.dist_bn == 'reduce')
+        raw = validate(self.model, self.loaders.eval, args, self.device, self.opt.autocast)
         if model_ema is None:
-            return raw, raw, None
+            self.eval_metrics, self.model_metrics, self.ema_metrics = raw, raw, None
+            return
         if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
             distribute_bn(model_ema, args.world_size, args.dist_bn == 'reduce')
-        ema = validate(model_ema, loader_eval, args, device, autocast)
-        return ema, raw, ema
+        ema = validate(model_ema, self.loaders.eval, args, self.device, self.opt.autocast)
+        self.eval_metrics, self.model_metrics, self.ema_metrics = ema, raw, ema
 
-    out_of_time = False
-    epoch = start_epoch
-    train_t0 = time.time()
-    samples_seen = 0
-    for epoch in range(start_epoch, num_epochs):
-        first = start_batch if epoch == start_epoch else 0
+    def _after_update(self) -> None:
+        """What follows each optimizer step: GRC caches, the update count, the EMA, the per-update schedule."""
+        all_reduce_grc_caches(self.grc_layers)  # once per update, outside no_sync; before the EMA copies them
+        self.num_updates += 1
+        self.steps_this_process += 1
+        if self.opt.model_ema is not None:
+            self.opt.model_ema.update(_unwrap(self.model), step=self.num_updates)
+        self.opt.lr_scheduler.step_update(num_updates=self.num_updates)
+
+    def _log_and_save(self, epoch: int, batch_idx: int, first: int, epoch_t0: float, bar: Any) -> None:
+        """After an update: reads the loss window at log steps (progress line, non-finite check, time budget) and
+        writes the recovery checkpoint when due."""
+        args = self.args
+        done = batch_idx + 1
+        last_batch = done == self.batches_per_epoch
+        log_step = done % args.log_interval == 0 or last_batch
+        save_recovery = bool(args.recovery_interval) and self.num_updates % args.recovery_interval == 0 \
+            and not last_batch
+        # one process alone may not stop (the others would wait for it): under torchrun the time budget is
+        # checked at the log steps, where all processes compare it
+        late = bool(args.time_budget) and time.time() - self.start_time > args.time_budget
+        if log_step or save_recovery or (late and not args.distributed):
+            try:
+                window_loss, self.out_of_time = self.losses.read(late)  # the host waits for the device here only
+            except _NonFiniteWindow as e:
+                raise self.non_finite(e, epoch, done) from None
+            elapsed = time.time() - epoch_t0
+            if bar is not None:
+                bar.set_postfix_str(f'loss {self.losses.epoch_mean:.4f} lr {self.step_lr:.3g}', refresh=False)
+            elif self.primary and log_step:
+                rate = (done - first) / max(elapsed, 1e-9)
+                eta_epoch = (self.batches_per_epoch - done) / max(rate, 1e-9)
+                eta_run = eta_epoch + (self.num_epochs - epoch - 1) * self.batches_per_epoch / max(rate, 1e-9)
+                _logger.info(_progress_line(epoch, self.num_epochs, done, self.batches_per_epoch, window_loss,
+                                            self.losses.epoch_mean, self.step_lr,
+                                            rate * args.batch_size * args.world_size, eta_epoch, eta_run))
+        if bar is not None:
+            bar.update(done - bar.n)
+        if (save_recovery or self.out_of_time) and not last_batch and self.primary:
+            save_atomic(self.checkpoint_state(epoch, done, None), self.keeper.path('recovery.pth.tar'))
+
+    def train_epoch(self, epoch: int) -> Tuple[int, float]:
+        """Trains one epoch (from its first batch not yet done); returns (the last batch index, the epoch's start
+        time). Stops early when the time budget runs out (``self.out_of_time``)."""
+        args, loaders = self.args, self.loaders
+        first = self.start_batch if epoch == self.start_epoch else 0
         if first == 0:
-            losses.epoch_sum, losses.epoch_count = 0.0, 0
-        sampler.set_epoch(epoch, start=first * args.batch_size)
-        if batch_erasing is not None:
-            batch_erasing.start(epoch, first)
-        if mixup_fn is not None and args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
-            mixup_fn.mixup_enabled = False
-        model.train()
-        step_lr = optimizer.param_groups[0]['lr']  # the lr of the latest update: progress lines and summary.csv
+            self.losses.epoch_sum, self.losses.epoch_count = 0.0, 0
+        loaders.sampler.set_epoch(epoch, start=first * args.batch_size)
+        if loaders.batch_erasing is not None:
+            loaders.batch_erasing.start(epoch, first)
+        if self.mixup_fn is not None and args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
+            self.mixup_fn.mixup_enabled = False
+        self.model.train()
+        self.step_lr = self.opt.optimizer.param_groups[0]['lr']
         bar = None
-        if use_bar:
+        if self.use_bar:
             from tqdm import tqdm
-            bar = tqdm(total=batches_per_epoch, initial=first, desc=epoch_label(epoch, num_epochs),
+            bar = tqdm(total=self.batches_per_epoch, initial=first, desc=epoch_label(epoch, self.num_epochs),
                        dynamic_ncols=True, file=sys.stderr)
         epoch_t0 = time.time()
-        optimizer.zero_grad()
-        for batch_idx, (input, target) in enumerate(loader_train, start=first):
+        self.opt.optimizer.zero_grad()
+        batch_idx = first
+        for batch_idx, (input, target) in enumerate(loaders.train, start=first):
             # model-side randomness (drop path, mixup) is a function of (seed, epoch, batch, rank) too
             seed_everything(derive_seed(args.seed, 1, epoch, batch_idx, args.rank))
             # no-ops after the prefetcher; asynchronous from pinned memory without it
-            input = input.to(device, non_blocking=args.pin_mem)
-            target = target.to(device, non_blocking=args.pin_mem)
-            if mixup_fn is not None:
-                input, target = mixup_fn(input, target)
+            input = input.to(self.device, non_blocking=args.pin_mem)
+            target = target.to(self.device, non_blocking=args.pin_mem)
+            if self.mixup_fn is not None:
+                input, target = self.mixup_fn(input, target)
             if args.channels_last:
                 input = input.contiguous(memory_format=torch.channels_last)
-            last_batch = batch_idx + 1 == batches_per_epoch
-            need_update = last_batch or (batch_idx + 1) % args.grad_accum_steps == 0
-            sync_ctx = contextlib.nullcontext
-            if args.distributed and not need_update:
-                sync_ctx = model.no_sync
-            with sync_ctx():
-                with autocast():
-                    output = model(input)
-                    loss = criterion(output, target)
-                # the epoch's last update may accumulate fewer batches (as timm's train.py)
-                scaled = loss / (args.grad_accum_steps if batch_idx < tail_start else batches_per_epoch - tail_start)
-                if scaler is not None:
-                    scaler.scale(scaled).backward()
-                else:
-                    scaled.backward()
-            losses.add(loss, input.shape[0], batch_idx)  # on the device: no wait for it here
-            samples_seen += input.shape[0] * args.world_size
-            if not need_update:
+            lr = self.opt.optimizer.param_groups[0]['lr']  # of this batch's update, if it makes one
+            loss, updated = train_step(self.model, self.criterion, self.opt, input, target, batch_idx,
+                                       self.batches_per_epoch, args)
+            self.losses.add(loss, input.shape[0], batch_idx)  # on the device: no wait for it here
+            self.samples_seen += input.shape[0] * args.world_size
+            if not updated:
                 continue
-            step_lr = optimizer.param_groups[0]['lr']
-            if scaler is not None:
-                if args.clip_grad is not None:
-                    scaler.unscale_(optimizer)
-                    dispatch_clip_grad(model.parameters(), args.clip_grad, mode=args.clip_mode)
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                if args.clip_grad is not None:
-                    dispatch_clip_grad(model.parameters(), args.clip_grad, mode=args.clip_mode)
-                optimizer.step()
-            optimizer.zero_grad()
-            all_reduce_grc_caches(grc_layers)  # once per update, outside no_sync; before the EMA copies them
-            num_updates += 1
-            steps_this_process += 1
-            if model_ema is not None:
-                model_ema.update(_unwrap(model), step=num_updates)
-            lr_scheduler.step_update(num_updates=num_updates)
-
-            done = batch_idx + 1
-            log_step = done % args.log_interval == 0 or last_batch
-            save_recovery = bool(args.recovery_interval) and num_updates % args.recovery_interval == 0 \
-                and not last_batch
-            # one process alone may not stop (the others would wait for it): under torchrun the time budget is
-            # checked at the log steps, where all processes compare it
-            late = bool(args.time_budget) and time.time() - start_time > args.time_budget
-            if log_step or save_recovery or (late and not args.distributed):
-                try:
-                    window_loss, out_of_time = losses.read(late)  # the host waits for the device here only
-                except _NonFiniteWindow as e:
-                    raise non_finite(e, epoch, done) from None
-                elapsed = time.time() - epoch_t0
-                if bar is not None:
-                    bar.set_postfix_str(f'loss {losses.epoch_mean:.4f} lr {step_lr:.3g}', refresh=False)
-                elif primary and log_step:
-                    rate = (done - first) / max(elapsed, 1e-9)
-                    eta_epoch = (batches_per_epoch - done) / max(rate, 1e-9)
-                    eta_run = eta_epoch + (num_epochs - epoch - 1) * batches_per_epoch / max(rate, 1e-9)
-                    _logger.info(_progress_line(epoch, num_epochs, done, batches_per_epoch, window_loss,
-                                                losses.epoch_mean, step_lr, rate * args.batch_size * args.world_size,
-                                                eta_epoch, eta_run))
-            if bar is not None:
-                bar.update(done - bar.n)
-            if (save_recovery or out_of_time) and not last_batch and primary:
-                save_atomic(checkpoint_state(epoch, done, None), keeper.path('recovery.pth.tar'))
-            if args.stop_after_steps and steps_this_process >= args.stop_after_steps:
+            self.step_lr = lr
+            self._after_update()
+            self._log_and_save(epoch, batch_idx, first, epoch_t0, bar)
+            if args.stop_after_steps and self.steps_this_process >= args.stop_after_steps:
                 # testing hook: die like a killed process (no cleanup, no final checkpoint)
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(3)
-            if out_of_time:
+            if self.out_of_time:
                 break
         if bar is not None:
             bar.close()
+        return batch_idx, epoch_t0
 
-        if out_of_time and batch_idx + 1 < batches_per_epoch:
-            if primary:
-                _logger.info(f'time budget of {args.time_budget:.0f}s reached in {epoch_label(epoch, num_epochs)} '
-                             f'(batch {batch_idx + 1}/{batches_per_epoch}); evaluating now')
-            break
-        eval_metrics, model_metrics, ema_metrics = evaluate()
-        train_loss = losses.epoch_mean
-        metric = eval_metrics[args.eval_metric]
-        lr_scheduler.step(epoch + 1, metric)
-        if primary:
-            summary = os.path.join(output_dir, 'summary.csv')
-            columns = dict(model_metrics, **{f'ema_{k}': v for k, v in (ema_metrics or {}).items()})
-            update_summary(epoch, {'loss': train_loss}, columns, summary, lr=step_lr,
-                           write_header=not os.path.isfile(summary), log_wandb=log_wandb)
-            dropped = keeper.update(epoch, metric)
-            keeper.save_epoch(checkpoint_state(epoch + 1, 0, metric), epoch, metric)
-            keeper.remove(dropped)
-            recovery = keeper.path('recovery.pth.tar')
-            if os.path.isfile(recovery):
-                os.remove(recovery)  # last.pth.tar is now the most advanced state
-            _logger.info(f'{epoch_label(epoch, num_epochs)}: train loss {train_loss:.4f}, lr {step_lr:.3g}; '
-                         + _metrics_text(model_metrics, ema_metrics) + f' ({time.time() - epoch_t0:.1f}s)')
-        if out_of_time:
-            break
+    def end_epoch(self, epoch: int, epoch_t0: float) -> None:
+        """Evaluates, steps the epoch schedule and (rank 0) writes summary.csv and the epoch's checkpoints."""
+        self.evaluate()
+        train_loss = self.losses.epoch_mean
+        metric = self.eval_metrics[self.args.eval_metric]
+        self.opt.lr_scheduler.step(epoch + 1, metric)
+        if not self.primary:
+            return
+        summary = os.path.join(self.output_dir, 'summary.csv')
+        columns = dict(self.model_metrics, **{f'ema_{k}': v for k, v in (self.ema_metrics or {}).items()})
+        update_summary(epoch, {'loss': train_loss}, columns, summary, lr=self.step_lr,
+                       write_header=not os.path.isfile(summary), log_wandb=self.log_wandb)
+        keeper = self.keeper
+        dropped = keeper.update(epoch, metric)
+        keeper.save_epoch(self.checkpoint_state(epoch + 1, 0, metric), epoch, metric)
+        keeper.remove(dropped)
+        recovery = keeper.path('recovery.pth.tar')
+        if os.path.isfile(recovery):
+            os.remove(recovery)  # last.pth.tar is now the most advanced state
+        _logger.info(f'{epoch_label(epoch, self.num_epochs)}: train loss {train_loss:.4f}, lr {self.step_lr:.3g}; '
+                     + _metrics_text(self.model_metrics, self.ema_metrics) + f' ({time.time() - epoch_t0:.1f}s)')
 
-    if out_of_time and (not eval_metrics or batch_idx + 1 < batches_per_epoch):
-        eval_metrics, model_metrics, ema_metrics = evaluate()
-        if primary:
-            _logger.info(_metrics_text(model_metrics, ema_metrics))
-            keeper.save_epoch(checkpoint_state(epoch, batch_idx + 1, None), epoch, None)
-    result = dict(
-        model=args.model, output_dir=output_dir, epochs_done=epoch + (0 if out_of_time else 1),
-        num_updates=num_updates, stopped_by_time_budget=out_of_time,
-        top1=eval_metrics.get('top1'), top5=eval_metrics.get('top5'), eval_loss=eval_metrics.get('loss'),
-        metrics_of='ema' if ema_metrics is not None else 'model', model_metrics=model_metrics, ema_metrics=ema_metrics,
-        best_metric=keeper.best_metric, best_epoch=keeper.best_epoch, last_checkpoint=keeper.path('last.pth.tar'),
-        best_checkpoint=keeper.path('model_best.pth.tar') if keeper.best_epoch is not None else None,
-        train_seconds=round(time.time() - train_t0, 1), total_seconds=round(time.time() - start_time, 1),
-        samples_seen=samples_seen,
-    )
+    def fit(self) -> Dict[str, Any]:
+        """The epochs from the start (or resume) point to the end or the time budget; returns the result."""
+        epoch = self.start_epoch
+        batch_idx = 0
+        train_t0 = time.time()
+        for epoch in range(self.start_epoch, self.num_epochs):
+            batch_idx, epoch_t0 = self.train_epoch(epoch)
+            if self.out_of_time and batch_idx + 1 < self.batches_per_epoch:
+                if self.primary:
+                    _logger.info(f'time budget of {self.args.time_budget:.0f}s reached in '
+                                 f'{epoch_label(epoch, self.num_epochs)} (batch {batch_idx + 1}/'
+                                 f'{self.batches_per_epoch}); evaluating now')
+                break
+            self.end_epoch(epoch, epoch_t0)
+            if self.out_of_time:
+                break
+        if self.out_of_time and (not self.eval_metrics or batch_idx + 1 < self.batches_per_epoch):
+            self.evaluate()
+            if self.primary:
+                _logger.info(_metrics_text(self.model_metrics, self.ema_metrics))
+                self.keeper.save_epoch(self.checkpoint_state(epoch, batch_idx + 1, None), epoch, None)
+        return self.result(epoch, train_t0)
+
+    def result(self, epoch: int, train_t0: float) -> Dict[str, Any]:
+        """The run's outcome (result.json): metrics, checkpoints, updates, times."""
+        keeper, metrics = self.keeper, self.eval_metrics
+        return dict(
+            model=self.args.model, output_dir=self.output_dir, epochs_done=epoch + (0 if self.out_of_time else 1),
+            num_updates=self.num_updates, stopped_by_time_budget=self.out_of_time,
+            top1=metrics.get('top1'), top5=metrics.get('top5'), eval_loss=metrics.get('loss'),
+            metrics_of='ema' if self.ema_metrics is not None else 'model', model_metrics=self.model_metrics,
+            ema_metrics=self.ema_metrics, best_metric=keeper.best_metric, best_epoch=keeper.best_epoch,
+            last_checkpoint=keeper.path('last.pth.tar'),
+            best_checkpoint=keeper.path('model_best.pth.tar') if keeper.best_epoch is not None else None,
+            train_seconds=round(time.time() - train_t0, 1), total_seconds=round(time.time() - self.start_time, 1),
+            samples_seen=self.samples_seen,
+        )
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Train `args.model` as `args` says; return the final metrics and the checkpoint paths."""
+    start_time = time.time()
+    device = _setup(args)
+    primary = args.rank == 0
+    dataset_train, dataset_eval, class_names = _datasets(args, primary)
+    model, grc_layers, has_grc, data_config = _model_on_device(args, device, primary)
+    loaders = _loaders(args, dataset_train, dataset_eval, data_config, device, primary)
+    criterion, mixup_fn = _loss_and_mixup(args, device)
+    opt = _optimization(args, model, device, primary, loaders.batches_per_epoch)
+
+    output_dir = _run_directory(args, data_config, primary)
+    keeper = CheckpointKeeper(output_dir, max_history=args.checkpoint_hist, decreasing=args.eval_metric == 'loss')
+    resume_path = _find_resume(output_dir) if args.resume == 'auto' else args.resume
+    progress = _Progress()
+    if resume_path:
+        progress = _resume(args, resume_path, model, opt, keeper, primary)
+    elif args.start_epoch is not None:
+        progress.epoch = args.start_epoch
+    if progress.epoch > 0 or progress.batch > 0:
+        opt.lr_scheduler.step(progress.epoch)
+        if args.sched_on_updates:
+            opt.lr_scheduler.step_update(progress.num_updates)
+    model = _distributed_model(args, model, device, has_grc, grc_layers, primary)
+
+    if primary:
+        _write_run_files(args, output_dir, class_names)
+        _logger.info(f'run directory {output_dir}; {opt.num_epochs} epochs x {loaders.batches_per_epoch} batches of '
+                     f'{args.batch_size} x {args.world_size} process(es)')
+    if args.log_wandb and primary:
+        import wandb
+        wandb.init(project='lsvision', name=os.path.basename(output_dir), dir=output_dir, config=args_to_dict(args))
+    trainer = _Run(args, device, model, loaders, criterion, mixup_fn, opt, grc_layers, keeper, output_dir, progress,
+                   class_names, start_time)
+    result = trainer.fit()
     if primary:
         with open(os.path.join(output_dir, 'result.json'), 'w') as f:
             json.dump(result, f, indent=2)
-    if log_wandb:
+    if trainer.log_wandb:
         wandb.finish()
     if args.distributed:
         _check_ranks_agree(model, args)
