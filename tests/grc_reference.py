@@ -139,3 +139,74 @@ def grc_reference(
     pe = F.conv2d(grid, grc.pe.weight, grc.pe.bias, padding=1, groups=dm).flatten(2).transpose(1, 2)
     out = torch.cat([out[:, :p], out[:, p:] + pe], dim=1)
     return out, new_cache
+
+
+def full_attention_1d(attn: torch.nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                      cls_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`FullAttention1d` restated: the cls token (if any) prepended as a real token, fused qkv (rows q | k | v),
+    softmax(q k^T / sqrt(d)) over the real keys, padded queries' attention output 0, then proj."""
+    if cls_token is not None:
+        x = torch.cat([cls_token, x], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask.new_ones(mask.shape[0], 1), mask], dim=1)
+    B, n, C = x.shape
+    valid = torch.ones(B, n, dtype=torch.bool) if mask is None else mask.bool()
+    q, k, v = (F.linear(x, w, b) for w, b in zip(attn.qkv.weight.chunk(3), attn.qkv.bias.chunk(3)))
+    h = attn.num_heads
+    bias = torch.zeros(B, 1, 1, n, dtype=x.dtype).masked_fill(~valid[:, None, None, :], float('-inf'))
+    out = _attention(q, k, v, h, bias) * valid[..., None]
+    return _linear(out, attn.proj)
+
+
+def sequence_summary(src: torch.Tensor, valid: torch.Tensor, prefix: int, seq_len: int) -> torch.Tensor:
+    """The 1D summary, one sample at a time: the prefix tokens as they are, then only the real tokens (in order),
+    resized to `seq_len` slots by nearest: slot i takes real token floor(i * L / seq_len) (fp64 floor: exact for
+    these sizes). A sample without real tokens gets zeros (it is left out of the cache)."""
+    rows = []
+    for b in range(src.shape[0]):
+        real = src[b, prefix:][valid[b]]
+        if len(real):
+            idx = torch.floor(torch.arange(seq_len, dtype=torch.float64) * len(real) / seq_len).long()
+            seq = real[idx]
+        else:
+            seq = src.new_zeros(seq_len, src.shape[-1])
+        rows.append(torch.cat([src[b, :prefix], seq]))
+    return torch.stack(rows)
+
+
+def grc_sequence_reference(
+        grc: torch.nn.Module,
+        x: torch.Tensor,
+        o_self: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        cache: torch.Tensor,
+        training: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GRC-Attention on a padded token sequence (`GatedRecurrentCache1d`): spec §1.2 steps 3-8 as in `grc_reference`,
+    with the 1D summary (`sequence_summary`: real tokens only), samples without real tokens kept out of the update
+    (their C_t is the cache) and of the stored mean, and a 1D PE (kernel 3, groups D_m) on the sequence tokens with
+    the pad tokens zeroed. x, o_self: (B, prefix + n, D); mask (B, n), True on real tokens; cache (1, prefix + T_m,
+    D_m). Returns the output (B, prefix + n, D) and the cache after the call."""
+    B, T, D = x.shape
+    dm, H, p = grc.cache_dim, grc.num_heads, grc.num_prefix_tokens
+    valid = torch.ones(B, T - p, dtype=torch.bool) if mask is None else mask.bool()
+    has_tokens = valid.any(1)
+    S = sequence_summary((o_self if grc.summary_src == 'self' else x)[..., :dm], valid, p, grc.seq_len)
+    P = cache.expand(B, -1, -1)
+    g_r = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_reset))
+    g_u = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_update))
+    cand = layer_norm(F.gelu(_linear(torch.cat([g_r * P, S], dim=-1), grc.linear_candidate)), grc.norm_candidate)
+    C_t = g_u * cand + (1 - g_u) * P
+    if not training and not grc.eval_update:
+        C_t = P
+    C_t = torch.where(has_tokens[:, None, None], C_t, P)
+    new_cache = cache
+    if training and has_tokens.any():
+        new_cache = C_t.detach()[has_tokens].mean(0, keepdim=True)
+    o_mem = memory_attention(grc.mem_attn, x[..., :dm], C_t)
+    w = torch.sigmoid(grc.lam).view(1, 1, H, 1)
+    o_mem = torch.cat([o_mem.view(B, T, H, dm // H), o_mem.new_zeros(B, T, H, (D - dm) // H)], dim=-1)
+    out = (w * o_mem + (1 - w) * o_self.view(B, T, H, D // H)).reshape(B, T, D)
+    seq = (x[:, p:] * valid[..., None]).transpose(1, 2)
+    pe = F.conv1d(seq, grc.pe.weight, grc.pe.bias, padding=1, groups=dm).transpose(1, 2)
+    return torch.cat([out[:, :p], out[:, p:] + pe], dim=1), new_cache

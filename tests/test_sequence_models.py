@@ -30,6 +30,26 @@ def test_registry_lists_every_model_and_counterpart():
     names = seq.list_models()
     for base in ('lra_listops', 'lra_text', 'lra_retrieval', 'lm_enwik8_small', 'lm_enwik8_large', 'lm_text8_small'):
         assert f'ls_{base}' in names and f'full_{base}' in names
+    for base in ('lra_listops', 'lra_text', 'lra_retrieval'):  # GRC-Attention (Cached Transformers), both kinds
+        assert f'grc_{base}' in names and f'ls_grc_{base}' in names
+
+
+@pytest.mark.parametrize('name,base', [
+    ('grc_lra_listops', 'full_lra_listops'), ('grc_lra_text', 'full_lra_text'),
+    ('grc_lra_retrieval', 'full_lra_retrieval'), ('ls_grc_lra_listops', 'ls_lra_listops'),
+    ('ls_grc_lra_text', 'ls_lra_text'), ('ls_grc_lra_retrieval', 'ls_lra_retrieval')])
+def test_grc_lra_parameter_counts(name, base):
+    """The counterpart's parameters plus, per block (2), one GRC layer at D = 64, 2 heads, D_m = 32: the gates
+    W_r, W_u, W_c (2 D_m -> D_m) and the candidate LN, the memory attention q, kv, proj at width D_m, lam (one per
+    head) and the PE conv (kernel 3, groups D_m); the cache is a buffer (T_m = max_len, + 1 cls slot last)."""
+    D, H, dm = 64, 2, 32
+    gates = 3 * (2 * dm * dm + dm) + 2 * dm
+    memory = (dm * dm + dm) + (dm * 2 * dm + 2 * dm) + (dm * dm + dm)
+    pe = D * (D // dm) * 3 + D
+    model = seq.create_model(name)
+    assert parameter_count(model) == parameter_count(seq.create_model(base)) + 2 * (gates + memory + H + pe)
+    max_len = model.encoder.max_len
+    assert [b.attn.grc.cache.shape for b in model.encoder.blocks] == [(1, max_len, dm), (1, max_len + 1, dm)]
 
 
 def test_lra_shapes_and_full_counterparts():

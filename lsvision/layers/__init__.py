@@ -1,9 +1,11 @@
 """Attention math shared by the lsvision models. Layers know no model."""
 from .grc import (
     GatedRecurrentCache,
+    GatedRecurrentCache1d,
     GrcAttention,
     GrcConfig,
     GrcMemoryAttention,
+    attach_grc,
     grc_dims,
     self_attention_of,
     wrap_attention_with_grc,

@@ -22,7 +22,9 @@ The module keeps its parameters and their names and gains one `grc` child (`attn
 with only GRC keys missing. Its class becomes a subclass that adds only a forward: the unchanged self-attention
 (`self_attention_of`: the base class's own forward) followed by `grc`. `GrcAttention` is a generic wrapper for user
 code (self branch under `attn.attn`). `GrcMemoryAttention` is the memory branch (plain MHSA, PVT spatial reduction
-or linear SRA on the cache grid, Swin relative position bias over the window slots).
+or linear SRA on the cache grid, Swin relative position bias over the window slots). `GatedRecurrentCache1d` is the
+same layer for padded token sequences (the 1D encoders of `lsvision.sequence`): only the real tokens are resized into
+the cache, and the PE is a 1D conv; `attach_grc` wires it (or any GRC layer) into an attention the same way.
 
 Written for lsvision, Apache-2.0.
 """
@@ -44,8 +46,8 @@ from .matmul_attention import matmul_attention
 from .reparam import FoldableModule
 
 __all__ = [
-    'GatedRecurrentCache', 'GrcAttention', 'GrcConfig', 'GrcMemoryAttention', 'grc_dims', 'self_attention_of',
-    'wrap_attention_with_grc',
+    'GatedRecurrentCache', 'GatedRecurrentCache1d', 'GrcAttention', 'GrcConfig', 'GrcMemoryAttention', 'attach_grc',
+    'grc_dims', 'self_attention_of', 'wrap_attention_with_grc',
 ]
 
 
@@ -400,12 +402,17 @@ class GatedRecurrentCache(FoldableModule):
             **dd,
         )
         self.lam = nn.Parameter(torch.full((num_heads,), float(config.lam_init), **dd))
-        self.pe = nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=cache_dim, **dd)
+        self.pe = self._build_pe(dim, cache_dim, device, dtype)
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
         # set by `reparameterize` (see there); None in a layer that trains
         for name in ('gate_weight', 'gate_bias', 'candidate_cache_weight', 'mix_weight', 'pe_weight_own',
                      'pe_weight_pair', 'pe_bias'):
             self.register_buffer(name, None)
+
+    @staticmethod
+    def _build_pe(dim: int, groups: int, device=None, dtype=None) -> nn.Module:
+        """The PE conv (step 9): 3x3 over the patch grid, groups = D_m."""
+        return nn.Conv2d(dim, dim, 3, stride=1, padding=1, groups=groups, device=device, dtype=dtype)
 
     def extra_repr(self) -> str:
         return (f'dim={self.dim}, cache=({self.cache_len}, {self.cache_dim}), summary_src={self.summary_src!r}, '
@@ -508,7 +515,7 @@ class GatedRecurrentCache(FoldableModule):
         self.linear_update = None
         self.linear_candidate = None
         self.lam = None
-        if self.dim == 2 * self.cache_dim:
+        if self.dim == 2 * self.cache_dim and isinstance(self.pe, nn.Conv2d):
             pe = self.pe
             assert pe is not None
             self.pe_weight_own, self.pe_weight_pair = (w.clone() for w in self._pe_filters())
@@ -556,8 +563,18 @@ class GatedRecurrentCache(FoldableModule):
         return x
 
     @torch.no_grad()
-    def _store(self, new_cache: torch.Tensor) -> None:
-        new = new_cache.detach().float().mean(0, keepdim=True)
+    def _store(self, new_cache: torch.Tensor, keep: Optional[torch.Tensor] = None) -> None:
+        """Store the batch mean of the per-sample update (all-reduced with `sync_cache`); `keep` (B,) bool: average
+        only these samples (the others leave no trace; none kept: the cache stays). Tensor methods only: TorchScript
+        compiles this through `no_grad`'s wrapper, which does not see this module's `torch`."""
+        new = new_cache.detach().float()
+        if keep is None:
+            new = new.mean(0, keepdim=True)
+        else:
+            # no host sync: a weighted mean, and the old cache where no sample is kept
+            w = keep.to(new.dtype).view(-1, 1, 1)
+            kept = w.sum()
+            new = ((new * w).sum(0, keepdim=True) / kept.clamp(min=1.)).where(kept > 0, self.cache)
         if self.sync_cache:
             new = self._all_reduce_mean(new)
         self.cache.copy_(new)
@@ -592,17 +609,33 @@ class GatedRecurrentCache(FoldableModule):
         src = o_self if self.summary_src == 'self' else x
         summary = self._resize_summary(src[..., :dm], feat_size)
 
+        cache = self._updated_cache(summary, B)
+        o_mem = self.mem_attn(x[..., :dm], cache)
+        return self._mix(o_self, o_mem, self._pe(x[:, p:], feat_size))
+
+    def _updated_cache(self, summary: torch.Tensor, batch_size: int,
+                       keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Steps 3-6: the per-sample cache C_t (B, T_m, D_m) from the stored cache and the summary (B, T_m, D_m); in
+        train mode its batch mean is stored. `keep` (B,) bool: samples whose update may be stored (others get the
+        stored cache as C_t)."""
         # clone: the buffer is written in place below (train) while this step's graph still uses its value; without
         # a graph or a store (eval, no grad) the buffer is read as is
         cache = self.cache.to(dtype=summary.dtype, copy=self.training or torch.is_grad_enabled())
         if self.training or self.eval_update:
-            cache = self.update(cache, summary)
+            new = self.update(cache, summary)
+            if keep is not None:
+                new = torch.where(keep.view(-1, 1, 1), new, cache)
             if self.training:
-                self._store(cache)
-        else:
-            cache = cache.expand(B, -1, -1)
-        o_mem = self.mem_attn(x[..., :dm], cache)
+                self._store(new, keep)
+            return new
+        return cache.expand(batch_size, -1, -1)
 
+    def _mix(self, o_self: torch.Tensor, o_mem: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        """Step 8-9: O = sigmoid(lam) [o_mem, 0] + (1 - sigmoid(lam)) o_self per head, + `pe` (B, T - prefix, D) on
+        the tokens after the prefix."""
+        B, T, D = o_self.shape
+        p = self.num_prefix_tokens
+        dm = self.cache_dim
         H = self.num_heads
         if self.mix_weight is None:
             w = torch.sigmoid(self.lam).to(o_self.dtype).view(H, 1)
@@ -610,7 +643,6 @@ class GatedRecurrentCache(FoldableModule):
             w = self.mix_weight.to(o_self.dtype)
         w_self = 1. - w
         # O = w * [o_mem, 0] + (1 - w) * o_self per head (without the zero-padded copy of o_mem), + PE on the patches
-        pe = self._pe(x[:, p:], feat_size)  # prefix tokens get no PE
         if p == 0 and pe.is_contiguous():
             # accumulate into the fresh PE tensor: one pass and no new tensor for (1 - w) * o_self
             out = pe.view(B, T, H, D // H).addcmul_(o_self.reshape(B, T, H, D // H), w_self)
@@ -649,6 +681,149 @@ class GatedRecurrentCache(FoldableModule):
         y = F.conv2d(x.view(B, H, W, D).permute(0, 3, 1, 2), w_own.to(x.dtype), bias, padding=1, groups=D)
         y.add_(F.conv2d(x_pair.view(B, H, W, D).permute(0, 3, 1, 2), w_pair.to(x.dtype), None, padding=1, groups=D))
         return y.permute(0, 2, 3, 1).reshape(B, N, D)
+
+
+@register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
+class GatedRecurrentCache1d(GatedRecurrentCache):
+    """The GRC layer for token sequences with padding (1D encoders; the paper's Long ListOps setting, Table 6).
+
+    The same cache, gates, update, store, memory attention and mixing as `GatedRecurrentCache`; what differs is how
+    the sequence enters the cache and the PE:
+
+    - Summary: only the real tokens of each sample (`mask`), in order, are resized to the T_m sequence slots of the
+      cache: nearest, slot i takes real token floor(i * L / T_m) of the L real tokens (computed exactly in integers;
+      `F.interpolate`'s float32 scale picks the previous token for some lengths). Padding never enters the cache,
+      and a sample's update does not depend on how much padding surrounds its tokens. A sample without real tokens
+      attends to the stored cache and is left out of the stored batch mean. Prefix (cls) tokens have slots of their
+      own in front.
+    - PE: a 1D conv (kernel 3, groups = D_m) over the tokens after the prefix, with pad tokens zeroed first (to the
+      last real token a trailing pad looks like the conv's own zero padding).
+    - A sample longer than the cache (more than T_m real tokens) is an error, and so is loading a cache of another
+      length (both name the two lengths).
+
+    Padded queries still get outputs (their memory and self terms), which nothing downstream should read: the 1D
+    encoders mask padded keys and pool real tokens only.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int,
+            seq_len: int,
+            num_prefix_tokens: int = 0,
+            config: Optional[GrcConfig] = None,
+            mem_attn_kwargs: Optional[dict] = None,
+            norm_eps: float = 1e-5,
+            device=None,
+            dtype=None,
+    ):
+        """
+        Args:
+            dim: Width D of the wrapped attention.
+            num_heads: Heads H of the wrapped attention (the memory branch uses the same number).
+            seq_len: Sequence slots of the cache, T_m (the paper: the model's max length); prefix slots come on top.
+            num_prefix_tokens: Prefix (cls) tokens in front of the sequence, each with a cache slot of its own.
+            config: The GRC options (`GrcConfig`); `interp_mode` must be 'nearest1d'.
+            mem_attn_kwargs: Extra kwargs of the memory attention (`GrcMemoryAttention`: qkv_bias, attn_drop...).
+            norm_eps: Epsilon of the candidate LayerNorm.
+        """
+        config = config or GrcConfig()
+        if config.interp_mode != 'nearest1d':
+            raise ValueError(f"a token sequence has no patch grid: interp_mode must be 'nearest1d', got "
+                             f'{config.interp_mode!r}')
+        if seq_len < 1:
+            raise ValueError(f'GRC cache length must be >= 1, got {seq_len}')
+        super().__init__(dim, num_heads, num_prefix_tokens + seq_len, num_prefix_tokens=num_prefix_tokens,
+                         config=config, mem_attn_kwargs=mem_attn_kwargs, norm_eps=norm_eps, device=device,
+                         dtype=dtype)
+        self.seq_len = seq_len
+
+    @staticmethod
+    def _build_pe(dim: int, groups: int, device=None, dtype=None) -> nn.Module:
+        """The PE conv over the token sequence: kernel 3, groups = D_m."""
+        return nn.Conv1d(dim, dim, 3, stride=1, padding=1, groups=groups, device=device, dtype=dtype)
+
+    def resize_cache(self, new_hw: Tuple[int, int]) -> None:
+        raise ValueError('a sequence GRC cache has no patch grid to resize; build the model with the cache length '
+                         'you need (max_len)')
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        cache = state_dict.get(prefix + 'cache')
+        if cache is not None and cache.ndim == 3 and cache.shape[1] != self.cache_len:
+            p = self.num_prefix_tokens
+            raise ValueError(
+                f'{prefix}cache in the checkpoint has T_m = {cache.shape[1] - p} sequence slots (+ {p} prefix), this '
+                f'model has T_m = {self.seq_len}: build the model with the cache length of the checkpoint (the 1D '
+                f'encoders: max_len={cache.shape[1] - p})')
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _sequence_summary(
+            self, src: torch.Tensor, valid: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The summary (B, T_m, D_m) of `src` (B, prefix + n, D_m) and which samples have real tokens ((B,) bool, or
+        None without a mask): prefix slots as they are, then the real tokens resized to `seq_len` slots."""
+        B, T, dm = src.shape
+        p, T_m = self.num_prefix_tokens, self.seq_len
+        tokens = src[:, p:]
+        n = T - p
+        if n < 1:
+            raise ValueError('the GRC layer got no sequence tokens (only the prefix)')
+        if valid is None:
+            counts = torch.full((B,), n, dtype=torch.long, device=src.device)
+            order = None
+        else:
+            counts = valid.sum(1)
+            # the real tokens first, in order (stable)
+            order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
+        if n > T_m:  # only then may a sample have more real tokens than slots (a host sync, only here)
+            longest = int(counts.max())
+            if longest > T_m:
+                raise ValueError(f'a sequence of {longest} real tokens is longer than the GRC cache (T_m = {T_m} '
+                                 'slots): truncate it, or build the model with a longer max_len')
+        if valid is None and n == T_m:
+            summary = tokens
+        else:
+            src_index = torch.arange(T_m, device=src.device)[None] * counts[:, None] // T_m  # (B, T_m)
+            if order is not None:
+                src_index = order.gather(1, src_index)
+            summary = tokens.gather(1, src_index[..., None].expand(-1, -1, dm))
+        if p:
+            summary = torch.cat([src[:, :p], summary], dim=1)
+        return summary, (None if valid is None else counts > 0)
+
+    def forward(  # type: ignore[override]
+            self,
+            x: torch.Tensor,
+            o_self: torch.Tensor,
+            mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            x: Attention input (B, prefix + n, D): prefix (cls) tokens, then the sequence.
+            o_self: Self-attention output (B, prefix + n, D).
+            mask: Optional (B, n) mask of the sequence tokens, True (or 1) on real tokens.
+        """
+        refuse_legacy_onnx_export('GatedRecurrentCache1d')
+        B, T, D = x.shape
+        if o_self.shape != x.shape:
+            raise ValueError(f'self-attention output {o_self.shape} must match its input {x.shape}')
+        if D != self.dim:
+            raise ValueError(f'GRC layer built for width {self.dim}, got input of width {D}')
+        p = self.num_prefix_tokens
+        valid = None if mask is None else mask.to(torch.bool)
+        if valid is not None and valid.shape != (B, T - p):
+            raise ValueError(f'mask {tuple(valid.shape)} must be (batch, sequence tokens) = ({B}, {T - p})')
+        dm = self.cache_dim
+        src = o_self if self.summary_src == 'self' else x
+        summary, keep = self._sequence_summary(src[..., :dm], valid)
+        cache = self._updated_cache(summary, B, keep)
+        o_mem = self.mem_attn(x[..., :dm], cache)
+        seq = x[:, p:]
+        if valid is not None:
+            seq = seq * valid[..., None].to(seq.dtype)  # pad tokens enter the PE as zeros
+        pe = self.pe(seq.transpose(1, 2)).transpose(1, 2)
+        return self._mix(o_self, o_mem, pe)
 
 
 def self_attention_of(attn_cls: type) -> Callable[..., torch.Tensor]:
@@ -698,9 +873,6 @@ def wrap_attention_with_grc(
             qkv_bias, sr_ratio, linear_attn, window_size).
         init_fn: Applied to the new GRC layer's modules (e.g. the model's `_init_weights`).
     """
-    if grc_attn_cls is type(attn) or not issubclass(grc_attn_cls, type(attn)):
-        raise TypeError(f'{grc_attn_cls.__name__} is not a GRC subclass of {type(attn).__name__}: pass the GRC class '
-                        'made for the attention class the backbone built (an attention is wrapped once)')
     param = next(attn.parameters())
     grc = GatedRecurrentCache(
         dim,
@@ -713,6 +885,22 @@ def wrap_attention_with_grc(
         device=param.device,
         dtype=param.dtype,
     )
+    return attach_grc(attn, grc_attn_cls, grc, init_fn)
+
+
+def attach_grc(
+        attn: nn.Module,
+        grc_attn_cls: Type[nn.Module],
+        grc: GatedRecurrentCache,
+        init_fn: Optional[Callable[[nn.Module], None]] = None,
+) -> nn.Module:
+    """Make `attn` a GRC-Attention in place with a GRC layer built by the caller (`wrap_attention_with_grc` builds
+    the patch-grid one; the 1D sequence models a `GatedRecurrentCache1d`): `attn` becomes an instance of
+    `grc_attn_cls` (a subclass of its class that only adds a forward) and gains the child `grc`, initialized by
+    `init_fn` when given. Returns `attn`."""
+    if grc_attn_cls is type(attn) or not issubclass(grc_attn_cls, type(attn)):
+        raise TypeError(f'{grc_attn_cls.__name__} is not a GRC subclass of {type(attn).__name__}: pass the GRC class '
+                        'made for the attention class the model built (an attention is wrapped once)')
     if init_fn is not None:
         grc.apply(init_fn)
     attn.__class__ = grc_attn_cls  # same object and state, plus the forward that runs `grc`

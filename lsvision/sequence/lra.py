@@ -10,6 +10,10 @@ tokens times the padding mask, averaged over all n positions: it depends on how 
 `pool='mean_real'` averages the real tokens only (padding-invariant). Heads: Linear -> ReLU -> Linear on the pooled
 vector (ListOps, Text), or on [u, v, u * v, u - v] of the two documents (Retrieval).
 
+`grc_lra_*` and `ls_grc_lra_*` are the same encoders with GRC-Attention (Cached Transformers, Table 6: Long ListOps)
+in every block (`grc_config`, or the `grc_*` keyword arguments; see `lsvision/sequence/grc_lra.py`): a cache of
+T_m = max_len slots (+ 1 for the cls token in the last layer) of width D / 2.
+
 Written for lsvision, Apache-2.0.
 """
 from typing import Optional
@@ -19,9 +23,10 @@ import torch.nn as nn
 
 from timm.layers import Mlp
 
-from lsvision.layers import FullAttention1d, LongShortAttention1d
+from lsvision.layers import FullAttention1d, GatedRecurrentCache, GrcConfig, LongShortAttention1d
 
 from ._registry import register_model
+from .grc_lra import add_grc_1d
 
 __all__ = ['LraEncoder', 'LraClassifier', 'LraDualClassifier', 'POOLS']
 
@@ -41,7 +46,10 @@ class LraBlock(nn.Module):
     """Pre-LN block: x + Attn(LN1 x [, cls]); x + MLP(LN2 x)."""
 
     def __init__(self, dim: int, num_heads: int, mlp_hidden: int, attn: str = 'ls', window_size: int = 8,
-                 dp_rank: int = 32, drop: float = 0., attn_drop: float = 0.):
+                 dp_rank: int = 32, drop: float = 0., attn_drop: float = 0., grc_config: Optional[GrcConfig] = None,
+                 grc_len: int = 0, grc_prefix_tokens: int = 0):
+        """`grc_config`: GRC-Attention with a cache of `grc_len` sequence slots (+ `grc_prefix_tokens` for a cls
+        token); None: the attention alone."""
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         if attn == 'ls':
@@ -50,6 +58,8 @@ class LraBlock(nn.Module):
             self.attn = FullAttention1d(dim, num_heads, attn_drop=attn_drop)
         else:
             raise ValueError(f"attn must be 'ls' or 'full', got {attn!r}")
+        if grc_config is not None:
+            add_grc_1d(self.attn, grc_len, grc_prefix_tokens, grc_config)
         self.drop = nn.Dropout(drop)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, mlp_hidden, act_layer=nn.GELU, drop=drop)
@@ -81,6 +91,7 @@ class LraEncoder(nn.Module):
             attn_drop: float = 0.,
             pool: str = 'cls',
             pad_id: int = 0,
+            grc_config: Optional[GrcConfig] = None,
     ):
         """
         Args:
@@ -99,6 +110,8 @@ class LraEncoder(nn.Module):
                 'mean_official' (official MEAN pooling without cls: sum of the real tokens divided by n, the padded
                 length) or 'mean_real' (sum of the real tokens divided by their number).
             pad_id: Token id of padding (official: 0); the key-padding mask is `ids != pad_id`.
+            grc_config: GRC-Attention in every block (`lsvision.layers.GrcConfig`): a cache of max_len slots, plus
+                one for the cls token in the last block with `pool='cls'`. None: no cache.
         """
         super().__init__()
         _check_pool(pool)
@@ -110,7 +123,8 @@ class LraEncoder(nn.Module):
         self.pos_embed = nn.Embedding(max_len, dim)
         self.drop = nn.Dropout(drop)
         self.blocks = nn.ModuleList([
-            LraBlock(dim, num_heads, mlp_hidden, attn, window_size, dp_rank, drop, attn_drop) for _ in range(depth)])
+            LraBlock(dim, num_heads, mlp_hidden, attn, window_size, dp_rank, drop, attn_drop, grc_config, max_len,
+                     int(pool == 'cls' and i == depth - 1)) for i in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim)) if pool == 'cls' else None
         nn.init.normal_(self.embed.weight, std=0.02)
@@ -123,12 +137,25 @@ class LraEncoder(nn.Module):
         parameters.
         """
         _check_pool(pool)
+        if (pool == 'cls') != (self.pool == 'cls') and self.grc_layers():
+            raise ValueError(f"the GRC cache of the last block was built {'with' if self.pool == 'cls' else 'without'}"
+                             f" a cls slot: build the model with pool={pool!r} instead of switching from "
+                             f'{self.pool!r}')
         if pool == 'cls' and self.cls_token is None:
             w = self.embed.weight
             self.cls_token = nn.Parameter(torch.zeros(1, 1, w.shape[1], device=w.device, dtype=w.dtype))
         elif pool != 'cls':
             self.cls_token = None
         self.pool = pool
+
+    def grc_layers(self) -> list:
+        """The GRC layers of the blocks (`lsvision.layers.GatedRecurrentCache`), first block first; [] without."""
+        return [m for m in self.modules() if isinstance(m, GatedRecurrentCache)]
+
+    def reset_cache(self) -> None:
+        """Zero every GRC cache."""
+        for m in self.grc_layers():
+            m.reset_cache()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         B, n = ids.shape
@@ -160,6 +187,10 @@ class LraClassifier(nn.Module):
         dim = self.encoder.num_features
         self.head = nn.Sequential(nn.Linear(dim, mlp_hidden), nn.ReLU(), nn.Linear(mlp_hidden, num_classes))
 
+    def reset_cache(self) -> None:
+        """Zero every GRC cache (models with GRC-Attention)."""
+        self.encoder.reset_cache()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.encoder(ids))
 
@@ -172,6 +203,10 @@ class LraDualClassifier(nn.Module):
         self.encoder = LraEncoder(mlp_hidden=mlp_hidden, **encoder_kwargs)
         dim = self.encoder.num_features
         self.head = nn.Sequential(nn.Linear(4 * dim, mlp_hidden), nn.ReLU(), nn.Linear(mlp_hidden, num_classes))
+
+    def reset_cache(self) -> None:
+        """Zero every GRC cache (models with GRC-Attention)."""
+        self.encoder.reset_cache()
 
     def forward(self, ids1: torch.Tensor, ids2: torch.Tensor) -> torch.Tensor:
         u, v = self.encoder(ids1), self.encoder(ids2)
@@ -188,6 +223,12 @@ def _lra(cls, defaults, attn, **kwargs):
     cfg = dict(defaults, attn=attn)
     cfg.update(kwargs)
     return cls(**cfg)
+
+
+def _lra_grc(cls, defaults, attn, **kwargs):
+    """`_lra` with GRC-Attention: `grc_config`, or `grc_*` keyword arguments (`grc_ratio`, `grc_sync_cache`, ...)."""
+    grc_config = GrcConfig.from_kwargs(kwargs.pop('grc_config', None), kwargs)
+    return _lra(cls, defaults, attn, grc_config=grc_config, **kwargs)
 
 
 @register_model
@@ -224,3 +265,47 @@ def full_lra_text(**kwargs) -> LraClassifier:
 def full_lra_retrieval(**kwargs) -> LraDualClassifier:
     """Full-attention counterpart of `ls_lra_retrieval`."""
     return _lra(LraDualClassifier, _RETRIEVAL, 'full', **kwargs)
+
+
+# GRC-Attention (Cached Transformers, Table 6: Long ListOps; Transformer 36.23 -> 37.40 with the cache): r = 0.5
+# (D_m = 32 of D = 64), lam init 0, a cache of T_m = max_len slots, updated in training and frozen in eval
+
+
+@register_model
+def grc_lra_listops(**kwargs) -> LraClassifier:
+    """`full_lra_listops` with GRC-Attention in both blocks: the paper's Long ListOps setting (Cached Transformers,
+    Table 6: Transformer 36.23 -> 37.40), r = 0.5, cache T_m = max_len = 2048."""
+    return _lra_grc(LraClassifier, _LISTOPS, 'full', **kwargs)
+
+
+@register_model
+def grc_lra_text(**kwargs) -> LraClassifier:
+    """`full_lra_text` with GRC-Attention (the Table 6 ListOps setting of Cached Transformers on LRA Text), r = 0.5,
+    cache T_m = max_len = 4096."""
+    return _lra_grc(LraClassifier, _TEXT, 'full', **kwargs)
+
+
+@register_model
+def grc_lra_retrieval(**kwargs) -> LraDualClassifier:
+    """`full_lra_retrieval` with GRC-Attention (the Table 6 ListOps setting of Cached Transformers on LRA Retrieval),
+    r = 0.5, cache T_m = max_len = 4096; both documents go through the same encoder and update its cache."""
+    return _lra_grc(LraDualClassifier, _RETRIEVAL, 'full', **kwargs)
+
+
+@register_model
+def ls_grc_lra_listops(**kwargs) -> LraClassifier:
+    """`ls_lra_listops` (w, r = 8, 32) with GRC-Attention: long-short self branch, full attention over the cache
+    (Cached Transformers, Table 6 Long ListOps setting: r = 0.5, T_m = max_len = 2048)."""
+    return _lra_grc(LraClassifier, _LISTOPS, 'ls', **kwargs)
+
+
+@register_model
+def ls_grc_lra_text(**kwargs) -> LraClassifier:
+    """`ls_lra_text` with GRC-Attention (the Table 6 ListOps setting of Cached Transformers), T_m = 4096."""
+    return _lra_grc(LraClassifier, _TEXT, 'ls', **kwargs)
+
+
+@register_model
+def ls_grc_lra_retrieval(**kwargs) -> LraDualClassifier:
+    """`ls_lra_retrieval` with GRC-Attention (the Table 6 ListOps setting of Cached Transformers), T_m = 4096."""
+    return _lra_grc(LraDualClassifier, _RETRIEVAL, 'ls', **kwargs)
