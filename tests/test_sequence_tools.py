@@ -34,7 +34,8 @@ def test_demo_listops(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert '| long-short (w 8, r 8) | 86,954 |' in stdout and '| full (SDPA) | 84,362 |' in stdout
     report = json.loads(out.read_text())
-    assert [r['model'] for r in report['results']] == ['ls', 'full']
+    assert '| full + GRC cache | 106,318 |' in stdout and '| long-short (w 8, r 8) + GRC cache | 108,910 |' in stdout
+    assert [r['model'] for r in report['results']] == ['full', 'grc', 'ls', 'ls_grc']
     assert all(0 <= r['test_acc'] <= 1 and r['steps'] >= 1 for r in report['results'])
     assert 0.05 < report['majority'] < 0.2
 
