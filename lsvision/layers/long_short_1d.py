@@ -22,7 +22,7 @@ spans again) and `projection_weights` are shared with the 2D layer.
 Written for lsvision, Apache-2.0.
 """
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -352,6 +352,17 @@ def _causal_chunk(
     return out.transpose(1, 2)  # (B, Cq, h, d): the chunks concatenate straight into token order
 
 
+class _CausalLayout(NamedTuple):
+    """The tokens of one `CausalLongShortAttention` call: [left pad | cache | x | right pad] (N = Mp + Lp)."""
+    x: torch.Tensor  # the current tokens (B, L, C)
+    pre: torch.Tensor  # left pad and cache (B, Mp, C), whole segments, at least W tokens
+    x_cur: torch.Tensor  # x right-padded to whole blocks (B, Lp, C)
+    valid: torch.Tensor  # (N,) the real tokens (the masked-cache extension masks cache tokens too)
+    Mp: int
+    Lp: int
+    chunk: int  # queries per chunk, a multiple of lcm(W, l)
+
+
 class CausalLongShortAttention(nn.Module):
     """Causal long-short attention with a cache of the previous M tokens (Transformer-LS char-LM).
 
@@ -459,16 +470,28 @@ class CausalLongShortAttention(nn.Module):
             (B, L, D).
         """
         B, L, C = x.shape
-        h, d, r, W, ls = self.num_heads, self.head_dim, self.dp_rank, self.window_size, self.segment_size
+        layout = self._layout(x, cache, cache_valid_len)
+        bar_k, bar_v, seg_valid = self._segment_keys_values(x, layout)
+        win_pos, seg_pos = self._relative_positions(bar_k.shape[2], x.device, x.dtype)
+        out = self._attend_chunks(layout, bar_k, bar_v, seg_valid, win_pos, seg_pos)  # (B, Lp, h, d)
+        out = out[:, :L].reshape(B, L, C)
+        return self.proj_drop(self.proj(out))
+
+    def _layout(self, x: torch.Tensor, cache: Optional[torch.Tensor],
+                cache_valid_len: Optional[int]) -> '_CausalLayout':
+        """The token layout [left pad | cache | x | right pad] and which of its tokens are real.
+
+        Whole segments, at least W tokens before position 0, current segments aligned at 0, the queries a multiple
+        of lcm(W, l) (chunks of whole blocks).
+        """
+        B, L, C = x.shape
+        W, ls = self.window_size, self.segment_size
         M = 0 if cache is None else cache.shape[1]
         if cache is not None and cache_valid_len is None and (M < W or M % ls):
             raise ValueError(
                 f'cache of {M} tokens: the official layout needs M >= window_size ({W}) and M % segment_size '
                 f'({ls}) == 0; pass cache_valid_len to use the masked-cache extension')
         valid_cache = M if cache_valid_len is None else max(0, min(int(cache_valid_len), M))
-
-        # layout [left pad | cache | x | right pad]: whole segments, at least W tokens before position 0,
-        # current segments aligned at 0, the queries a multiple of lcm(W, l) (chunks of whole blocks)
         unit = W * ls // math.gcd(W, ls)
         Mp = -(-max(M, W) // ls) * ls
         chunk = -(-L // unit) * unit if self.query_chunk_size is None else -(-self.query_chunk_size // unit) * unit
@@ -479,15 +502,23 @@ class CausalLongShortAttention(nn.Module):
         if cache is not None:
             pre_parts.append(cache.to(x.dtype))
         pre = torch.cat(pre_parts, dim=1) if len(pre_parts) > 1 else pre_parts[0]  # (B, Mp, C)
-        N = Mp + Lp
-        valid = torch.zeros(N, dtype=torch.bool, device=x.device)
+        valid = torch.zeros(Mp + Lp, dtype=torch.bool, device=x.device)
         valid[Mp - valid_cache:Mp + L] = True
-        right = [x.new_zeros(B, Lp - L, C)] if Lp > L else []
+        x_cur = x if Lp == L else torch.cat([x, x.new_zeros(B, Lp - L, C)], dim=1)  # (B, Lp, C)
+        return _CausalLayout(x, pre, x_cur, valid, Mp, Lp, chunk)
 
-        x_cur = x if Lp == L else torch.cat([x] + right, dim=1)  # (B, Lp, C)
+    def _segment_keys_values(self, x: torch.Tensor, layout: '_CausalLayout'
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Segment-wise dynamic projection: P = softmax over the l tokens of each segment (fp32), the r keys and
+        values of each segment (cache and current), LN_G.
 
-        # segment-wise dynamic projection: P = softmax over the l tokens of each segment (fp32)
-        num_seg = N // ls
+        Returns:
+            (bar_k, bar_v) (B, h, S * r, d) ordered (segment, rank), and which segments hold a real token (S,).
+        """
+        B, L, C = x.shape
+        h, d, r, ls = self.num_heads, self.head_dim, self.dp_rank, self.segment_size
+        pre, Mp, Lp, valid = layout.pre, layout.Mp, layout.Lp, layout.valid
+        num_seg = (Mp + Lp) // ls
         logits = torch.cat([self.dynamic_proj(pre), self.dynamic_proj(x)]
                            + ([x.new_zeros(B, Lp - L, h * r)] if Lp > L else []), dim=1)  # pads: masked below
         if logits.dtype in (torch.float16, torch.bfloat16):
@@ -496,68 +527,75 @@ class CausalLongShortAttention(nn.Module):
         P = logits.reshape(B, num_seg, ls, h, r).softmax(dim=2).to(x.dtype)  # (B, S, l, h, r)
         seg_valid = valid.reshape(num_seg, ls).any(1)
         nsc = Mp // ls
-
-        def average(weights: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            # (B, s, l, h, r) x (B, s * l, D) -> (B, s, r, D): per head slice, weighted by that head's P
-            return torch.einsum('bstir,bstid->bsrid', weights, t.reshape(B, -1, ls, h, d)).flatten(-2)
-
-        def project_average(weights: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-            # sum_tau P_i (t_tau W_i) = (sum_tau P_i t_tau) W_i (k, v have no bias): average the inputs with each
-            # head's weights, then project with that head's slice: no (B, n, D) intermediate is kept
-            avg = torch.einsum('bstj,bstc->bsjc', weights.flatten(3), t.reshape(B, -1, ls, C))  # (B, s, h*r, C)
-            avg = avg.unflatten(2, (h, r))
-            wk, wv = self.k.weight.view(h, d, C), self.v.weight.view(h, d, C)
-            return (torch.einsum('bsirc,idc->bsrid', avg, wk).flatten(-2),
-                    torch.einsum('bsirc,idc->bsrid', avg, wv).flatten(-2))
-
-        cur_k, cur_v = project_average(P[:, nsc:], x_cur)
+        cur_k, cur_v = self._project_average(P[:, nsc:], layout.x_cur)
         if self.compress_hidden_cache:
             # cache: average the hidden states per head slice, then project (official)
-            hid = average(P[:, :nsc], pre)
+            hid = torch.einsum('bstir,bstid->bsrid', P[:, :nsc], pre.reshape(B, -1, ls, h, d)).flatten(-2)
             old_k, old_v = self.k(hid), self.v(hid)
         else:
-            old_k, old_v = project_average(P[:, :nsc], pre)
+            old_k, old_v = self._project_average(P[:, :nsc], pre)
         bar_k = self.norm_global(torch.cat([old_k, cur_k], dim=1))  # (B, S, r, D), LN_G over D
         bar_v = self.norm_global(torch.cat([old_v, cur_v], dim=1))
-        bar_k = self._heads(bar_k.flatten(1, 2))  # (B, h, S * r, d), ordered (segment, rank)
-        bar_v = self._heads(bar_v.flatten(1, 2))
-        n_cv = num_seg * r
+        return self._heads(bar_k.flatten(1, 2)), self._heads(bar_v.flatten(1, 2)), seg_valid
 
-        # relative positions: window delta = 0..W-1, segments rho = 0..n_cv-1
-        sin_w = self.pos_drop(sinusoid_positions(torch.arange(W, device=x.device), C, x.dtype, self.pos_freq_offset))
+    def _project_average(self, weights: torch.Tensor, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, s, r, D) of segments: (B, s, l, h, r) weights over the tokens t (B, s * l, C).
+
+        sum_tau P_i (t_tau W_i) = (sum_tau P_i t_tau) W_i (k, v have no bias): average the inputs with each head's
+        weights, then project with that head's slice: no (B, n, D) intermediate is kept.
+        """
+        B, C = t.shape[0], t.shape[-1]
+        h, d, r, ls = self.num_heads, self.head_dim, self.dp_rank, self.segment_size
+        avg = torch.einsum('bstj,bstc->bsjc', weights.flatten(3), t.reshape(B, -1, ls, C))  # (B, s, h*r, C)
+        avg = avg.unflatten(2, (h, r))
+        wk, wv = self.k.weight.view(h, d, C), self.v.weight.view(h, d, C)
+        return (torch.einsum('bsirc,idc->bsrid', avg, wk).flatten(-2),
+                torch.einsum('bsirc,idc->bsrid', avg, wv).flatten(-2))
+
+    def _relative_positions(self, n_cv: int, device: torch.device, dtype: torch.dtype
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Position terms (h, W, d) of the window distances 0..W-1 and (h, n_cv, d) of the segment vectors."""
+        h, d, W, C = self.num_heads, self.head_dim, self.window_size, self.dim
+        sin_w = self.pos_drop(sinusoid_positions(torch.arange(W, device=device), C, dtype, self.pos_freq_offset))
         win_pos = self.r_net(sin_w).reshape(W, h, d).transpose(0, 1)
         seg_pos = self.r_net_chunk(
-            sinusoid_positions(torch.arange(n_cv, device=x.device), C, x.dtype, self.pos_freq_offset))
-        seg_pos = seg_pos.reshape(n_cv, h, d).transpose(0, 1)
+            sinusoid_positions(torch.arange(n_cv, device=device), C, dtype, self.pos_freq_offset))
+        return win_pos, seg_pos.reshape(n_cv, h, d).transpose(0, 1)
 
+    def _attend_chunks(self, layout: '_CausalLayout', bar_k: torch.Tensor, bar_v: torch.Tensor,
+                       seg_valid: torch.Tensor, win_pos: torch.Tensor, seg_pos: torch.Tensor) -> torch.Tensor:
+        """Attention of the queries chunk by chunk (`_causal_chunk`, checkpointed when the scores are large): each
+        chunk scores its window and the segment vectors before its last segment. Returns (B, Lp, h, d)."""
+        x = layout.x
+        B = x.shape[0]
+        h, d, r, W, ls = self.num_heads, self.head_dim, self.dp_rank, self.window_size, self.segment_size
+        pre, valid, Mp, Lp, chunk = layout.pre, layout.valid, layout.Mp, layout.Lp, layout.chunk
+        n_cv = bar_k.shape[2]
         # window index/mask of one block: query i sees keys j in [i + 1, i + W] (of 2W), delta = i + W - j
         i = torch.arange(W, device=x.device)[:, None]
         j = torch.arange(2 * W, device=x.device)[None, :]
         win_index = (i + W - j).clamp(0, W - 1)
         band = (j >= i + 1) & (j <= i + W)
         vector_seg = torch.arange(n_cv, device=x.device) // r
-
         u = self.content_bias[:, None].to(x.dtype)
         v = self.pos_bias[:, None].to(x.dtype)
         dropout_p = self.attn_drop if self.training else 0.
         ckpt = self.checkpoint_chunks
         if ckpt is None:
-            ckpt = B * h * Lp * (r * num_seg + 2 * W) > 2 ** 24
+            ckpt = B * h * Lp * (n_cv + 2 * W) > 2 ** 24
         use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
         # split (not slice) the input: one backward concatenation instead of a full-size zero gradient per chunk;
         # the W window tokens before a chunk come from the previous piece (or the cache)
         starts = list(range(0, Lp, chunk))
         sizes = [min(chunk, Lp - st) for st in starts]
-        x_parts = x_cur.split(sizes, dim=1)
+        x_parts = layout.x_cur.split(sizes, dim=1)
         q_weight = self.q.weight * d ** -0.5  # the scale folded into the weight
         outs = []
         for idx, start in enumerate(starts):
-            Cq = sizes[idx]
-            t = torch.arange(start, start + Cq, device=x.device)
+            t = torch.arange(start, start + sizes[idx], device=x.device)
             J = (Mp + t) // ls  # concatenated segment of each query
             m = r * int(J[-1])  # vectors of segments before the chunk's last segment
-            win_ok = valid[Mp - W + start:Mp + start + Cq]
-            key_ok = win_ok.unfold(0, 2 * W, W)  # (nb, 2W)
+            key_ok = valid[Mp - W + start:Mp + start + sizes[idx]].unfold(0, 2 * W, W)  # (nb, 2W)
             win_masked = ~(band[None] & key_ok[:, None, :])
             args = (
                 pre[:, Mp - W:] if idx == 0 else x_parts[idx - 1][:, -W:], x_parts[idx],
@@ -565,10 +603,5 @@ class CausalLongShortAttention(nn.Module):
                 self.norm_local.weight, self.norm_local.bias, self.norm_local.eps, win_pos, u, v,
                 J, seg_valid[vector_seg[:m]], r, win_index, win_masked[None, None], dropout_p,
             )
-            if use_ckpt:
-                outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False))
-            else:
-                outs.append(_causal_chunk(*args))
-        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]  # (B, Lp, h, d)
-        out = out[:, :L].reshape(B, L, C)
-        return self.proj_drop(self.proj(out))
+            outs.append(checkpoint(_causal_chunk, *args, use_reentrant=False) if use_ckpt else _causal_chunk(*args))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
