@@ -97,3 +97,60 @@ def test_2d_summary_resize_matches_spec_reference_fp64(prefix):
     x_cache_grid = torch.randn_like(o_resized)
     _, stored = grc_reference(grc, x_cache_grid, o_resized, (4, 4), before, training=True)
     torch.testing.assert_close(grc.cache, stored, rtol=0, atol=5e-7)
+
+
+def _layer(dim_ratio: float, prefix: int, **config) -> GatedRecurrentCache:
+    """A GRC layer (D = 32, 2 heads, 4x4 cache grid) in fp64, off its init, with a random cache."""
+    torch.manual_seed(0)
+    grc = GatedRecurrentCache(32, 2, cache_len=prefix + 16, cache_hw=(4, 4), num_prefix_tokens=prefix,
+                              config=GrcConfig(ratio=dim_ratio, **config)).double()
+    with torch.no_grad():
+        for p in grc.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        grc.lam.normal_()
+        grc.cache.normal_()
+    return grc
+
+
+@pytest.mark.parametrize('ratio', [0.25, 0.5])
+@pytest.mark.parametrize('prefix', [0, 1])
+def test_layer_matches_spec_reference_fp64(ratio, prefix):
+    """The layer on its own, at caching ratio 0.25 (the grouped PE conv, 4 channels a group) and 0.5 (the PE's two
+    depthwise filters), with and without a prefix token, its grid inferred as a square (no feat_size): train output
+    and stored cache, eval output, folded eval output."""
+    grc = _layer(ratio, prefix).train()
+    x = torch.randn(3, prefix + 16, 32, dtype=torch.float64)
+    o_self = torch.randn_like(x)
+    before = grc.cache.clone()
+    with torch.no_grad():
+        out = grc(x, o_self)
+    want, stored = grc_reference(grc, x, o_self, (4, 4), before, training=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-10)
+    torch.testing.assert_close(grc.cache, stored, rtol=0, atol=5e-7)
+    grc.eval()
+    want, _ = grc_reference(grc, x, o_self, (4, 4), grc.cache, training=False)
+    with torch.no_grad():
+        torch.testing.assert_close(grc(x, o_self), want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(reparameterize_model(grc)(x, o_self), want, rtol=0, atol=1e-10)
+
+
+def test_layer_errors_say_what_is_wrong():
+    grc = _layer(0.5, 1)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)  # 15 patch tokens after the prefix token
+    with pytest.raises(ValueError, match=r'output .*\[2, 16, 16\].* must match its input .*\[2, 16, 32\]'):
+        grc(x, x[..., :16])
+    with pytest.raises(ValueError, match='^pass feat_size: 15 patch tokens are not a square grid'):
+        grc(x, x)
+
+
+def test_legacy_onnx_export_is_refused_naming_the_layer(tmp_path):
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.grc = GatedRecurrentCache(32, 2, cache_len=16, cache_hw=(4, 4)).eval()
+
+        def forward(self, x):
+            return self.grc(x, x, [4, 4])
+
+    with pytest.raises(RuntimeError, match='^GatedRecurrentCache cannot be exported by the legacy'):
+        torch.onnx.export(Wrapped(), (torch.randn(1, 16, 32),), str(tmp_path / 'm.onnx'), dynamo=False)
