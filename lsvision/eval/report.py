@@ -7,7 +7,7 @@ with the per-suite dicts of `lsvision.eval.runner`.
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .suites import ALL_CORRUPTIONS, CORRUPTIONS, IN9_VARIANTS, V2_VARIANTS
 
@@ -46,15 +46,9 @@ def _c_suites(m: Dict[str, Any]) -> List[tuple]:
     return [(k, m['suites'][k]) for k in ('imagenet_c', 'imagenet_c_on_the_fly') if m['suites'].get(k)]
 
 
-def markdown_report(results: Dict[str, Any]) -> str:
-    """Markdown tables of every suite present in ``results`` (the tools' JSON), plus protocols and warnings."""
-    models = results['models']
-    lines: List[str] = []
-
-    def has(suite: str) -> bool:
-        return any(m['suites'].get(suite) for m in models)
-
-    # Table 6 of the paper: one row per model, one column per headline number
+def _summary_columns(models: List[Dict[str, Any]], has: Callable[[str], bool]
+                     ) -> List[Tuple[str, Callable[[Dict[str, Any]], str]]]:
+    """The columns of the summary table (the paper's Table 6): one per headline number of the suites present."""
     cols = [('params (M)', lambda m: _f(m['params'] / 1e6, 1) if m.get('params') else '-')]
     if has('folder'):
         cols += [('folder top-1', lambda m: _f(m['suites'].get('folder', {}).get('top1'))),
@@ -78,24 +72,12 @@ def markdown_report(results: Dict[str, Any]) -> str:
             cols.append((f'IN-9 {v}', lambda m, v=v: _f(
                 m['suites'].get('imagenet_9', {}).get('variants', {}).get(v, {}).get('top1'))))
         cols.append(('BG-gap', lambda m: _f(m['suites'].get('imagenet_9', {}).get('bg_gap'))))
-    lines += ['## Summary (accuracy in %, mCE with AlexNet = 100)', '']
-    lines += _table(['model'] + [c for c, _ in cols], [[m['model']] + [fn(m) for _, fn in cols] for m in models])
-    lines += [f"- {m['model']}: {m['suites']['imagenet']['real_note']}" for m in models
-              if (m['suites'].get('imagenet') or {}).get('real_note')]
+    return cols
 
-    for m in models:
-        res = m['suites'].get('folder')
-        if res:
-            lines += ['', f"## Folder {res['root']}: {m['model']}, per class", '']
-            lines += _table(['class', 'images', 'top-1'], [[c, str(r['count']), _f(r['top1'])]
-                                                           for c, r in res['per_class'].items()])
 
-    if has('imagenet_v2'):
-        lines += ['', '## ImageNetV2 (labels = int(folder name))', '']
-        rows = [[m['model'], v, _f(r['top1']), _f(r['top5']), _evaluated(r)]
-                for m in models for v, r in (m['suites'].get('imagenet_v2') or {}).items()]
-        lines += _table(['model', 'variant', 'top-1', 'top-5', 'images'], rows)
-
+def _corruption_sections(models: List[Dict[str, Any]]) -> List[str]:
+    """One ImageNet-C (or on-the-fly) section per model: error, CE and relative CE per corruption and severity."""
+    lines: List[str] = []
     for m in models:
         for key, res in _c_suites(m):
             title = 'ImageNet-C' if key == 'imagenet_c' else 'ImageNet-C-style corruptions applied on the fly ' \
@@ -116,6 +98,53 @@ def markdown_report(results: Dict[str, Any]) -> str:
                           f"error over the 15 {_f(res['mean_error_15'])}, over the extras "
                           f"{_f(res['mean_error_extra'])}."]
             lines += [f'- note: {n}' for n in res['notes']]
+    return lines
+
+
+def _protocol_lines(models: List[Dict[str, Any]]) -> List[str]:
+    """The preprocessing of every suite of every model, and each model's checkpoint."""
+    lines = ['', '## Protocols', '']
+    for m in models:
+        ident = m['model'] + (f" (checkpoint {m['checkpoint']}, sha256 {m['checkpoint_sha256'][:16]}...)"
+                              if m.get('checkpoint') else ' (no checkpoint)')
+        lines.append(f'- **{ident}**')
+        for suite, res in m['suites'].items():
+            if not res:
+                continue
+            proto = res.get('protocol') or next(iter(res.values())).get('protocol')
+            lines.append(f"  - {suite}: {proto['description']}, input {proto['input_size'][1]}x"
+                         f"{proto['input_size'][2]}" + ('' if proto['standard'] else ' **(non-standard)**'))
+    return lines
+
+
+def markdown_report(results: Dict[str, Any]) -> str:
+    """Markdown tables of every suite present in ``results`` (the tools' JSON), plus protocols and warnings."""
+    models = results['models']
+    lines: List[str] = []
+
+    def has(suite: str) -> bool:
+        return any(m['suites'].get(suite) for m in models)
+
+    cols = _summary_columns(models, has)
+    lines += ['## Summary (accuracy in %, mCE with AlexNet = 100)', '']
+    lines += _table(['model'] + [c for c, _ in cols], [[m['model']] + [fn(m) for _, fn in cols] for m in models])
+    lines += [f"- {m['model']}: {m['suites']['imagenet']['real_note']}" for m in models
+              if (m['suites'].get('imagenet') or {}).get('real_note')]
+
+    for m in models:
+        res = m['suites'].get('folder')
+        if res:
+            lines += ['', f"## Folder {res['root']}: {m['model']}, per class", '']
+            lines += _table(['class', 'images', 'top-1'], [[c, str(r['count']), _f(r['top1'])]
+                                                           for c, r in res['per_class'].items()])
+
+    if has('imagenet_v2'):
+        lines += ['', '## ImageNetV2 (labels = int(folder name))', '']
+        rows = [[m['model'], v, _f(r['top1']), _f(r['top5']), _evaluated(r)]
+                for m in models for v, r in (m['suites'].get('imagenet_v2') or {}).items()]
+        lines += _table(['model', 'variant', 'top-1', 'top-5', 'images'], rows)
+
+    lines += _corruption_sections(models)
 
     ar = [(s, label) for s, label in (('imagenet_a', 'ImageNet-A'), ('imagenet_r', 'ImageNet-R')) if has(s)]
     if ar:
@@ -132,17 +161,7 @@ def markdown_report(results: Dict[str, Any]) -> str:
                 for m in models for r in [m['suites'].get('imagenet_9')] if r]
         lines += _table(['model'] + variants + ['BG-gap'], rows)
 
-    lines += ['', '## Protocols', '']
-    for m in models:
-        ident = m['model'] + (f" (checkpoint {m['checkpoint']}, sha256 {m['checkpoint_sha256'][:16]}...)"
-                              if m.get('checkpoint') else ' (no checkpoint)')
-        lines.append(f'- **{ident}**')
-        for suite, res in m['suites'].items():
-            if not res:
-                continue
-            proto = res.get('protocol') or next(iter(res.values())).get('protocol')
-            lines.append(f"  - {suite}: {proto['description']}, input {proto['input_size'][1]}x"
-                         f"{proto['input_size'][2]}" + ('' if proto['standard'] else ' **(non-standard)**'))
+    lines += _protocol_lines(models)
     warnings = sorted({w for m in models for w in _all_warnings(m)})
     if warnings:
         lines += ['', '## Layout warnings', ''] + [f'- {w}' for w in warnings]
