@@ -141,6 +141,8 @@ def test_layer_errors_say_what_is_wrong():
         grc(x, x[..., :16])
     with pytest.raises(ValueError, match='^pass feat_size: 15 patch tokens are not a square grid'):
         grc(x, x)
+    with pytest.raises(ValueError, match=r'^16 tokens != 1 prefix \+ 3x4 patches'):
+        grc(x, x, [3, 4])
 
 
 def test_legacy_onnx_export_is_refused_naming_the_layer(tmp_path):
@@ -154,3 +156,40 @@ def test_legacy_onnx_export_is_refused_naming_the_layer(tmp_path):
 
     with pytest.raises(RuntimeError, match='^GatedRecurrentCache cannot be exported by the legacy'):
         torch.onnx.export(Wrapped(), (torch.randn(1, 16, 32),), str(tmp_path / 'm.onnx'), dynamo=False)
+
+
+def test_eval_graph_keeps_the_cache_it_read():
+    """An eval forward with autograd on reads a copy of the cache: a train forward that stores a new cache before
+    that graph's backward changes neither the backward's success nor its gradients."""
+    grc = _layer(0.5, 0).eval()
+    x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+    o_self = torch.randn(2, 16, 32, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(grc(x, o_self).square().sum(), x)
+    out = grc(x, o_self)
+    grc.train()
+    with torch.no_grad():
+        grc(torch.randn_like(o_self), torch.randn_like(o_self))  # stores a new cache in place
+    (got,) = torch.autograd.grad(out.square().sum(), x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('prefix', [0, 1])
+@pytest.mark.parametrize('folded', [False, True])
+def test_autocast_output_has_the_self_branch_dtype(prefix, folded):
+    """Under CPU bf16 autocast (fp32 input, bf16 self-attention output, as in the models) the layer returns bf16,
+    within 2e-2 of the output's scale from the fp32 output."""
+    grc = GatedRecurrentCache(32, 2, cache_len=prefix + 16, cache_hw=(4, 4), num_prefix_tokens=prefix).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in grc.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+        grc.cache.normal_()
+    layer = reparameterize_model(grc) if folded else grc
+    x = torch.randn(2, prefix + 16, 32)
+    o_self = torch.randn(2, prefix + 16, 32)
+    with torch.no_grad():
+        want = grc(x, o_self)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            got = layer(x, o_self.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
