@@ -597,13 +597,16 @@ def _loaders(args: argparse.Namespace, dataset_train: Any, dataset_eval: Any, da
     if batches_per_epoch == 0:
         raise TrainSetupError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
                               f'of {args.batch_size}; lower --batch-size')
-    # each process scores its own contiguous shard of the val set: timm's distributed sampler would pad the set to
-    # a multiple of the processes and score the padding twice
+    # under torchrun each process scores its own contiguous shard of the val set: timm's distributed sampler would
+    # pad the set to a multiple of the processes and score the padding twice. Iterable (streaming) datasets split
+    # themselves across processes in timm's readers.
+    eval_set = dataset_eval
+    if args.distributed and not isinstance(dataset_eval, torch.utils.data.IterableDataset):
+        eval_set = DatasetShard(dataset_eval, shard_range(len(dataset_eval), args.rank, args.world_size))
     loader_eval = create_loader(
-        DatasetShard(dataset_eval, shard_range(len(dataset_eval), args.rank, args.world_size)),
-        input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
+        eval_set, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
-        std=data_config['std'], num_workers=args.workers, distributed=False,
+        std=data_config['std'], num_workers=args.workers, distributed=args.distributed and eval_set is dataset_eval,
         crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=prefetch)
     return _Loaders(loader_train, sampler, batch_erasing, batches_per_epoch, loader_eval)
 
