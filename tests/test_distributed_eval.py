@@ -3,8 +3,9 @@
 Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of
 validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes 2
 --nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R and -9, one two-"node" launch where node 1 lacks a
-dataset, and one ``torchrun --nproc-per-node 2`` of train.py on the digits. The trees carry macOS junk files and an
-unreadable image, and one ImageNet-C set holds a single image (one process gets none of it).
+dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and one of validate.py's folder suite on its
+checkpoint. The trees carry macOS junk files and an unreadable image, and one ImageNet-C set holds a single image
+(one process gets none of it).
 
 Batch size 1 everywhere: the tiny model's logits of an image then do not depend on which images share its batch, so
 one process and two give bitwise-equal logits and the results must be equal, not close.
@@ -201,12 +202,27 @@ def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
     result = json.loads((out / 'digits_demo' / 'result.json').read_text())
     from lsvision.data import export_digits
     val = Path(export_digits()['root']) / 'val'
-    res = _one_process_quiet('validate', ['--data-dir', str(val), '--model', 'cvt_ls_13', '--checkpoint',
-                                          result['last_checkpoint'], '--workers', '0', '--threads', '1'],
-                             tmp_path / 'val')
+    model = ['--model', 'cvt_ls_13', '--checkpoint', result['last_checkpoint'], '--workers', '0', '--threads', '1']
+    res = _one_process_quiet('validate', ['--data-dir', str(val), *model], tmp_path / 'val')
     folder = res['models'][0]['suites']['folder']
     assert folder['count'] == 359
     assert folder['top1'] == pytest.approx(result['model_metrics']['top1'], abs=1e-9)
+
+    # the folder suite under torchrun, with junk files and an unreadable image: the same as one process
+    junk_val = shutil.copytree(val, tmp_path / 'digits_val')
+    add_mac_junk(junk_val)
+    truncate(sorted(junk_val.rglob('*.png'))[-1], keep=0.5)
+    args = ['--data-dir', str(junk_val), *model, '--batch-size', '1']
+    proc = subprocess.run(_torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
+                                    *args, '--out-dir', str(tmp_path / 'two')),
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / 'two' / 'results.json').read_text())
+    expected = _one_process('validate', args, tmp_path / 'one')
+    _assert_same_results(got, expected, 2)
+    folder = got['models'][0]['suites']['folder']
+    assert (folder['count'], len(folder['skipped'])) == (358, 1)
+    assert sum(row['count'] for row in folder['per_class'].values()) == 358
 
 
 def _one_process_quiet(tool: str, args: List[str], out: Path) -> Dict[str, Any]:
