@@ -3,7 +3,8 @@
 Under ``torchrun`` every process scans the same folders, takes one contiguous shard of each set's file list
 (`shard_range`: no padding, no duplicates; a process may get none), scores it, and the per-set counts are gathered
 (``all_gather_object``) and merged in rank order, so every process ends with the numbers one process would compute
-and rank 0 writes them. Without torchrun (or with one process) every function here is the identity.
+and rank 0 writes them. Without torchrun (or with one process) a gather returns the process's own values and the
+shard is the whole set.
 
 The process group comes from torchrun's environment through timm's ``init_distributed_device_so`` (gloo on CPU, nccl
 on CUDA, ``cuda:LOCAL_RANK``). Every node must see the datasets at the same path: `check_paths` compares what each
