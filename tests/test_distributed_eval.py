@@ -2,10 +2,10 @@
 
 Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of
 validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes 2
---nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R and -9, one two-"node" launch where node 1 lacks a
-dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and one of validate.py's folder suite on its
-checkpoint. The trees carry macOS junk files and an unreadable image, and one ImageNet-C set holds a single image
-(one process gets none of it).
+--nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, one two-"node"
+launch where node 1 lacks a dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and one of
+validate.py's folder suite on its checkpoint. The trees carry macOS junk files and an unreadable image, and one
+ImageNet-C set holds a single image (one process gets none of it).
 
 Batch size 1 everywhere: the tiny model's logits of an image then do not depend on which images share its batch, so
 one process and two give bitwise-equal logits and the results must be equal, not close.
@@ -92,7 +92,7 @@ def _validate_args(trees: Dict[str, Any]) -> List[str]:
 def _robustness_args(trees: Dict[str, Any]) -> List[str]:
     return ['--imagenet', str(trees['imagenet']), '--imagenet-c', str(trees['c']), '--corruptions', *CORRUPTIONS,
             '--imagenet-a', str(trees['a']), '--imagenet-r', str(trees['r']), '--imagenet-9', str(trees['in9']),
-            *_model_args(trees)]
+            '--corrupt-on-the-fly', str(trees['imagenet']), *_model_args(trees)]
 
 
 def _free_port() -> int:
@@ -176,6 +176,8 @@ def test_robustness_two_nodes_equals_one_process(trees, tmp_path):
     assert [os.path.basename(s['file']) for s in c['skipped']] == ['ILSVRC2012_val_00000002.JPEG']
     assert (suites['imagenet_a']['count'], len(suites['imagenet_a']['skipped'])) == (3, 1)
     assert suites['imagenet_9']['bg_gap'] == expected['models'][0]['suites']['imagenet_9']['bg_gap']
+    fly = suites['imagenet_c_on_the_fly']['corruptions']['contrast']['severities']['3']
+    assert (fly['count'], len(fly['skipped'])) == (5, 1)  # corrupted per image (seeded by its pixels), not by order
     assert not procs[1].stdout  # node 1 (rank 1) writes and prints nothing
     assert (tmp_path / 'two' / 'imagenet_c.png').is_file()
 
