@@ -1,256 +1,209 @@
-"""Tests for lsvision.benchmark and tools/benchmark.py: one model, reports, sweeps with budgets, exponent fits, curve
-specs.
+"""Tests of lsvision.bench: one measurement in this process, fresh processes in alternating order, out-of-memory
+retries and time-outs, pooled rows and paired ratios, model specs and floors, reports and the exponent fit.
 
-Everything runs a real model (cvt_ls_13) at tiny inputs with one thread; timings are only checked for consistency
-(positive, throughput = batch / latency), never against values, since the machine is shared.
+Fresh processes each import torch and timm (seconds on a busy machine): the tests start as few as they can.
 """
-import csv
+import functools
 import json
-import math
-import subprocess
-import sys
-from pathlib import Path
+import os
+import time
 
 import pytest
 import torch
-from test_bench_tools import load_tool
+import torch.nn as nn
 
-from lsvision.benchmark import (
-    BenchmarkConfig,
-    SweepBudget,
-    SweepConfig,
-    benchmark_model,
+from lsvision.bench import (
+    Job,
+    NoOpAttention,
+    ProjectionsOnly,
+    add_ratios,
+    benchmark_table,
+    combine,
+    create_model,
+    csv_text,
     fit_exponent,
+    is_out_of_memory,
     markdown_table,
-    parse_curve,
-    plot_sweep,
-    resolution_sweep,
-    resolve_model_names,
-    sweep_exponents,
-    sweep_markdown,
+    measure,
+    plot,
+    resolve_specs,
+    run_fresh,
+    run_jobs,
+    spec_label,
+    timing_stats,
+    write_reports,
 )
-from lsvision.models import list_models
+from lsvision.flops import count_flops
+from lsvision.layers import LongShortAttention2d
 
-ROOT = Path(__file__).resolve().parents[1]
-CVT_LS_13_PARAMS = 20_185_464  # specs/long_short.md §5
+TINY_CVT_LS = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 2), depths=(1, 1, 1), num_classes=3)
 
 
-def test_benchmark_model_inference_and_train():
-    config = BenchmarkConfig(img_size=64, batch_size=2, warmup=1, iters=2, bench='both')
-    row = benchmark_model('cvt_ls_13', config)
-    assert row['model'] == 'cvt_ls_13' and row['input_size'] == [3, 64, 64] and row['batch_size'] == 2
-    assert row['params'] == CVT_LS_13_PARAMS
-    assert 0.2 < row['gflops'] < 1.0  # 4.95 GFLOPs at 224, about linear in pixels: ~0.4 at 64
-    assert row['mactivations'] > 0 and row['unsupported_ops'] == {}
-    assert row['timed_passes'] == row['timing']['iters'] == 2
-    assert 0 < row['latency_p10_ms'] <= row['latency_ms'] <= row['latency_p90_ms']
-    assert row['images_per_s'] == pytest.approx(2 / row['latency_ms'] * 1e3)
-    assert row['ms_per_image'] == pytest.approx(row['latency_ms'] / 2)
+class OutOfMemoryAbove(nn.Module):
+    """Fails like a failed allocation when the batch is larger than ``limit`` (importable by the spawned child)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise MemoryError(f'out of memory at batch {x.shape[0]}')
+        return self.linear(x)
+
+
+class Sleeper(nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+def tiny_job(kind: str, **kwargs) -> Job:
+    build = functools.partial(create_model, 'cvt_ls_13', **TINY_CVT_LS)
+    return Job('tiny', build, img_size=32, batch_size=2, kind=kind, warmup=1, budget_s=0.05, threads=1, **kwargs)
+
+
+@pytest.mark.parametrize('kind', ['inference', 'train'])
+def test_measure_one_job(kind):
+    row = measure(tiny_job(kind, flops=True))
+    model = create_model('cvt_ls_13', **TINY_CVT_LS)
+    assert row['params'] == sum(p.numel() for p in model.parameters())
+    assert row['gflops'] == count_flops(model, (3, 32, 32)).gflops and row['mactivations'] > 0
+    assert row['input_size'] == [3, 32, 32] and row['batch_size'] == 2 and row['pid'] == os.getpid()
+    t = row['timing']
+    assert t['passes'] >= 1 and len(t['times_s']) >= 1 and t['cpu_per_pass_s'] > 0
+    assert 0 < t['p10_s'] <= t['median_s'] <= t['p90_s'] and t['iqr_s'] >= 0
     assert row['peak_mib'] is not None and row['peak_mib'] >= 0
-    assert row['train_step_ms'] > 0 and row['train_images_per_s'] == pytest.approx(2e3 / row['train_step_ms'])
-    # training keeps the activations for backward and the gradients: more than an inference pass needs
-    assert row['train_memory_mib'] > row['peak_mib']
-    with pytest.raises(ValueError, match='bench must be one of'):
-        BenchmarkConfig(bench='training')
 
 
-def test_benchmark_tool_run_train_reparam(tmp_path):
-    # the earlier spelling `run --train` (= --bench both), with --reparam: inference (plain and reparameterized, in the
-    # same alternating rounds) and training, each in its own process
-    out = tmp_path / 'bench'
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'benchmark.py'), 'run', '--models', 'cvt_ls_13', '--img-size', '64',
-         '--batch-size', '2', '--warmup', '1', '--iters', '3', '--threads', '1', '--repeats', '1', '--train',
-         '--reparam', '--out', str(out), '--results-file', str(tmp_path / 'rows.csv')],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    res = json.loads((out / 'results.json').read_text())
-    assert {'machine', 'machine_info', 'settings', 'rows'} <= set(res)
-    assert res['machine_info']['torch_threads'] == 1 and 'load average' in res['machine']
-    (row,) = res['rows']
-    assert row['params'] == CVT_LS_13_PARAMS and row['gflops'] > 0
-    assert row['timed_passes'] == row['reparam_timing']['iters'] == 3
-    assert 0 < row['reparam_latency_p10_ms'] <= row['reparam_latency_ms'] <= row['reparam_latency_p90_ms']
-    assert 0 < row['reparam_gflops'] <= row['gflops']  # folding never adds FLOPs (BatchNorms go)
-    assert row['reparam_ratio'] > 0 and row['train_step_ms'] > 0 and row['train_memory_mib'] > 0
-    assert row['pids']['inference'] != row['pids']['train']  # each kind of bench in a fresh process
-    with open(out / 'results.csv') as f:
-        (csv_row,) = list(csv.DictReader(f))
-    assert csv_row['model'] == 'cvt_ls_13' and csv_row['input_size'] == '3x64x64'
-    assert float(csv_row['latency_ms']) == pytest.approx(row['latency_ms'])
-    assert (tmp_path / 'rows.csv').read_text() == (out / 'results.csv').read_text()
-    md = (out / 'results.md').read_text()
-    assert '| model | input | batch | params (M) | GFLOPs/img |' in md and '| reparam / plain |' in md
-    assert '| train step ms (p10-p90) |' in md and '| cvt_ls_13 | 64x64 | 2 | 20.19 |' in md
-    assert 'reparameterized' in proc.stderr and f"({row['reparam_ratio']:.3f}x plain)" in proc.stderr
-    assert proc.stdout.strip().splitlines()[-1].startswith('| cvt_ls_13 | 64x64 |')
+def test_timing_stats_and_budget():
+    stats = timing_stats([4., 1., 3., 2.], passes=4)
+    assert (stats['median_s'], stats['p10_s'], stats['p90_s'], stats['iqr_s']) == pytest.approx((2.5, 1.3, 3.7, 1.5))
+    # blocked_autorange runs for about budget_s: a 20 ms pass over a 0.2 s budget is timed some 10 times, not once
+    job = Job('sleep', functools.partial(Sleeper, 0.02), [((8,), None)], warmup=0, budget_s=0.2, memory=False)
+    t = measure(job)['timing']
+    assert 5 <= t['passes'] <= 20 and 0.02 <= t['median_s'] < 0.1
 
 
-def test_benchmark_tool_rejects_bad_input(tmp_path, capsys):
-    tool = load_tool('benchmark')
-    assert tool.main(['run', '--models', 'no_such_model*', '--out', str(tmp_path)]) == 2
-    assert "'no_such_model*' matches no model" in capsys.readouterr().err
-    assert tool.main(['sweep', '--models', 'cvt_ls_13@full', '--out', str(tmp_path)]) == 2
-    assert 'full-attention switch' in capsys.readouterr().err
-    assert tool.main(['cards', '--models', 'resnet18', '--cards-dir', str(tmp_path)]) == 2
-    assert 'not registered lsvision models' in capsys.readouterr().err
-    assert not list(tmp_path.iterdir())  # nothing written
+def test_fresh_processes_alternate_and_retry_out_of_memory():
+    sleep = Job('sleep', functools.partial(Sleeper, 0.0), [((8,), None)], warmup=0, budget_s=0.0)
+    oom = Job('oom', functools.partial(OutOfMemoryAbove, 2), [((8,), None)], batch_size=3, warmup=0, budget_s=0.0)
+    logged = []
+    runs = run_jobs([sleep, oom], repeats=2, log=logged.append)
+    pids = [r['pid'] for job_runs in runs for r in job_runs]
+    assert len(set(pids)) == 4 and os.getpid() not in pids  # each run in a process of its own
+    order = [line.split('] ')[1].split(' ')[0] for line in logged if line.startswith('  [')]
+    assert order == ['sleep', 'oom', 'oom', 'sleep']  # A B, then B A
+    assert any('oom: out of memory; retrying at batch 2' in line for line in logged)
+    assert [r['batch_size'] for r in runs[1]] == [2, 2]  # the later run keeps the smaller batch
+    with pytest.raises(RuntimeError, match='out of memory'):
+        run_jobs([oom], retry=False)
 
 
-def test_resolve_model_names():
-    assert resolve_model_names(['cvt_ls_13', 'cvt_1*', 'cvt_ls_13']) == ['cvt_ls_13', 'cvt_13', 'cvt_13_384']
-    assert resolve_model_names(['resnet18']) == ['resnet18']  # any timm model
-    assert resolve_model_names(['*']) == list_models()
-    with pytest.raises(ValueError, match='matches no model'):
-        resolve_model_names(['cvt_ls_99'])
+def test_a_process_over_its_timeout_is_stopped():
+    job = Job('slow', functools.partial(Sleeper, 30.0), [((8,), None)], warmup=0, budget_s=0.0, timeout_s=1)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match='died.*time-out of 1 s'):
+        run_fresh(job)
+    assert time.perf_counter() - t0 < 30
+    assert is_out_of_memory(RuntimeError('x: the measuring process died (killed for memory, or over ...)'))
+    assert not is_out_of_memory(RuntimeError('shape mismatch'))
 
 
-def test_markdown_table():
-    assert markdown_table(['a', 'b', 'c'], [['x', 'y', '1']], left_columns=2) == (
-        '| a | b | c |\n| --- | --- | ---: |\n| x | y | 1 |')
+def _run(pid: int, times, batch: int = 2, peak: float = 10.0):
+    return dict(label='m', params=1, input_size=[3, 8, 8], batch_size=batch, pid=pid, peak_mib=peak,
+                timing=dict(timing_stats(times, len(times)), cpu_per_pass_s=0.1))
 
 
-def test_fit_exponent_synthetic():
-    xs = [224 ** 2, 512 ** 2, 1024 ** 2, 1536 ** 2]
-    assert fit_exponent(xs, [3e-7 * x for x in xs]) == pytest.approx(1.0)
-    assert fit_exponent(xs, [2e-12 * x ** 2 + 0 for x in xs]) == pytest.approx(2.0)
-    assert fit_exponent(xs, [5.0 * x ** 1.37 for x in xs]) == pytest.approx(1.37)
-    # linear plus quadratic: the slope lies between and rises with the share of the quadratic term
-    mixed = fit_exponent(xs, [x + 1e-6 * x ** 2 for x in xs])
-    assert 1.0 < mixed < 2.0
-    assert fit_exponent([4.0, 4.0], [1.0, 2.0]) is None
-    with pytest.raises(ValueError):
-        fit_exponent([1.0, 2.0], [1.0, 0.0])
-    with pytest.raises(ValueError):
-        fit_exponent([1.0, 2.0], [1.0])
+def test_combine_pools_runs_and_ratios_are_per_image_and_paired():
+    row = combine({'train': [_run(1, [0.3, 0.3]), _run(2, [0.5])]})
+    assert row['train_step_ms'] == pytest.approx(300) and row['train_step_runs_ms'] == pytest.approx([300, 500])
+    assert row['train_timing']['passes'] == 3 and row['pids'] == {'train': [1, 2]}
+    assert row['train_memory_mib'] == 10.0 and row['train_images_per_s'] == pytest.approx(2 / 0.3)
+    base = combine({'train': [_run(3, [0.1], batch=1), _run(4, [0.2], batch=1)]})  # e.g. retried at batch 1
+    rows = [dict(row, spec='a', point=[8, 2], baseline='b'), dict(base, spec='b', point=[8, 2], baseline='b')]
+    add_ratios(rows)
+    a, b = rows
+    # per image: a's 0.3 s for 2 images against b's 0.15 s for 1 (pooled), 0.15/0.1 and 0.25/0.2 (paired rounds)
+    assert a['train_step_ratio'] == pytest.approx(0.3 / 2 / 0.15)
+    assert a['train_step_ratio_rounds'] == pytest.approx([1.5, 1.25])
+    assert a['train_step_ratio_paired'] == pytest.approx(1.375)
+    assert 'train_memory_ratio' not in a  # different batches: no memory ratio
+    assert b['train_step_ratio'] == 1.0 and b['train_step_ratio_paired'] == 1.0
+    one_round = [dict(combine({'train': [_run(1, [0.3])]}), spec=s, point=[8, 2], baseline='b') for s in 'ab']
+    add_ratios(one_round)
+    assert 'train_step_ratio_paired' not in one_round[0] and one_round[0]['train_step_ratio'] == 1.0
+    table = benchmark_table(rows)
+    assert '| train time / baseline, paired |' in table and '| 1.38x (1.25-1.50) |' in table
+    assert 'latency' not in table  # a column no row measured is left out
 
 
-def test_sweep_exponents_use_sizes_from_fit_min():
-    def point(size, seconds, over=False):
-        return {'label': 'm', 'size': size, 'pixels': size * size, 'time_per_image_s': seconds,
-                'cpu_time_per_image_s': seconds / 2, 'peak_mib': size * size / 1e4, 'gflops': None,
-                'exceeded': ['x'] if over else []}
-
-    # quadratic from 256 on; the 64 point (an overhead floor) is below fit_min and ignored
-    points = [point(64, 1.0), point(256, 2.0), point(512, 8.0), point(1024, 32.0, over=True)]
-    result = {'curves': [{'label': 'm'}], 'points': points}
-    e = sweep_exponents(result, fit_min=256)['m']
-    assert e['sizes'] == [256, 512, 1024]
-    assert e['time'] == pytest.approx(1.0) and e['cpu_time'] == pytest.approx(1.0)  # time ∝ size², pixels ∝ size²
-    assert e['memory'] == pytest.approx(1.0) and e['flops'] is None
-
-
-def test_parse_curve():
-    assert parse_curve('cvt_13').model_kwargs == {}
-    full = parse_curve('vil_ls_medium@full')
-    assert full.model == 'vil_ls_medium' and full.model_kwargs == {'attn_types': ('full',) * 4}
-    assert full.label == 'vil_ls_medium (full attention)'
-    with pytest.raises(ValueError, match='full-attention switch'):
-        parse_curve('cvt_ls_13@full')
-    with pytest.raises(ValueError, match='unknown model'):
-        parse_curve('cvt_ls_99')
-
-
-def test_budget_clock():
-    point = {'time_per_image_s': 2.0, 'cpu_time_per_image_s': 0.5, 'peak_mib': 100.0}
-    assert SweepBudget(time_per_image_s=1.0, clock='cpu').exceeded(point) == []
-    assert SweepBudget(time_per_image_s=1.0, clock='wall').exceeded(point) == ['wall time 2 s/img > 1 s']
-    assert SweepBudget(peak_mib=50.0).exceeded(point) == ['memory 100 MiB > 50 MiB']
-    with pytest.raises(ValueError):
-        SweepBudget(clock='gpu')
-
-
-def test_sweep_stops_curve_over_budget(tmp_path):
-    curves = [parse_curve('cvt_ls_13')]
-    config = SweepConfig(threads=1, warmup=0, iters=1, flops=False, memory_limit_mib=2048)
-    # a budget no pass can meet: the curve ends after its first size, which is kept and marked
-    result = resolution_sweep(curves, [48, 32, 64], SweepBudget(time_per_image_s=1e-9, clock='cpu'), config)
-    assert [p['size'] for p in result['points']] == [32]
-    (point,) = result['points']
-    assert point['status'] == 'ok' and point['exceeded'][0].startswith('cpu time')
-    assert point['time_per_image_s'] > 0 and point['cpu_time_per_image_s'] > 0 and point['peak_mib'] is not None
-    assert result['curves'][0]['stopped_at'] == 32
-    # a point that cannot finish in time is stopped, and ends its curve as well
-    config.timeout_s = 0.5
-    result = resolution_sweep(curves, [32, 48], SweepBudget(time_per_image_s=100.0), config)
-    assert [(p['size'], p['status']) for p in result['points']] == [(32, 'timeout')]
-    assert result['curves'][0]['stopped_at'] == 32
-
-
-def test_sweep_within_budget_runs_every_size(tmp_path):
-    curves = [parse_curve('cvt_ls_13')]
-    config = SweepConfig(threads=1, warmup=0, iters=1, isolate=False)
-    result = resolution_sweep(curves, [32, 64], SweepBudget(time_per_image_s=100.0, peak_mib=1e5), config)
-    assert [p['size'] for p in result['points']] == [32, 64] and result['curves'][0]['stopped_at'] is None
-    assert all(not p['exceeded'] and p['gflops'] > 0 for p in result['points'])
-    flops_exponent = result['exponents']['cvt_ls_13']['flops']
-    assert 0.9 < flops_exponent < 1.1  # long-short attention: FLOPs linear in the pixel count
-    json.dumps(result)
-    md = sweep_markdown(result, command='python tools/benchmark.py sweep')
-    assert '| cvt_ls_13 | 64x64 | yes | 4,096 |' in md and 'Produced by `python tools/benchmark.py sweep`' in md
-    png = plot_sweep(result, tmp_path / 'sweep.png')
+def test_reports_and_plot(tmp_path):
+    row = dict(combine({'inference': [_run(1, [0.1, 0.2])]}), spec='m', point=[8, 2])
+    paths = write_reports([row], tmp_path / 'r', '## table\n', {'repeats': 1})
+    assert [p.name for p in paths] == ['r.json', 'r.csv', 'r.md']
+    stored = json.loads((tmp_path / 'r.json').read_text())
+    assert 'load average' in stored['machine'] and stored['rows'][0]['latency_ms'] == pytest.approx(150)
+    header, values = csv_text([row]).splitlines()
+    assert header.startswith('label,params,input_size,batch_size') and '3x8x8' in values
+    png = plot({'m, inference': [(8, 150.0, 10.0), (16, 400.0, None)]}, tmp_path / 'p.png', 'title')
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    assert math.isfinite(result['wall_time_s'])
-    # the tool fits a stored sweep again without measuring
-    result['command'] = 'python tools/benchmark.py sweep'
-    stored = tmp_path / 'stored.json'
-    stored.write_text(json.dumps(result))
-    assert load_tool('benchmark').main(['sweep', '--refit', str(stored), '--fit-min', '64']) == 0
-    refit = json.loads(stored.read_text())
-    assert refit['exponents']['cvt_ls_13']['sizes'] == [64] and refit['exponents']['cvt_ls_13']['flops'] is None
-    assert 'fitted again from 64' in (tmp_path / 'stored.md').read_text() and (tmp_path / 'stored.png').exists()
+    assert markdown_table(['a', 'b'], [['x', '1']]) == '| a | b |\n| --- | ---: |\n| x | 1 |'
 
 
-def test_sweep_measures_floor_curves():
-    """A sweep curve NAME@noattn or NAME@projonly measures that floor model, not NAME itself."""
-    curves = [parse_curve(spec) for spec in ('cvt_ls_13', 'cvt_ls_13@projonly', 'cvt_ls_13@noattn')]
-    config = SweepConfig(threads=1, warmup=0, iters=1, isolate=False)
-    result = resolution_sweep(curves, [32], SweepBudget(time_per_image_s=100.0), config)
-    gflops = {p['label']: p['gflops'] for p in result['points']}
-    assert gflops['cvt_ls_13'] > gflops['cvt_ls_13 (projections only)'] > gflops['cvt_ls_13 (attention no-op)'] > 0
+def test_fit_exponent():
+    xs = [1e4, 4e4, 1.6e5]
+    assert fit_exponent(xs, [3 * x ** 1.5 for x in xs]) == pytest.approx(1.5)
+    assert fit_exponent([5.0, 5.0], [1.0, 2.0]) is None
+    with pytest.raises(ValueError):
+        fit_exponent([1.0, -2.0], [1.0, 2.0])
 
 
-def test_no_attention_floor_model():
-    """``NAME@noattn``: every block's attention is a no-op of the same output shape; the rest of the model runs."""
-    from lsvision.benchmark import NO_ATTENTION, NoOpAttention, create_benchmark_model, parse_curve
-    curve = parse_curve('cvt_ls_13@noattn')
-    assert curve.floor == NO_ATTENTION and curve.model == 'cvt_ls_13'
-    tiny = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1), num_classes=3)
-    model = create_benchmark_model('cvt_ls_13', 'cpu', tiny, floor=NO_ATTENTION)
-    full = create_benchmark_model('cvt_ls_13', 'cpu', tiny)
-    attns = [m.attn for m in model.modules() if hasattr(m, 'attn')]
+def test_specs():
+    assert resolve_specs(['cvt_ls_13', 'cvt_ls_1[37]', 'vil_ls_medium@full']) == [
+        'cvt_ls_13', 'cvt_ls_17', 'vil_ls_medium@full']
+    assert resolve_specs(['resnet18']) == ['resnet18']  # any timm model
+    assert spec_label('vil_ls_medium@full') == 'vil_ls_medium (full attention)'
+    assert spec_label('cvt_ls_13@projonly') == 'cvt_ls_13 (projections only)'
+    with pytest.raises(ValueError, match='matches no model'):
+        resolve_specs(['no_such_model*'])
+    with pytest.raises(ValueError, match='full-attention switch'):
+        spec_label('cvt_ls_13@full')
+    tiny = dict(embed_dims=(8, 16, 32, 64), num_heads=(1, 2, 4, 8), depths=(1, 1, 1, 1), num_classes=3)
+    long_short = [sum(isinstance(m, LongShortAttention2d) for m in create_model(spec, **tiny).modules())
+                  for spec in ('vil_ls_medium', 'vil_ls_medium@full')]
+    assert long_short == [2, 0]  # stages 1-2 long-short, or full attention in every stage
+
+
+def test_floor_models():
+    """``@noattn``: every attention a no-op; ``@projonly``: each attention runs its projections (with their backward)
+    but none of the attention math; other attentions are refused, naming what works."""
+    noattn = create_model('cvt_ls_13@noattn', **TINY_CVT_LS)
+    full = create_model('cvt_ls_13', **TINY_CVT_LS)
+    attns = [m.attn for m in noattn.modules() if hasattr(m, 'attn')]
     assert len(attns) == 3 and all(isinstance(a, NoOpAttention) for a in attns)
-    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in full.parameters())
-    with torch.no_grad():
-        assert model(torch.randn(1, 3, 64, 64)).shape == (1, 3)
-    with pytest.raises(ValueError, match='no block'):
-        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), floor=NO_ATTENTION)
-
-
-def test_projections_only_floor_model():
-    """``NAME@projonly``: each block's attention runs its own projections (and their backward in training) but none of
-    the attention math; long-short and CvT attention; other attentions are refused, naming what works."""
-    from lsvision.benchmark import PROJECTIONS_ONLY, ProjectionsOnly, create_benchmark_model, parse_curve
-    curve = parse_curve('cvt_ls_13@projonly')
-    assert curve.floor == PROJECTIONS_ONLY and curve.label == 'cvt_ls_13 (projections only)'
-    tiny = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 2), depths=(1, 1, 1), num_classes=3)
-    x = torch.randn(2, 3, 64, 64)
+    assert sum(p.numel() for p in noattn.parameters()) < sum(p.numel() for p in full.parameters())
     for name in ('cvt_ls_13', 'cvt_13'):
-        model = create_benchmark_model(name, 'cpu', tiny, floor=PROJECTIONS_ONLY).train()
-        full = create_benchmark_model(name, 'cpu', tiny)
+        model = create_model(name + '@projonly', **TINY_CVT_LS).train()
         floors = [m.attn for m in model.modules() if isinstance(getattr(m, 'attn', None), ProjectionsOnly)]
         assert len(floors) == 3
-        # the attention's own modules, so the same parameters
-        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in full.parameters())
-        model(x).square().sum().backward()
-        last = floors[-1].attn  # stage 3: a prefix (cls) token
+        assert sum(p.numel() for p in model.parameters()) == sum(
+            p.numel() for p in create_model(name, **TINY_CVT_LS).parameters())
+        model(torch.randn(2, 3, 64, 64)).square().sum().backward()
+        last = floors[-1].attn
         projections = ([last.qkv.k.dw.weight, last.qkv.v.pw.weight, last.dynamic_proj.pw.weight]
                        if name == 'cvt_ls_13' else [last.conv_proj_k.conv.weight, last.proj_v.weight])
         assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in projections + [last.proj.weight])
         if name == 'cvt_ls_13':  # the attention math (DualLN onwards) did not run
             assert last.norm_local.weight.grad is None and last.norm_global.weight.grad is None
-    swin = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), num_classes=3)
     with pytest.raises(ValueError, match='no projections-only floor.*@noattn'):
-        create_benchmark_model('swin_tiny_patch4_window7_224', 'cpu', swin, floor=PROJECTIONS_ONLY)
+        create_model('swin_tiny_patch4_window7_224@projonly', embed_dim=16, depths=(1, 1, 1, 1),
+                     num_heads=(1, 1, 1, 1), num_classes=3)
     with pytest.raises(ValueError, match='no block'):
-        create_benchmark_model('resnet18', 'cpu', dict(num_classes=3), floor=PROJECTIONS_ONLY)
+        create_model('resnet18@noattn', num_classes=3)

@@ -1,4 +1,4 @@
-"""Tests for lsvision.flops: fused attention counting, the handle registry and mode handling."""
+"""Tests for lsvision.flops: fused attention counting against hand counts, per-call handles and mode handling."""
 
 import copy
 import logging
@@ -14,15 +14,7 @@ from fvcore.nn.jit_handles import get_shape
 
 from timm.models.vision_transformer import VisionTransformer
 
-from lsvision.flops import (
-    EXTRA_FLOP_HANDLES,
-    FlopReport,
-    count_activations,
-    count_flops,
-    parameter_count,
-    register_flop_handle,
-    unregister_flop_handle,
-)
+from lsvision.flops import FlopReport, count_activations, count_flops, parameter_count
 
 SDPA = 'scaled_dot_product_attention'
 
@@ -224,42 +216,17 @@ def cube_flop_jit(inputs, outputs) -> int:
     return 2 * prod(get_shape(inputs[0]))
 
 
-@pytest.fixture
-def cube_op():
-    op_name = 'prim::PythonOp.Cube'
-    assert op_name not in EXTRA_FLOP_HANDLES
-    yield op_name
-    unregister_flop_handle(op_name)
-    assert op_name not in EXTRA_FLOP_HANDLES
-
-
-def test_custom_op_registration(cube_op, caplog):
-    size = (4, 5)
+def test_custom_op_handles(caplog):
+    op, size = 'prim::PythonOp.Cube', (4, 5)
     with caplog.at_level(logging.WARNING, logger='lsvision.flops'):
         before = count_flops(CubeModel(), size)
-    assert before.total == 0
-    assert before.unsupported == {cube_op: 1}
-    assert any(cube_op in r.getMessage() for r in caplog.records)
-
-    assert register_flop_handle(cube_op, cube_flop_jit) is cube_flop_jit
-    after = count_flops(CubeModel(), size)
-    assert after.total == 2 * 4 * 5
-    assert after.by_operator == {'PythonOp.Cube': 2 * 4 * 5}  # fvcore drops the namespace
+    assert before.total == 0 and before.unsupported == {op: 1}
+    assert any(op in r.getMessage() for r in caplog.records)
+    after = count_flops(CubeModel(), size, extra_handles={op: cube_flop_jit})
+    assert after.total == 2 * 4 * 5 and after.by_operator == {'PythonOp.Cube': 2 * 4 * 5}  # fvcore drops 'prim::'
     assert after.unsupported == {}
-
-    # registering a different handle needs overwrite=True
-    with pytest.raises(ValueError):
-        register_flop_handle(cube_op, lambda inputs, outputs: 1)
-    register_flop_handle(cube_op, lambda inputs, outputs: 1, overwrite=True)
-    assert count_flops(CubeModel(), size).total == 1
-
-    # per-call handles override the registry
-    assert count_flops(CubeModel(), size, extra_handles={cube_op: cube_flop_jit}).total == 2 * 4 * 5
-    ignored = count_flops(CubeModel(), size, extra_handles={cube_op: None})
+    ignored = count_flops(CubeModel(), size, extra_handles={op: None})
     assert ignored.total == 0 and ignored.unsupported == {}
-
-    assert unregister_flop_handle(cube_op) is not None
-    assert count_flops(CubeModel(), size, warn_unsupported=False).unsupported == {cube_op: 1}
 
 
 def test_baddbmm_counted_like_bmm():

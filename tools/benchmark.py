@@ -1,95 +1,93 @@
-"""Benchmarks lsvision (or any timm) models: inference and training, named comparison suites, resolution sweeps and
-the model cards. One tool, with the flag names of timm's ``benchmark.py``.
+"""Benchmarks lsvision (or any timm) models: inference and training, named suites, resolution sweeps and the model
+cards, with the flag names of timm's ``benchmark.py``; the measuring is ``lsvision.bench``.
 
-Models (``--models``: names, wildcards, or ``NAME@full`` for a ViL-LS model with full attention in every stage) are
-measured at one or more (input size, batch) points. Every measurement runs in a fresh process, the models in
-alternating order over ``--repeats`` (A B, then B A, ...), so that no model is slowed or sped up by running first or
-by what ran before it in the process; the times of all repeats are pooled (median, p10-p90). ``--bench`` picks
-inference (params, GFLOPs and activations per image, latency, throughput, peak memory of a forward pass), train
-(the time of a training step: forward, backward, SGD step; and the training activation memory: on CPU the peak
-resident memory minus the resident memory once the model, input and optimizer exist, on CUDA the
-``max_memory_allocated`` delta) or both. ``--baseline MODEL`` adds the ratio of each model's time (per image) and
-memory to that model's at the same point. A measurement that runs out of memory (CUDA, or a failed CPU allocation)
-is retried at a smaller batch (``--no-retry`` to fail instead)::
+Every measurement (one model, one point, inference or train) runs in a fresh process, the models in alternating
+order over ``--repeats`` (A B, then B A); times come from ``torch.utils.benchmark`` (median and p10-p90 of the pooled
+timed passes), memory is the peak above the memory in use once model and input (and optimizer) exist (CPU: peak
+resident memory; CUDA: ``max_memory_allocated``). ``--baseline MODEL`` adds each model's ratios to that model's at the
+same point, pooled and paired (per round). A run out of memory is retried at a smaller batch (``--no-retry``)::
 
     python tools/benchmark.py --bench both --models cvt_ls_13 cvt_13
-    python tools/benchmark.py --bench train --models cvt_ls_13 --baseline cvt_13 --threads 2 \\
-        --img-size 224 384 768 1024 --batch-size 8 2 1 1          # or: --points 224x8 384x2 768x1 1024x1
+    python tools/benchmark.py --bench train --models cvt_ls_13 --baseline cvt_13 --points 224x8 384x2 768x1
     python tools/benchmark.py --models 'pvt_v2_*_grc' --device cuda --batch-size 64 --amp --amp-dtype bfloat16 \\
         --channels-last --torchcompile --results-file output/bench.csv
-    python tools/benchmark.py --models cvt_ls_13 --reparam      # plain and reparameterized, in alternating rounds
+    python tools/benchmark.py --models cvt_ls_13 --reparam      # also NAME@reparam, with its ratio to NAME
+
+Model specs: a name or wildcard, ``NAME@full`` (ViL-LS with full attention in every stage), ``NAME@noattn`` (every
+block's attention a no-op: the floor), ``NAME@projonly`` (the attention runs its projections only), ``NAME@reparam``.
 
 ``--suite NAME`` runs a named comparison and writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/):
 
-    cvt_ls     cvt_ls_13 vs cvt_13 (baseline): inference and training against input size, table and plot
-    vil_ls     vil_ls_medium_384 vs the same model with full attention in every stage (baseline), inference and training
+    cvt_ls     cvt_ls_13 vs cvt_13 (baseline), and Swin-T at 224: inference and training against input size
+    vil_ls     vil_ls_medium_384 vs the same model with full attention in every stage (baseline)
     grc        each GRC model vs its timm base (baseline), inference; the slowdown against the 1.25x target
-    sequence   1D long-short attention layers and models vs F.scaled_dot_product_attention, fwd+bwd, 1k-64k tokens
-    hsw        HSW, HSW-LS and the flat full-attention encoder at 4k-64k tokens, inference
+    sequence   1D long-short attention layers and models vs F.scaled_dot_product_attention, train steps, 1k-64k tokens
+    hsw        HSW, HSW-LS and the flat full-attention encoder at 4k-64k tokens, inference, against the targets
 
-Sub-commands::
-
-    python tools/benchmark.py sweep     # time and peak memory against input size until a budget, docs/benchmarks/
-    python tools/benchmark.py cards     # measure every registered model; model_cards/ and the README models table
-
-``python tools/benchmark.py run ...`` (the earlier spelling) is the same as without ``run``; its ``--train`` means
-``--bench both``. Progress goes to stderr, tables to stdout.
+Sub-commands: ``sweep`` (time and peak memory against input size until a budget) and ``cards`` (measure every
+registered model; write model_cards/ and the README models table). ``run ...`` is the earlier spelling of the model
+benchmark (its ``--train`` means ``--bench both``). Progress goes to stderr, tables to stdout.
 """
-
 import argparse
+import functools
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tool's helper modules beside it  # noqa: E402
-import _bench_cpu  # noqa: E402
-import _bench_suites  # noqa: E402
-
-from lsvision.benchmark import (  # noqa: E402
-    AMP_DTYPES,
-    BENCH_KINDS,
-    CURVE_SUFFIXES,
-    BenchmarkConfig,
-    SweepBudget,
-    SweepConfig,
-    benchmark_table,
-    parse_curve,
-    plot_sweep,
-    resolution_sweep,
-    resolve_model_names,
-    sweep_exponents,
-    sweep_markdown,
-    write_benchmark_reports,
-    write_json,
-    write_results_file,
-)
-from lsvision.measure import TimingResult, machine_description  # noqa: E402
-from lsvision.models import list_models  # noqa: E402
-from lsvision.zoo import GENERATED_NOTE, measure_model, render_outputs  # noqa: E402
+import lsvision.sequence as seq
+from lsvision import bench
+from lsvision.flops import parameter_count
+from lsvision.layers import CausalLongShortAttention, FullAttention1d, LongShortAttention1d
+from lsvision.models import list_models
+from lsvision.sequence.char_lm import CausalFullAttention
+from lsvision.zoo import GENERATED_NOTE, render_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
-SWEEP_DIR = ROOT / 'docs' / 'benchmarks'
-MEASUREMENTS = 'measurements.json'
-SUBCOMMANDS = ('sweep', 'cards')
-SUITES = ('cvt_ls', 'vil_ls', 'grc', 'sequence', 'hsw')
-Point = Tuple[Optional[int], int]  # (square input size or None for each model's own, batch size)
+OUT = ROOT / 'docs' / 'benchmarks'
+Point = Tuple[Optional[int], int]  # (square input size, or None for each model's own; batch size)
+VISION_SUITES: Dict[str, Dict[str, Any]] = {
+    'cvt_ls': dict(title='CvT-LS (long-short attention) vs CvT (full attention) against input size',
+                   models=['cvt_ls_13', 'cvt_13'], baseline='cvt_13', bench='both',
+                   points=[(224, 8), (384, 2), (512, 1), (768, 1), (1024, 1)],
+                   references={'swin_tiny_patch4_window7_224': [224]}),  # issue 18: within 1.15x of Swin-T at 224
+    'vil_ls': dict(title='ViL-LS vs the same model with full attention in every stage', bench='both',
+                   models=['vil_ls_medium_384', 'vil_ls_medium_384@full'], baseline='vil_ls_medium_384@full',
+                   points=[(384, 1)]),
+    'grc': dict(title="GRC models vs their timm base models (target: at most 1.25x the base's time)",
+                models=['pvt_v2_b2_grc', 'swin_tiny_patch4_window7_224_grc', 'deit_small_patch16_224_grc'],
+                baseline=None, bench='inference', points=[(None, 1), (None, 8)]),
+}
+D, HEADS, MEM = 256, 4, 128  # the sequence suite's layers: width, heads, cached tokens of the causal layer
+SEQUENCE_LAYERS = {
+    'sdpa_full': (functools.partial(FullAttention1d, D, HEADS), False),
+    'ls_bidir_w8_r32': (functools.partial(LongShortAttention1d, D, HEADS, 8, 32), False),
+    'sdpa_causal': (functools.partial(CausalFullAttention, D, HEADS), False),
+    'ls_causal_blocked': (functools.partial(CausalLongShortAttention, D, HEADS, 128, 16, 1), True),
+    'ls_causal_official': (functools.partial(CausalLongShortAttention, D, HEADS, 128, 16, 1, query_chunk_size=None,
+                                             checkpoint_chunks=False), True),
+}
+"""Layer -> (build, whether it takes a cache of MEM tokens)."""
+_LM = dict(vocab_size=256, dim=256, depth=2, num_heads=4, mlp_hidden=1024, drop=0.)
+SEQUENCE_RATIOS = [('ls_bidir_w8_r32', 'sdpa_full'), ('ls_causal_blocked', 'sdpa_causal'),
+                   ('ls_causal_official', 'sdpa_causal'), ('lra_ls', 'lra_full'), ('lm_ls_causal', 'lm_sdpa_causal')]
+HSW_MODELS = {'HSW': ('hsw_tiny', {}), 'HSW-LS': ('hsw_tiny', {'attn': 'ls'}), 'flat': ('hsw_flat_tiny', {})}
+HSW_TARGETS = {4096: 5., 16384: 15.}  # flat / HSW at least; HSW-LS / HSW at most 1.3
+HSW_LS_TARGET = 1.3
 
 
 def log(msg: str) -> None:
-    """Prints a progress line to stderr."""
     print(msg, file=sys.stderr, flush=True)
 
 
 def parse_point(text: str) -> Point:
-    """Parses ``SIZExBATCH`` (e.g. ``384x2``) for ``--points``."""
+    """``SIZExBATCH`` (e.g. ``384x2``) for ``--points``."""
     try:
         size, batch = (int(v) for v in text.lower().split('x'))
     except ValueError:
@@ -99,289 +97,124 @@ def parse_point(text: str) -> Point:
     return size, batch
 
 
-def resolve_points(img_sizes: Optional[Sequence[int]], batch_sizes: Optional[Sequence[int]],
+def resolve_points(sizes: Optional[Sequence[int]], batches: Optional[Sequence[int]],
                    points: Optional[Sequence[Point]]) -> List[Point]:
-    """The (size, batch) points: ``--points``, or ``--img-size`` and ``--batch-size`` paired in order (one value of
-    either goes with every value of the other).
-
-    Raises:
-        ValueError: If ``--points`` comes with ``--img-size``/``--batch-size``, or the lists cannot be paired.
-    """
+    """``--points``, or ``--img-size`` and ``--batch-size`` paired in order (one value of either goes with all)."""
     if points:
-        if img_sizes or batch_sizes:
+        if sizes or batches:
             raise ValueError('give either --points or --img-size/--batch-size, not both')
         return list(dict.fromkeys(points))
-    sizes: List[Optional[int]] = list(img_sizes) if img_sizes else [None]
-    batches = list(batch_sizes) if batch_sizes else [1]
-    if any(s is not None and s < 1 for s in sizes) or any(b < 1 for b in batches):
+    s: List[Optional[int]] = list(sizes) if sizes else [None]
+    b = list(batches) if batches else [1]
+    if any(x is not None and x < 1 for x in s) or any(x < 1 for x in b):
         raise ValueError('--img-size and --batch-size must be positive')
-    if len(sizes) == 1:
-        sizes = sizes * len(batches)
-    elif len(batches) == 1:
-        batches = batches * len(sizes)
-    if len(sizes) != len(batches):
-        raise ValueError(f'--img-size has {len(sizes)} values and --batch-size {len(batches)}: give as many batch '
-                         'sizes as input sizes (paired in order), or one of either')
-    return list(dict.fromkeys(zip(sizes, batches)))
+    s, b = (s * len(b), b) if len(s) == 1 else (s, b * len(s) if len(b) == 1 else b)
+    if len(s) != len(b):
+        raise ValueError(f'--img-size has {len(s)} values and --batch-size {len(b)}: give as many batch sizes as '
+                         'input sizes (paired in order), or one of either')
+    return list(dict.fromkeys(zip(s, b)))
 
 
 def add_bench_args(parser: argparse.ArgumentParser) -> None:
     """The options of the model benchmark and the suites (timm's ``benchmark.py`` names where it has them)."""
-    parser.add_argument('--bench', choices=BENCH_KINDS, default=None,
-                        help='what to time: inference, train (forward, backward, SGD step) or both '
-                             "(default: inference, or the suite's)")
-    parser.add_argument('--models', '--model', '-m', nargs='+', default=None,
-                        help="model names or wildcards, e.g. 'cvt_ls_*', NAME@full (ViL-LS with full attention) or "
-                             "NAME@noattn (every block's attention a no-op: the floor) or NAME@projonly (the "
-                             "attention runs its projections only: the floor of the attention math)")
-    parser.add_argument('--baseline', default=None,
-                        help="report each model's time and memory relative to this model (added to --models if "
-                             'missing)')
-    parser.add_argument('--img-size', nargs='+', type=int, default=None,
-                        help="square input sizes (default: each model's own)")
+    parser.add_argument('--bench', choices=('inference', 'train', 'both'), default=None,
+                        help="what to time (train: forward, backward, SGD step; default: inference, or the suite's)")
+    parser.add_argument('--models', '--model', '-m', nargs='+', default=None, help='model specs or wildcards')
+    parser.add_argument('--baseline', default=None, help="report each model's time and memory relative to this one")
+    parser.add_argument('--img-size', nargs='+', type=int, default=None, help="square input sizes (default: model's)")
     parser.add_argument('--batch-size', '-b', nargs='+', type=int, default=None,
                         help='batch sizes, paired in order with --img-size (or one for all; default: 1)')
     parser.add_argument('--points', nargs='+', type=parse_point, default=None, metavar='SIZExBATCH',
                         help='(size, batch) points, e.g. 384x2 768x1, instead of --img-size/--batch-size')
-    parser.add_argument('--repeats', type=int, default=2,
-                        help='fresh processes per model and point, in alternating order (default: 2: A B, B A)')
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu',
-                        help='device to run on (default: cuda when there is one, else cpu)')
+    parser.add_argument('--repeats', type=int, default=2, help='fresh processes per model and point (default: 2)')
+    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='device')
     parser.add_argument('--threads', type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument('--amp', action='store_true', help='run under torch.autocast (see --amp-dtype)')
-    parser.add_argument('--amp-dtype', default='float16', choices=sorted(AMP_DTYPES),
-                        help='autocast dtype with --amp (default: float16)')
+    parser.add_argument('--amp-dtype', default='float16', choices=sorted(bench.AMP_DTYPES), help='autocast dtype')
     parser.add_argument('--channels-last', action='store_true', help='channels-last memory format')
     parser.add_argument('--torchcompile', nargs='?', const='default', default=None, metavar='MODE',
-                        help="time torch.compile(model, mode=MODE) (MODE default: torch's default)")
-    parser.add_argument('--reparam', action='store_true',
-                        help='also time the model folded for inference (timm.models.reparameterize_model), in the '
-                             'same alternating rounds as the plain one; prints both times and their ratio')
+                        help='time torch.compile(model, mode=MODE)')
+    parser.add_argument('--reparam', action='store_true', help='also measure NAME@reparam, with its ratio to NAME')
     parser.add_argument('--num-warm-iter', '--warmup', dest='warmup', type=int, default=3,
                         help='warm-up passes or steps per measurement (default: 3)')
-    parser.add_argument('--num-bench-iter', '--iters', dest='iters', type=int, default=10,
-                        help='timed passes or steps per measurement, fewer if over --budget-s (default: 10)')
-    parser.add_argument('--budget-s', type=float, default=60.0,
-                        help='seconds for warm-up plus timing of one measurement; one warm-up and one timed pass '
-                             'always run (default: 60)')
-    parser.add_argument('--timeout', type=float, default=1800.0,
-                        help="seconds before a measurement's process is stopped (default: 1800)")
+    parser.add_argument('--budget-s', type=float, default=10.0,
+                        help='seconds of timed passes per measurement (blocked_autorange; at least one; default: 10)')
+    parser.add_argument('--timeout', type=float, default=1800.0, help='seconds before a measurement is stopped')
     parser.add_argument('--no-retry', action='store_true', help='fail on out-of-memory instead of a smaller batch')
     parser.add_argument('--no-flops', action='store_true', help='skip FLOP and activation counting')
     parser.add_argument('--no-memory', action='store_true', help='skip memory measurements')
-    parser.add_argument('--results-file', type=Path, default=None,
-                        help='write the rows to this file: .csv, .json or .md by its suffix')
-    parser.add_argument('--out', type=Path, default=None,
-                        help='folder for results.{json,csv,md} (suites: NAME.{json,csv,md,png}; default '
-                             f'{os.path.relpath(SWEEP_DIR, ROOT)}/)')
-    parser.add_argument('--suite', choices=SUITES, default=None,
-                        help='run a named comparison (see above); --models/--img-size/... override its defaults')
+    parser.add_argument('--results-file', type=Path, default=None, help='also write the rows to .csv, .json or .md')
+    parser.add_argument('--out', type=Path, default=None, help='folder for results.* (suites: NAME.*, default '
+                        'docs/benchmarks)')
+    parser.add_argument('--suite', choices=[*VISION_SUITES, 'sequence', 'hsw'], default=None,
+                        help='run a named comparison; --models/--img-size/... override its defaults')
     parser.add_argument('--train', action='store_true', help=argparse.SUPPRESS)  # `run --train`: --bench both
-    suite = parser.add_argument_group('sequence and hsw suites')
-    suite.add_argument('--lengths', nargs='+', type=int, default=None, help='tokens per sequence')
-    suite.add_argument('--only', choices=['layer', 'model'], default=None, help='sequence: only layers or models')
-    suite.add_argument('--names', nargs='+', default=None,
-                       help='sequence: only these configurations (e.g. sdpa_full); hsw: of HSW, HSW-LS, flat')
-    suite.add_argument('--flat-full-max', type=int, default=16384,
-                       help='hsw: longest length at which the flat encoder runs all 8 blocks (above: 1 block x 8)')
-    suite.add_argument('--allocator', choices=['glibc', 'reuse'], default='glibc',
-                       help="sequence: glibc's malloc defaults, or 'reuse' (restarts the tool with settings under "
-                            'which freed memory is reused, as a caching allocator does)')
+    parser.add_argument('--lengths', nargs='+', type=int, default=None, help='sequence, hsw: tokens per sequence')
+    parser.add_argument('--only', choices=['layer', 'model'], default=None, help='sequence: only layers or models')
+    parser.add_argument('--names', nargs='+', default=None,
+                        help='sequence: only these configurations (e.g. sdpa_full); hsw: of HSW, HSW-LS, flat')
+    parser.add_argument('--flat-full-max', type=int, default=16384,
+                        help='hsw: longest length at which the flat encoder runs all 8 blocks (above: 1 block x 8)')
 
 
-def bench_config(args: argparse.Namespace, size: Optional[int], batch: int, bench: str) -> BenchmarkConfig:
-    """The :class:`BenchmarkConfig` of one measurement from the command line."""
-    return BenchmarkConfig(
-        img_size=size, batch_size=batch, device=args.device, amp=args.amp_dtype if args.amp else None,
-        channels_last=args.channels_last, compile=args.torchcompile, warmup=args.warmup, iters=args.iters,
-        max_time_s=args.budget_s, flops=not args.no_flops, memory=not args.no_memory, bench=bench)
+def job_of(spec: str, args: argparse.Namespace, size: Optional[int], batch: int, kind: str, **kwargs: Any) -> bench.Job:
+    """The :class:`Job` of one model spec at one point from the command line."""
+    return bench.Job(label=bench.spec_label(spec), build=functools.partial(bench.create_model, spec), img_size=size,
+                     batch_size=batch, kind=kind, warmup=args.warmup, budget_s=args.budget_s, device=args.device,
+                     amp=args.amp_dtype if args.amp else None, channels_last=args.channels_last,
+                     compile=args.torchcompile, flops=not args.no_flops, memory=not args.no_memory,
+                     threads=args.threads, timeout_s=args.timeout, **kwargs)
 
 
-def _pooled(runs: Sequence[Dict[str, Any]], key: str) -> TimingResult:
-    """The timed passes of all runs of a measurement as one :class:`TimingResult`."""
-    timings = [r[key] for r in runs]
-    return TimingResult(
-        times_s=[t for tm in timings for t in tm['times_s']], batch_size=timings[0]['batch_size'],
-        warmup=timings[0]['warmup'], device=timings[0]['device'],
-        cpu_times_s=[t for tm in timings for t in tm['cpu_times_s']])
+def kinds_of(what: str) -> List[str]:
+    return ['inference', 'train'] if what == 'both' else [what]
 
 
-def _median_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def combine_runs(by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
-    """One row from the runs (fresh processes) of one model at one point: timed passes pooled over the runs, memory
-    the median over the runs, FLOPs from the run that counted them; ``pids`` lists the process of each run."""
-    first = next(iter(by_kind.values()))[0]
-    row = dict(first)
-    for runs in by_kind.values():
-        for key in ('gflops', 'mactivations', 'reparam_gflops'):
-            row[key] = next((r[key] for r in runs if r.get(key) is not None), row.get(key))
-    row['pids'] = {kind: [r['pid'] for r in runs] for kind, runs in by_kind.items()}
-    row['repeats'] = max(len(runs) for runs in by_kind.values())
-    row.pop('pid', None)
-    if 'inference' in by_kind:
-        runs = by_kind['inference']
-        t = _pooled(runs, 'timing')
-        row.update(
-            latency_ms=t.median_s * 1e3, latency_p10_ms=t.p10_s * 1e3, latency_p90_ms=t.p90_s * 1e3,
-            latency_std_ms=t.std_s * 1e3, ms_per_image=t.per_image_s * 1e3, images_per_s=t.images_per_s,
-            timed_passes=t.iters, peak_mib=_median_or_none([r['peak_mib'] for r in runs]), timing=t.to_dict(),
-            batch_size=t.batch_size, latency_runs_ms=_run_medians_ms(runs, 'timing'))
-        if runs[0].get('reparam_ratio') is not None:
-            f = _pooled(runs, 'reparam_timing')
-            row.update(
-                reparam_latency_ms=f.median_s * 1e3, reparam_latency_p10_ms=f.p10_s * 1e3,
-                reparam_latency_p90_ms=f.p90_s * 1e3, reparam_images_per_s=f.images_per_s, reparam_timing=f.to_dict(),
-                reparam_ratio=statistics.median(r['reparam_ratio'] for r in runs))
-    if 'train' in by_kind:
-        runs = by_kind['train']
-        t = _pooled(runs, 'train_timing')
-        row.update(
-            train_step_ms=t.median_s * 1e3, train_step_p10_ms=t.p10_s * 1e3, train_step_p90_ms=t.p90_s * 1e3,
-            train_images_per_s=t.images_per_s, train_memory_mib=_median_or_none([r['train_memory_mib'] for r in runs]),
-            train_timing=t.to_dict(), train_batch_size=t.batch_size,
-            train_step_runs_ms=_run_medians_ms(runs, 'train_timing'))
-    return row
-
-
-def _run_medians_ms(runs: Sequence[Dict[str, Any]], key: str) -> List[float]:
-    """The median time of each run (fresh process) of a measurement, in ms, in the order of the rounds."""
-    return [statistics.median(r[key]['times_s']) * 1e3 for r in runs]
-
-
-_RATIOS = [  # (ratio field, measured field, its batch field, per image)
-    ('latency_ratio', 'latency_ms', 'batch_size', True),
-    ('peak_ratio', 'peak_mib', 'batch_size', False),
-    ('train_step_ratio', 'train_step_ms', 'train_batch_size', True),
-    ('train_memory_ratio', 'train_memory_mib', 'train_batch_size', False),
-]
-
-_PAIRED_RATIOS = [  # (ratio field, per-run medians field, its batch field): time per image, round by round
-    ('latency_ratio', 'latency_runs_ms', 'batch_size'),
-    ('train_step_ratio', 'train_step_runs_ms', 'train_batch_size'),
-]
-
-
-def _per_image_ratio(value: float, batch: int, base_value: float, base_batch: int) -> float:
-    """A time's ratio to the baseline's per image, so that a batch retried smaller still compares."""
-    return (value / batch) / (base_value / base_batch)
-
-
-# What the ratio columns are, after "Ratios to <baseline>" in the printout and in a suite's markdown
-_RATIOS_EXPLAINED = ("at the same input size: time per image, memory at the same batch size; paired: the median (and "
-                     "range) over the rounds of each round's ratio, its two processes run in one pass over the models, "
-                     "so that the machine's drift between rounds cancels out.")
-
-
-def add_ratios(rows: List[Dict[str, Any]], baseline: str) -> None:
-    """Adds each row's ratios to the baseline's row at the same point: time per image (so that a batch retried
-    smaller still compares), memory only where both ran at the same batch size."""
-    for row in rows:
-        base = next((r for r in rows if r['spec'] == baseline and r['point'] == row['point']), None)
-        row['baseline'] = baseline
-        for ratio, key, batch_key, per_image in _RATIOS:
-            value = None
-            if base is not None and row.get(key) is not None and base.get(key):
-                if per_image:
-                    value = _per_image_ratio(row[key], row[batch_key], base[key], base[batch_key])
-                elif row[batch_key] == base[batch_key]:
-                    value = row[key] / base[key]
-            row[ratio] = value
-        for ratio, key, batch_key in _PAIRED_RATIOS:
-            rounds = _round_ratios(row, base, key, batch_key)
-            row[ratio + '_rounds'] = rounds
-            row[ratio + '_paired'] = statistics.median(rounds) if rounds else None
-
-
-def _round_ratios(row: Dict[str, Any], base: Optional[Dict[str, Any]], key: str, batch_key: str) -> List[float]:
-    """Each round's ratio of a row's time per image to the baseline's, from the two processes of that round (run
-    within one pass over the models, so that a drift of the machine's speed between rounds cancels out); empty with
-    fewer than 2 rounds or without the baseline."""
-    if base is None or not row.get(key) or not base.get(key) or len(row[key]) != len(base[key]) or len(row[key]) < 2:
-        return []
-    return [_per_image_ratio(a, row[batch_key], b, base[batch_key]) for a, b in zip(row[key], base[key])]
+def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, point: Any,
+                 baseline: Optional[str]) -> List[Dict[str, Any]]:
+    """Runs the jobs of one point (spec -> one job per kind; kinds one after the other, the specs alternating) and
+    returns one combined row per spec, its ``baseline`` set (a ``@reparam`` spec's is its plain model)."""
+    specs = list(jobs)
+    by_kind = {}
+    for k in range(len(next(iter(jobs.values())))):
+        kind_jobs = [jobs[s][k] if k == 0 else replace(jobs[s][k], flops=False) for s in specs]
+        by_kind[kind_jobs[0].kind] = bench.run_jobs(kind_jobs, args.repeats, retry=not args.no_retry, log=log)
+    rows = []
+    for i, spec in enumerate(specs):
+        row = bench.combine({kind: runs[i] for kind, runs in by_kind.items()})
+        base = spec[:-len('@reparam')] if spec.endswith('@reparam') else baseline
+        row.update(spec=spec, point=point, baseline=base)
+        rows.append(row)
+    return rows
 
 
 def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argparse.Namespace,
                      baseline: Optional[str] = None,
                      references: Optional[Dict[str, Sequence[int]]] = None) -> List[Dict[str, Any]]:
-    """Measures models (``NAME`` or ``NAME@full``) at each point, each measurement in a fresh process and the models
-    in alternating order (``args.repeats`` runs each); returns one row per model and point, with ratios to
-    ``baseline`` if given. ``references`` maps further models to the only input sizes they run at (e.g. a timm model
-    built for 224), where they join the alternation."""
-    kinds = ['inference', 'train'] if args.bench == 'both' else [args.bench]
+    """Every spec (plus ``references`` at their sizes) at every point; one row each, with ratios."""
     rows = []
-    all_specs = specs
     for size, batch in points:
-        specs = list(all_specs) + [name for name, sizes in (references or {}).items() if size in sizes]
-        curves = [parse_curve(spec) for spec in specs]
-        where = f'{size}x{size}' if size else "each model's own size"
-        log(f"Point {where}, batch {batch}: {', '.join(c.label for c in curves)}")
-        results: Dict[str, List[List[Dict[str, Any]]]] = {}
-        for kind in kinds:
-            config = bench_config(args, size, batch, kind)
-            config.flops = config.flops and kind == kinds[0]  # counted once per model and point
-            jobs = [dict(model=c.model, label=c.label, model_kwargs=c.model_kwargs, floor=c.floor, batch_size=batch,
-                         threads=args.threads, reparam=args.reparam, config=asdict(config))
-                    for c in curves]
-            results[kind] = _bench_cpu.run_alternating(
-                _bench_cpu.measure_job, jobs, args.repeats, args.timeout, retry=not args.no_retry, log=log)
-        for i, (spec, curve) in enumerate(zip(specs, curves)):
-            row = combine_runs({kind: results[kind][i] for kind in kinds})
-            row.update(spec=spec, label=curve.label, point=[size, batch])
-            rows.append(row)
-            log('  ' + row_summary(row))
-    if baseline is not None:
-        add_ratios(rows, baseline)
+        point_specs = list(specs) + [n for n, sizes in (references or {}).items() if size in sizes]
+        if args.reparam:
+            point_specs += [s + '@reparam' for s in point_specs if '@' not in s]
+        log(f"Point {f'{size}x{size}' if size else 'native size'}, batch {batch}: {', '.join(point_specs)}")
+        jobs = {s: [job_of(s, args, size, batch, kind) for kind in kinds_of(args.bench)] for s in point_specs}
+        rows += measure_rows(jobs, args, [size, batch], baseline)
+    bench.add_ratios(rows)
     return rows
 
 
-def row_summary(row: Dict[str, Any]) -> str:
-    """One progress line for a row."""
-    parts = [f"{row['label']} {row['input_size'][1]}x{row['input_size'][2]} b{row['batch_size']}:"]
-    if row.get('latency_ms') is not None:
-        parts.append(f"{row['latency_ms']:.1f} ms/pass, {row['images_per_s']:.1f} img/s")
-    if row.get('reparam_ratio') is not None:
-        parts.append(f"reparameterized {row['reparam_latency_ms']:.1f} ms/pass ({row['reparam_ratio']:.3f}x plain)")
-    if row.get('train_step_ms') is not None:
-        mem = row.get('train_memory_mib')
-        parts.append(f"train step {row['train_step_ms']:.1f} ms" + ('' if mem is None else f', {mem:.0f} MiB act.'))
-    return ' '.join(parts[:1]) + ' ' + '; '.join(parts[1:])
-
-
 def model_specs(patterns: Sequence[str], baseline: Optional[str]) -> List[str]:
-    """Model names from names and wildcards (``NAME@full``, ``NAME@noattn`` and ``NAME@projonly`` kept as is), with the
-    baseline added if missing."""
-    specs: List[str] = []
-    for pattern in patterns:
-        specs += [pattern] if pattern.endswith(CURVE_SUFFIXES) else resolve_model_names([pattern])
-    if baseline is not None and baseline not in specs:
-        specs.append(baseline)
-    return list(dict.fromkeys(specs))
+    specs = bench.resolve_specs(patterns)
+    return specs + ([baseline] if baseline is not None and baseline not in specs else [])
 
 
 def settings_of(args: argparse.Namespace) -> Dict[str, Any]:
-    """The command-line settings, JSON-ready."""
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != 'command'}
 
 
-def write_rows(rows: List[Dict[str, Any]], args: argparse.Namespace) -> None:
-    """Writes the rows where the command line asks (``--results-file``, ``--out``)."""
-    settings = settings_of(args)
-    paths = []
-    if args.results_file is not None:
-        paths.append(write_results_file(rows, args.results_file, settings, device=args.device))
-    if args.out is not None:
-        paths += write_benchmark_reports(rows, args.out, settings, device=args.device).values()
-    if paths:
-        log('Wrote ' + ', '.join(str(p) for p in paths))
-
-
 def run_models(args: argparse.Namespace) -> int:
-    """The model benchmark (no sub-command)."""
+    """The model benchmark (no sub-command, no suite)."""
     try:
         if not args.models:
             raise ValueError('name the models to benchmark: --models NAME [NAME ...] (or a --suite)')
@@ -392,315 +225,325 @@ def run_models(args: argparse.Namespace) -> int:
     except ValueError as e:
         log(str(e))
         return 2
-    log(f'Machine: {machine_description(args.device)}')
+    log(f'Machine: {bench.machine_description(args.device)}')
     rows = benchmark_models(specs, points, args, args.baseline)
-    write_rows(rows, args)
-    print(benchmark_table(rows))
-    if args.baseline is not None:
-        print(f'\nRatios to {args.baseline} {_RATIOS_EXPLAINED}')
+    ratios = any('latency_ratio' in r or 'train_step_ratio' in r for r in rows)
+    table = bench.benchmark_table(rows) + (f'\n\n{bench.RATIOS_EXPLAINED}' if ratios else '')
+    text = f'## Benchmark\n\nMeasured on: {bench.machine_description(args.device)}\n\n{table}\n'
+    if args.results_file is not None:
+        f = args.results_file
+        bench.write_reports(rows, f.with_suffix(''), text, settings_of(args), args.device, [f.suffix.lower()[1:]])
+    if args.out is not None:
+        bench.write_reports(rows, args.out / 'results', text, settings_of(args), args.device)
+    print(table)
     return 0
 
 
-GRC_SUFFIX = '_grc'
-GRC_TARGET = 1.25
-VISION_SUITES: Dict[str, Dict[str, Any]] = {
-    'cvt_ls': dict(
-        title='CvT-LS (long-short attention) vs CvT (full attention) against input size',
-        models=['cvt_ls_13', 'cvt_13'], baseline='cvt_13', bench='both',
-        points=[(224, 8), (384, 2), (512, 1), (768, 1), (1024, 1)],
-        # issue 18's target at 224 b8: cvt_ls_13's step within 1.15x of Swin-T's
-        references={'swin_tiny_patch4_window7_224': [224]}),
-    'vil_ls': dict(
-        title='ViL-LS vs the same model with full attention in every stage',
-        models=['vil_ls_medium_384', 'vil_ls_medium_384@full'], baseline='vil_ls_medium_384@full', bench='both',
-        points=[(384, 1)]),
-    'grc': dict(
-        title=f"GRC models vs their timm base models (target: at most {GRC_TARGET:g}x the base's time)",
-        models=['pvt_v2_b2_grc', 'swin_tiny_patch4_window7_224_grc', 'deit_small_patch16_224_grc'], baseline=None,
-        bench='inference', points=[(None, 1), (None, 8)]),
-}
+def size_series(rows: Sequence[Dict[str, Any]]) -> Dict[str, List[Tuple[float, Any, Any]]]:
+    """Plot series of vision rows: per model, inference and train (time per image and memory against size)."""
+    series: Dict[str, List[Tuple[float, Any, Any]]] = {}
+    for r in rows:
+        for kind, memory in (('inference', 'peak_mib'), ('train', 'train_memory_mib')):
+            if r.get(f'{kind}_ms_per_image') is not None:
+                series.setdefault(f"{r['label']}, {kind}", []).append(
+                    (r['input_size'][1], r[f'{kind}_ms_per_image'], r.get(memory)))
+    return series
 
 
-def grc_pairs(patterns: Sequence[str]) -> List[Tuple[str, str]]:
-    """(base, GRC model) pairs from GRC model names or wildcards, in the order given, without repeats.
-
-    Raises:
-        ValueError: If a pattern matches no GRC model.
-    """
-    grc_models = list_models('*' + GRC_SUFFIX)
-    names: List[str] = []
-    for pattern in patterns:
-        matches = [n for n in list_models(pattern) if n in grc_models]
-        if not matches:
-            raise ValueError(f'{pattern!r} matches no GRC model; GRC models: {", ".join(grc_models)}')
-        names += matches
-    return [(name[:-len(GRC_SUFFIX)], name) for name in dict.fromkeys(names)]
-
-
-def plot_rows(rows: Sequence[Dict[str, Any]], path: Path, title: str) -> Path:
-    """Plots time per image and memory against the input size (log-log), inference and training, one line per
-    model; writes the PNG atomically."""
-    import matplotlib  # optional dependency (the `bench` extra)
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    panels = [(('ms_per_image', 'inference'), ('train_ms_per_image', 'train step')),
-              (('peak_mib', 'inference peak'), ('train_memory_mib', 'train activations'))]
-    for i, label in enumerate(dict.fromkeys(r['label'] for r in rows)):
-        pts = sorted((r for r in rows if r['label'] == label), key=lambda r: r['input_size'][1])
-        for ax, series in zip(axes, panels):
-            for (key, what), style, marker in zip(series, ('-', '--'), ('o', 's')):
-                xy = [(r['input_size'][1], r.get(key)) for r in pts if r.get(key) is not None]
-                if xy:
-                    ax.plot([x for x, _ in xy], [y for _, y in xy], style, marker=marker, color=f'C{i}',
-                            label=f'{label}, {what}')
-    for ax, ylabel in zip(axes, ('time per image (ms)', 'memory (MiB)')):
-        ax.set_xscale('log', base=2)
-        ax.set_yscale('log')
-        sizes = sorted({r['input_size'][1] for r in rows})
-        ax.set_xticks(sizes)
-        ax.set_xticklabels([str(s) for s in sizes])
-        ax.minorticks_off()
-        ax.set_xlabel('input size (pixels per side, log scale)')
-        ax.set_ylabel(ylabel + ', log scale')
-        ax.grid(True, which='major', alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + '.tmp.png')
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return path
+def write_suite(name: str, args: argparse.Namespace, rows: List[Dict[str, Any]], title: str, body: str,
+                series: Dict[str, List[Tuple[float, Any, Any]]], command: str, **plot_kwargs: Any) -> None:
+    stem = (args.out or OUT) / name
+    machine = bench.machine_description(args.device)
+    text = f'## {title}\n\nProduced by `{command}`.\n\nMeasured on: {machine}.\n\n{body}\n'
+    bench.write_reports(rows, stem, text, {**settings_of(args), 'command': command}, args.device)
+    bench.plot(series, stem.with_suffix('.png'), title, **plot_kwargs)
+    print(text)
+    log(f'Wrote {stem}.{{json,csv,md,png}}')
 
 
 def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
-    """``--suite cvt_ls``, ``vil_ls`` or ``grc``: the suite's models and points (the command line's where given),
-    measured as the model benchmark does; writes NAME.{json,csv,md,png} into ``--out``."""
+    """``--suite cvt_ls``, ``vil_ls`` or ``grc``."""
     suite = VISION_SUITES[name]
     args.bench = args.bench or suite['bench']
     try:
         points = resolve_points(args.img_size, args.batch_size, args.points) \
             if (args.img_size or args.batch_size or args.points) else suite['points']
         if name == 'grc':
-            groups = [([base, grc], base) for base, grc in grc_pairs(args.models or suite['models'])]
+            grc = [s for s in bench.resolve_specs(args.models or suite['models']) if s.endswith('_grc')]
+            if not grc:
+                raise ValueError('--suite grc needs GRC models (NAME_grc)')
+            groups = [([s[:-4], s], s[:-4]) for s in grc]
         else:
-            baseline = args.baseline or suite['baseline']
-            groups = [(model_specs(args.models or suite['models'], baseline), baseline)]
-        references = None if args.models else suite.get('references')
+            groups = [(model_specs(args.models or suite['models'], args.baseline or suite['baseline']),
+                       args.baseline or suite['baseline'])]
     except ValueError as e:
         log(str(e))
         return 2
-    log(f'Machine: {machine_description(args.device)}')
-    rows = [row for specs, baseline in groups for row in benchmark_models(specs, points, args, baseline, references)]
-    for row in rows:
-        if row.get('train_step_ms') is not None:
-            row['train_ms_per_image'] = row['train_step_ms'] / row['train_batch_size']
-    stem = (args.out or SWEEP_DIR) / name
-    settings = {**settings_of(args), 'command': command}
-    for suffix in ('.json', '.csv'):
-        write_results_file(rows, stem.with_suffix(suffix), settings, device=args.device)
-    baselines = sorted({b for _, b in groups if b})
-    text = (f"## {suite['title']}\n\nProduced by `{command}`.\n\nMeasured on: {machine_description(args.device)}.\n\n"
-            f"Each model and point in {args.repeats} fresh process{'es' if args.repeats > 1 else ''}, in alternating "
-            'order; times are medians of the '
-            'pooled timed passes, memory the median over the processes (inference: peak of one forward pass; '
-            'training: peak resident (CPU) or allocated (CUDA) memory of the steps above the memory once the model, '
-            f"input and optimizer exist). Ratios to the baseline ({', '.join(baselines) or 'none'}) "
-            f'{_RATIOS_EXPLAINED}\n\n' + benchmark_table(rows) + '\n')
-    stem.with_suffix('.md').write_text(text)
-    plot_rows(rows, stem.with_suffix('.png'), suite['title'])
-    print(text)
-    log(f'Wrote {stem}.{{json,csv,md,png}}')
+    references = None if args.models else suite.get('references')
+    log(f'Machine: {bench.machine_description(args.device)}')
+    rows = [r for specs, base in groups for r in benchmark_models(specs, points, args, base, references)]
+    body = (f'Each model and point in {args.repeats} fresh process(es), in alternating order; times are medians of '
+            'the pooled timed passes, memory the median over the processes (inference: peak above the memory once '
+            'model and input exist; training: once model, input and optimizer exist). '
+            f'{bench.RATIOS_EXPLAINED}\n\n{bench.benchmark_table(rows)}')
+    write_suite(name, args, rows, suite['title'], body, size_series(rows), command)
     return 0
 
 
-def run_suite(args: argparse.Namespace, command: str, is_cli: bool) -> int:
-    """``--suite NAME``."""
-    if args.suite in VISION_SUITES:
-        return run_vision_suite(args.suite, args, command)
-    stem = (args.out or SWEEP_DIR) / args.suite
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    run = _bench_suites.run_sequence if args.suite == 'sequence' else _bench_suites.run_hsw
-    return run(args, stem, command, is_cli)
+def _sequence_cell(row: Optional[Dict[str, Any]]) -> str:
+    if row is None:
+        return ''
+    if 'skipped' in row:
+        return f"skipped ({row['skipped']})"
+    return f"{row['train_step_ms'] / 1e3:.3f} / {row['train_memory_mib'] or 0:.0f}"
+
+
+def run_sequence(args: argparse.Namespace, command: str) -> int:
+    """``--suite sequence``: training steps of 1D layers and models against SDPA; a configuration stops growing once
+    its next length is predicted (linear, or quadratic for full attention) over 60 s or 6 GiB."""
+    lengths = args.lengths or [1024, 4096, 16384, 65536]
+    configs = {('layer', n): v for n, v in SEQUENCE_LAYERS.items()} if args.only != 'model' else {}
+    if args.only != 'layer':
+        configs.update({('model', n): None for n in ('lra_ls', 'lra_full', 'lm_ls_causal', 'lm_sdpa_causal')})
+    configs = {k: v for k, v in configs.items() if not args.names or k[1] in args.names}
+    rows: List[Dict[str, Any]] = []
+    last: Dict[str, Dict[str, Any]] = {}
+    for n in lengths:
+        jobs = {}
+        for (kind, name), layer in configs.items():
+            prev = last.get(name)
+            if prev is not None:
+                growth = (n / prev['n']) ** (2 if any(s in name for s in ('sdpa', 'full', 'official')) else 1)
+                est_s, est_mib = prev['train_step_ms'] / 1e3 * growth, (prev['train_memory_mib'] or 0) * growth
+                if est_s > 60 or est_mib > 6144:
+                    rows.append(dict(kind=kind, name=name, n=n, skipped=f'est. {est_s:.0f} s / {est_mib:.0f} MiB'))
+                    continue
+            if kind == 'layer':
+                build, cached = layer
+                inputs = [((n, D), None)] + ([((MEM, D), None)] if cached else [])
+            else:
+                build = {'lra_ls': functools.partial(seq.create_model, 'ls_lra_text', max_len=n),
+                         'lra_full': functools.partial(seq.create_model, 'full_lra_text', max_len=n),
+                         'lm_ls_causal': functools.partial(seq.CharLM, window_size=128, segment_size=16, dp_rank=1,
+                                                           mem_len=128, cache_mode='official', **_LM),
+                         'lm_sdpa_causal': functools.partial(seq.CharLM, attn='full', max_len=n, **_LM)}[name]
+                inputs = [((n,), 200)]
+            jobs[name] = [bench.Job(f'{kind}: {name}', build, inputs, kind='train', warmup=1, budget_s=args.budget_s,
+                              device=args.device, threads=args.threads or 1, timeout_s=args.timeout,
+                              extra=dict(n=n, name=name))]
+        for row in measure_rows(jobs, args, n, None) if jobs else []:
+            row.update(kind=row['label'].split(':')[0])
+            rows.append(row)
+            last[row['name']] = row
+    measured = {(r['name'], r['n']): r for r in rows if 'skipped' not in r}
+    ratios = {f'{a}/{b} time @{n}': measured[(a, n)]['train_step_ms'] / measured[(b, n)]['train_step_ms']
+              for n in lengths for a, b in SEQUENCE_RATIOS if (a, n) in measured and (b, n) in measured}
+    by_point = {(r['name'], r['n']): r for r in rows}
+    cells = [[kind, name] + [_sequence_cell(by_point.get((name, n))) for n in lengths] for kind, name in configs]
+    body = (bench.markdown_table(['kind', 'config'] + [f'{n // 1024}k step s / act. MiB' for n in lengths], cells, 2)
+            + '\n\n' + '\n'.join(f'- {k}: {v:.3f}' for k, v in ratios.items()))
+    series: Dict[str, List[Tuple[float, Any, Any]]] = {}
+    for r in measured.values():
+        series.setdefault(r['label'], []).append((r['n'], r['train_step_ms'], r['train_memory_mib']))
+    write_suite('sequence', args, rows, '1D long-short attention vs SDPA (training steps)', body, series, command,
+                xlabel='sequence length (tokens)', ylabels=('training step (ms)', 'activation memory (MiB)'))
+    return 0
+
+
+def run_hsw(args: argparse.Namespace, command: str) -> int:
+    """``--suite hsw``: inference of HSW, HSW-LS and the flat encoder (above ``--flat-full-max`` tokens 1 of its 8
+    identical blocks, its time x 8), paired ratios to HSW against the targets."""
+    lengths, labels = args.lengths or [4096, 16384, 65536], args.names or list(HSW_MODELS)
+    unknown = sorted(set(labels) - set(HSW_MODELS)) + [str(n) for n in lengths if n < 64]
+    if unknown:
+        log(f"--suite hsw: unknown --names or --lengths below 64: {', '.join(unknown)}; names: {', '.join(HSW_MODELS)}")
+        return 2
+    rows, summary = [], []
+    for n in lengths:
+        jobs, scale = {}, {}
+        for label in labels:
+            name, kwargs = HSW_MODELS[label]
+            kwargs = dict(kwargs, max_len=n) if label == 'flat' else kwargs
+            params = parameter_count(seq.create_model(name, **kwargs))  # of all blocks, though 1 may run
+            scale[label] = 8 if label == 'flat' and n > args.flat_full_max else 1
+            build = functools.partial(seq.create_model, name, **kwargs, **({'depth': 1} if scale[label] > 1 else {}))
+            jobs[label] = [bench.Job(label, build, [((n,), 50265)], warmup=1, budget_s=args.budget_s,
+                                     device=args.device,
+                               threads=args.threads or 1, timeout_s=args.timeout,
+                               extra=dict(tokens=n, full_params=params, time_scale=scale[label]))]
+        point_rows = measure_rows(jobs, args, n, 'HSW' if 'HSW' in labels else None)
+        for r in point_rows:
+            for key in ('latency_ms', 'latency_p10_ms', 'latency_p90_ms'):
+                r[key] *= r['time_scale']
+            r['latency_runs_ms'] = [t * r['time_scale'] for t in r['latency_runs_ms']]
+            r['params'] = r['full_params']
+            r['spec'] = r['label']
+        bench.add_ratios(point_rows)
+        rows += point_rows
+        by = {r['label']: r for r in point_rows}
+        flat = by.get('flat', {}).get('latency_ratio_paired', by.get('flat', {}).get('latency_ratio'))
+        ls = by.get('HSW-LS', {}).get('latency_ratio_paired', by.get('HSW-LS', {}).get('latency_ratio'))
+        summary.append([str(n), '-' if flat is None else f'{flat:.1f}x', '-' if flat is None or n not in HSW_TARGETS
+                        else f">= {HSW_TARGETS[n]:.0f}x: {'met' if flat >= HSW_TARGETS[n] else 'NOT met'}",
+                        '-' if ls is None else f'{ls:.2f}x',
+                        '-' if ls is None else f"<= {HSW_LS_TARGET}x: {'met' if ls <= HSW_LS_TARGET else 'NOT met'}"])
+    body = (bench.benchmark_table(rows) + '\n\nThe flat encoder above --flat-full-max tokens: 1 of its 8 blocks '
+            'timed, x 8. '
+            "Ratios: paired (median over the rounds of each round's ratio) where there are 2 rounds or more.\n\n"
+            + bench.markdown_table(['tokens', 'flat / HSW', 'target', 'HSW-LS / HSW', 'target'], summary))
+    series: Dict[str, List[Tuple[float, Any, Any]]] = {}
+    for r in rows:
+        series.setdefault(r['label'], []).append((r['tokens'], r['latency_ms'], r['peak_mib']))
+    write_suite('hsw', args, rows, 'HSW vs flat full attention (inference, batch 1)', body, series, command,
+                xlabel='tokens', ylabels=('forward time, ms (batch 1)', 'peak memory of a forward, MiB'))
+    return 0
 
 
 def add_sweep_args(sweep: argparse.ArgumentParser) -> None:
-    """The options of the ``sweep`` sub-command."""
-    sweep.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13'],
-                       help='curves: model names, or NAME@full for a ViL-LS model with full attention in every '
-                            'stage (default: cvt_ls_13 cvt_13)')
-    sweep.add_argument('--sizes', nargs='+', type=int, default=[224, 384, 512, 640, 768, 1024, 1280, 1536],
-                       help='square input sizes (default: 224 to 1536)')
-    sweep.add_argument('--time-budget', type=float, default=15.0,
-                       help='largest median seconds per image; a curve ends at the first size over it (default: 15)')
+    sweep.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13'], help='curves: model specs')
+    sweep.add_argument('--sizes', nargs='+', type=int, default=[224, 384, 512, 640, 768, 1024, 1280, 1536])
+    sweep.add_argument('--time-budget', type=float, default=15.0, help='largest seconds per image (default: 15)')
     sweep.add_argument('--budget-clock', choices=['cpu', 'wall'], default='cpu',
-                       help='the time the budget applies to: CPU time of the measuring process (steady on a shared '
-                            'machine; with --threads 1 it equals the wall-clock time of a quiet machine) or '
-                            'wall-clock time (default: cpu)')
-    sweep.add_argument('--memory-budget', type=float, default=4096.0,
-                       help='largest peak memory of a forward pass in MiB (default: 4096)')
+                       help="the budget's clock: the process's CPU time (steady on a shared machine) or wall time")
+    sweep.add_argument('--memory-budget', type=float, default=4096.0, help='largest peak memory in MiB')
     sweep.add_argument('--memory-limit', type=float, default=8192.0,
-                       help='CPU: MiB a point may allocate at most, beyond which its allocation fails (protects the '
-                            'machine; default: 8192; 0 for none)')
-    sweep.add_argument('--timeout', type=float, default=600.0, help='seconds before a point is stopped (default: 600)')
+                       help='a point predicted (quadratic growth from the previous point) to need more MiB is not run')
+    sweep.add_argument('--timeout', type=float, default=600.0, help='seconds before a point is stopped')
     sweep.add_argument('--fit-min', type=int, default=512, help='smallest size of the exponent fit (default: 512)')
     sweep.add_argument('--no-flops', action='store_true', help='skip FLOP counting at each point')
-    sweep.add_argument('--refit', type=Path, default=None, metavar='JSON',
-                       help='measure nothing: fit the exponents of a stored sweep again (with --fit-min) and '
-                            'rewrite its markdown and plot')
+    sweep.add_argument('--refit', type=Path, default=None, metavar='JSON', help='fit a stored sweep again')
     sweep.add_argument('--name', default=None, help='file stem of the outputs (default: MODEL1_vs_MODEL2)')
-    sweep.add_argument('--out', type=Path, default=SWEEP_DIR, help=f'output folder (default: {SWEEP_DIR})')
-    add_timing_args(sweep, warmup=1, iters=3, budget=60.0)
-    sweep.set_defaults(threads=1)  # one thread: steady timings on a shared machine, CPU time = work done
+    sweep.add_argument('--out', type=Path, default=OUT, help='output folder (default: docs/benchmarks)')
+    add_timing_args(sweep, warmup=1, budget=10.0, threads=1)
 
 
 def add_cards_args(cards: argparse.ArgumentParser) -> None:
-    """The options of the ``cards`` sub-command."""
-    cards.add_argument('--models', nargs='+', default=None,
-                       help='re-measure only these (names or wildcards); the others keep their stored numbers')
+    cards.add_argument('--models', nargs='+', default=None, help='re-measure only these; the others keep theirs')
     cards.add_argument('--reuse', action='store_true', help='measure nothing; render from the stored numbers')
     cards.add_argument('--cards-dir', type=Path, default=ROOT / 'model_cards', help='folder of the cards')
     cards.add_argument('--readme', type=Path, default=ROOT / 'README.md', help='README whose models table to update')
-    # 3 warm-up passes: with 1, the median of 3 timed passes still held first-call costs (oneDNN primitives):
-    # cvt_ls_13 measured 183 ms a pass against 102 ms with 3
-    add_timing_args(cards, warmup=3, iters=5, budget=20.0)
+    # 3 warm-up passes: with 1, cvt_ls_13's median still held first-call costs (oneDNN primitives): 183 ms vs 102 ms
+    add_timing_args(cards, warmup=3, budget=5.0, threads=None)
 
 
-def add_timing_args(parser: argparse.ArgumentParser, warmup: int, iters: int, budget: float) -> None:
-    """Adds the options the sub-commands share: device, threads, warm-up, timed passes and time per measurement."""
-    parser.add_argument('--device', default='cpu', help='device to run on, e.g. cpu or cuda (default: cpu)')
-    parser.add_argument('--threads', type=int, default=None,
-                        help="torch threads (default: torch's own choice; sweep: 1)")
+def add_timing_args(parser: argparse.ArgumentParser, warmup: int, budget: float, threads: Optional[int]) -> None:
+    parser.add_argument('--device', default='cpu', help='device to run on (default: cpu)')
+    parser.add_argument('--threads', type=int, default=threads, help=f'torch threads (default: {threads or "torch"})')
     parser.add_argument('--num-warm-iter', '--warmup', dest='warmup', type=int, default=warmup,
                         help=f'warm-up passes (default: {warmup})')
-    parser.add_argument('--num-bench-iter', '--iters', dest='iters', type=int, default=iters,
-                        help=f'timed passes, fewer if over --budget-s (default: {iters})')
-    parser.add_argument('--budget-s', type=float, default=budget,
-                        help=f'seconds for warm-up plus timing of one measurement; one warm-up and one timed pass '
-                             f'always run (default: {budget:g})')
+    parser.add_argument('--budget-s', type=float, default=budget, help=f'seconds of timed passes (default: {budget:g})')
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parses the command line: the model benchmark or a suite, or the ``sweep`` or ``cards`` sub-command."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ['run']:  # the earlier spelling of the model benchmark
-        argv = argv[1:]
-    if argv[:1] and argv[0] in SUBCOMMANDS:
-        parser = argparse.ArgumentParser(prog='benchmark.py', description=__doc__.split('\n\n')[0])
-        sub = parser.add_subparsers(dest='command', required=True)
-        sweep = sub.add_parser('sweep', help='time and peak memory against input size, until a budget is exceeded')
-        cards = sub.add_parser('cards', help='measure every registered model; write model_cards/ and the README table')
-        add_sweep_args(sweep)
-        add_cards_args(cards)
-    else:
-        parser = argparse.ArgumentParser(prog='benchmark.py', description=__doc__.split('\n\n')[0],
-                                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-        add_bench_args(parser)
-        parser.set_defaults(command='bench')
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error('--threads must be at least 1')
-    if args.command == 'bench':
-        if args.train:
-            args.bench = 'both'
-        if args.suite is None:
-            args.bench = args.bench or 'inference'
-        if args.repeats < 1:
-            parser.error('--repeats must be at least 1')
-    return args
+def sweep_exponents(rows: Sequence[Dict[str, Any]], fit_min: int) -> Dict[str, Dict[str, Any]]:
+    """Each curve's exponents of time, CPU time, memory and FLOPs against the pixel count, from size ``fit_min``."""
+    out = {}
+    for label in dict.fromkeys(r['label'] for r in rows):
+        pts = [r for r in rows if r['label'] == label and r['input_size'][1] >= fit_min and r.get('latency_ms')]
+        fits = {}
+        for what, key in (('time', 'latency_ms'), ('cpu_time', 'inference_cpu_ms_per_image'), ('memory', 'peak_mib'),
+                          ('flops', 'gflops')):
+            xy = [(r['input_size'][1] ** 2, r[key]) for r in pts if r.get(key)]
+            fits[what] = bench.fit_exponent(*zip(*xy)) if xy else None
+        out[label] = {**fits, 'sizes': [r['input_size'][1] for r in pts]}
+    return out
 
 
-def command_line(argv: Optional[Sequence[str]]) -> str:
-    """The command as typed, for reports."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    return shlex.join(['python', 'tools/benchmark.py', *args])
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Runs the model benchmark, a suite, or a sub-command."""
-    args = parse_args(argv)
-    if args.command == 'sweep':
-        return run_sweep(args, argv)
-    if args.command == 'cards':
-        return run_cards(args, argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)  # the measuring processes' count, for the machine description
-    if args.suite is not None:
-        return run_suite(args, command_line(argv), is_cli=argv is None)
-    return run_models(args)
-
-
-def write_sweep(result: Dict[str, Any], out_dir: Path, stem: str) -> None:
-    """Writes a sweep's JSON, markdown and plot, and prints the markdown."""
-    text = sweep_markdown(result, command=result['command'])
-    write_json(out_dir / f'{stem}.json', result)
-    (out_dir / f'{stem}.md').write_text(text)
-    plot_sweep(result, out_dir / f'{stem}.png')
+def write_sweep(result: Dict[str, Any], stem: Path) -> None:
+    """Writes a sweep's JSON, markdown (rows and exponents) and plot."""
+    result['exponents'] = sweep_exponents(result['rows'], result['fit_min'])
+    fmt = lambda v: '-' if v is None else f'{v:.2f}'  # noqa: E731
+    exps = [[label, ', '.join(map(str, e['sizes'])) or 'none'] + [fmt(e[k]) for k in ('time', 'cpu_time', 'memory',
+                                                                                     'flops')]
+            for label, e in result['exponents'].items()]
+    text = (f"## Time and peak memory against input size\n\nProduced by `{result['command']}`.\n\nMeasured on: "
+            f"{result['machine']}.\n\nBudget: {result['budget']}; a curve ends at the first size over it. Batch 1, "
+            'each point in a fresh process; peak memory above the memory once model and input exist.\n\n'
+            f"{bench.benchmark_table(result['rows'])}\n\n### Fitted exponent against pixel count from "
+            f"{result['fit_min']} (log-log slope; 1 = linear, 2 = quadratic)\n\n"
+            + bench.markdown_table(['model', 'sizes fitted', 'wall time', 'CPU time', 'peak memory', 'FLOPs'], exps, 2))
+    bench.write_json(stem.with_suffix('.json'), result)
+    stem.with_suffix('.md').write_text(text + '\n')
+    bench.plot(size_series(result['rows']), stem.with_suffix('.png'), ' vs '.join(result['exponents']) + ', batch 1')
     print(text)
-    log(f'Wrote {out_dir / stem}.{{json,md,png}}')
+    log(f'Wrote {stem}.{{json,md,png}}')
 
 
-def run_sweep(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
-    """The ``sweep`` subcommand."""
+def over_budget(row: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    """Which of the sweep's budgets a measured point exceeds."""
+    seconds = row['inference_cpu_ms_per_image' if args.budget_clock == 'cpu' else 'latency_ms'] / 1e3
+    over = [f'{args.budget_clock} time {seconds:.3g} s/img > {args.time_budget:g} s'] * (seconds > args.time_budget)
+    if row['peak_mib'] is not None and row['peak_mib'] > args.memory_budget:
+        over.append(f"memory {row['peak_mib']:.0f} MiB > {args.memory_budget:g} MiB")
+    return over
+
+
+def run_sweep(args: argparse.Namespace, command: str) -> int:
+    """The ``sweep`` sub-command: each curve over the sizes until a point exceeds the budget (or is predicted, from
+    quadratic growth, to need more than ``--memory-limit``, and is not run)."""
     if args.refit is not None:
-        result = json.loads(args.refit.read_text())
-        result['fit_min'] = args.fit_min
-        result['exponents'] = sweep_exponents(result, args.fit_min)
-        result['refit_command'] = command_line(argv)
-        write_sweep(result, args.refit.parent, args.refit.stem)
+        write_sweep(dict(json.loads(args.refit.read_text()), fit_min=args.fit_min), args.refit.with_suffix(''))
         return 0
     try:
-        curves = [parse_curve(spec) for spec in args.models]
+        specs = bench.resolve_specs(args.models)
     except ValueError as e:
         log(str(e))
         return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    budget = SweepBudget(time_per_image_s=args.time_budget, peak_mib=args.memory_budget, clock=args.budget_clock)
-    config = SweepConfig(
-        device=args.device, threads=args.threads, warmup=args.warmup, iters=args.iters, point_time_s=args.budget_s,
-        timeout_s=args.timeout, memory_limit_mib=args.memory_limit or None, flops=not args.no_flops)
-    log(f'Machine: {machine_description(args.device)}')
-    log(f"Sweeping {', '.join(c.label for c in curves)} over {sorted(set(args.sizes))}")
-    result = resolution_sweep(curves, args.sizes, budget, config, fit_min=args.fit_min, progress=log)
-    result['command'] = command_line(argv)
-    write_sweep(result, args.out, args.name or '_vs_'.join(spec.replace('@', '_') for spec in args.models))
-    log(f"{result['wall_time_s']:.0f} s in all")
+    rows = []
+    for spec in specs:
+        prev = None
+        for size in sorted(set(args.sizes)):
+            row: Dict[str, Any] = dict(label=bench.spec_label(spec), input_size=[3, size, size], batch_size=1)
+            predicted = (prev or {}).get('peak_mib') and prev['peak_mib'] * (size / prev['input_size'][1]) ** 4
+            if predicted and predicted > args.memory_limit:
+                row['exceeded'] = [f'predicted over the memory limit of {args.memory_limit:g} MiB; not run']
+            else:
+                job = bench.Job(row['label'], functools.partial(bench.create_model, spec), img_size=size,
+                                warmup=args.warmup, budget_s=args.budget_s, device=args.device,
+                                flops=not args.no_flops, threads=args.threads, timeout_s=args.timeout)
+                try:
+                    row = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
+                    row['exceeded'] = over_budget(row, args)
+                except RuntimeError as e:
+                    row['exceeded'] = [str(e).splitlines()[0][:300]]
+            rows.append(row)
+            prev = row
+            if row['exceeded']:
+                break
+    budget = f'{args.time_budget:g} s of {args.budget_clock} time per image and {args.memory_budget:g} MiB'
+    result = dict(machine=bench.machine_description(args.device), command=command, budget=budget,
+                  settings=settings_of(args), fit_min=args.fit_min, rows=rows)
+    write_sweep(result, args.out / (args.name or '_vs_'.join(s.replace('@', '_') for s in args.models)))
     return 0
 
 
-def run_cards(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
-    """The ``cards`` subcommand: measure (unless ``--reuse``), store, then render every card and the README table."""
-    store = args.cards_dir / MEASUREMENTS
+def run_cards(args: argparse.Namespace, command: str) -> int:
+    """The ``cards`` sub-command: measure (unless ``--reuse``), store, render every card and the README table."""
+    store = args.cards_dir / 'measurements.json'
     stored = json.loads(store.read_text()) if store.exists() else {'models': {}}
     names = list_models()
     try:
-        to_measure = [] if args.reuse else (resolve_model_names(args.models) if args.models else names)
+        to_measure = [] if args.reuse else (bench.resolve_specs(args.models) if args.models else names)
+        if set(to_measure) - set(names):
+            raise ValueError(f'not registered lsvision models (cards are for those only): '
+                             f'{sorted(set(to_measure) - set(names))}')
     except ValueError as e:
         log(str(e))
         return 2
-    unregistered = [n for n in to_measure if n not in names]
-    if unregistered:
-        log(f'not registered lsvision models (cards are for those only): {unregistered}')
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    config = BenchmarkConfig(device=args.device, warmup=args.warmup, iters=args.iters, max_time_s=args.budget_s,
-                             memory=False)
-    if to_measure:
-        log(f'Machine: {machine_description(args.device)}')
     for i, name in enumerate(to_measure, 1):
-        t0 = time.perf_counter()
-        stored['models'][name] = measure_model(name, config)
-        stored['models'] = {n: stored['models'][n] for n in names if n in stored['models']}  # drop unregistered
-        stored['command'] = command_line(argv)
-        write_json(store, stored)  # after each model, so that an interrupted run keeps what it measured
-        m = stored['models'][name]
-        log(f"[{i}/{len(to_measure)}] {name}: {m['params'] / 1e6:.2f}M params, {m['gflops']:.3f} GFLOPs, "
-            f"{m['images_per_s']:.2f} img/s; {time.perf_counter() - t0:.0f} s")
+        job = bench.Job(name, functools.partial(bench.create_model, name), warmup=args.warmup, budget_s=args.budget_s,
+                  device=args.device, flops=True, memory=False, threads=args.threads)
+        r = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
+        stored['models'][name] = dict(
+            params=r['params'], gflops=round(r['gflops'], 3), mactivations=round(r['mactivations'], 1),
+            input_size=r['input_size'], batch_size=r['batch_size'], images_per_s=round(r['images_per_s'], 2),
+            latency_ms=round(r['latency_ms'], 1), latency_p10_ms=round(r['latency_p10_ms'], 1),
+            latency_p90_ms=round(r['latency_p90_ms'], 1), timed_passes=r['timed_passes'],
+            machine=bench.machine_description(args.device),
+            measured_at=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+        stored['models'] = {n: stored['models'][n] for n in names if n in stored['models']}
+        stored['command'] = command
+        bench.write_json(store, stored)  # after each model: an interrupted run keeps what it measured
+        log(f"[{i}/{len(to_measure)}] {name}: {r['gflops']:.3f} GFLOPs, {r['images_per_s']:.2f} img/s")
     try:
         outputs = render_outputs(stored['models'], names, args.readme.read_text(),
                                  cards_dir=os.path.relpath(args.cards_dir, args.readme.parent))
@@ -717,6 +560,43 @@ def run_cards(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
             card.unlink()
             log(f'Removed {card}')
     return 0
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The model benchmark or a suite, or the ``sweep`` or ``cards`` sub-command."""
+    argv = list(argv[1:] if argv[:1] == ['run'] else argv)
+    parser = argparse.ArgumentParser(prog='benchmark.py', description=__doc__.split('\n\n')[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    if argv[:1] and argv[0] in ('sweep', 'cards'):
+        sub = parser.add_subparsers(dest='command', required=True)
+        add_sweep_args(sub.add_parser('sweep', help='time and peak memory against input size, until a budget'))
+        add_cards_args(sub.add_parser('cards', help='measure every registered model; write model_cards/ and README'))
+    else:
+        add_bench_args(parser)
+        parser.set_defaults(command='bench')
+    args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error('--threads must be at least 1')
+    if args.command == 'bench':
+        args.bench = 'both' if args.train else args.bench or (None if args.suite else 'inference')
+        if args.repeats < 1:
+            parser.error('--repeats must be at least 1')
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(['python', 'tools/benchmark.py', *argv])
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the measuring processes' count, for the machine description
+    if args.command in ('sweep', 'cards'):
+        return (run_sweep if args.command == 'sweep' else run_cards)(args, command)
+    if args.suite in VISION_SUITES:
+        return run_vision_suite(args.suite, args, command)
+    if args.suite is not None:
+        return (run_sequence if args.suite == 'sequence' else run_hsw)(args, command)
+    return run_models(args)
 
 
 if __name__ == '__main__':

@@ -1,0 +1,591 @@
+"""Measuring models on standard libraries: time, peak memory and FLOPs, each in a fresh process, with paired ratios.
+
+* :func:`measure` measures one :class:`Job` (a model, an input, inference or a training step): after warm-up,
+  ``torch.utils.benchmark.Timer.blocked_autorange`` times it; peak memory is ``torch.cuda.max_memory_allocated`` on
+  CUDA and ``getrusage(RUSAGE_SELF).ru_maxrss`` on CPU, a lifetime peak: hence a fresh process per measurement.
+* :func:`run_jobs` runs jobs in fresh processes (``ProcessPoolExecutor``, spawn, one task each) in alternating order
+  over repeats, retrying out-of-memory at a smaller batch; :func:`combine` pools a job's runs and :func:`add_ratios`
+  adds ratios to a baseline, pooled and paired (per round). :func:`write_reports` and :func:`plot` write them.
+* Model specs: a timm name with ``@full`` (ViL-LS with full attention in every stage), ``@noattn`` (every block's
+  attention a no-op), ``@projonly`` (the attention runs its projections only) or ``@reparam`` (folded) if asked.
+"""
+import contextlib
+import csv
+import functools
+import io
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.benchmark import Timer
+
+import timm
+from timm.models import reparameterize_model
+from timm.utils import decay_batch_step
+
+from lsvision.flops import count_activations, count_flops, parameter_count
+from lsvision.layers import LongShortAttention2d
+from lsvision.models import list_models
+from lsvision.models.cvt import ConvAttention
+
+MIB = 2 ** 20
+AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
+SUFFIXES = {'@full': 'full attention', '@noattn': 'attention no-op', '@projonly': 'projections only',
+            '@reparam': 'reparameterized'}
+"""Model spec suffixes and the label each adds to the model's name."""
+_FULL_ATTENTION_KWARGS = {'vil_ls_': dict(attn_types=('full',) * 4)}
+"""Model name prefix -> kwargs of its full-attention counterpart (CvT's is a model of its own, cvt_13)."""
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Models: specs and floors
+
+
+class NoOpAttention(nn.Module):
+    """Stands in for a block's attention: returns its input, computes nothing (the floor of any attention)."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return x
+
+
+class ProjectionsOnly(nn.Module):
+    """Runs a block attention's own projections and joins them by sums and means instead of attention, then its output
+    projection: the floor of the attention math (every projection reaches every token, so backward runs as in the
+    model). Knows long-short attention (q, k, v and the projection logits) and CvT's (q; k, v of the strided map)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, x: torch.Tensor, feat_size: Tuple[int, int]) -> torch.Tensor:
+        attn = self.attn
+        if isinstance(attn, LongShortAttention2d):
+            q, k, v, qkv_prefix, logits = attn.projections(x, feat_size)
+            patches = q + k + v + logits.mean(-1, keepdim=True)
+            mixed = patches.mean(1, keepdim=True)
+            out = patches + mixed
+            if qkv_prefix.shape[2] > 0:
+                out = torch.cat([qkv_prefix.sum(0) + mixed, out], dim=1)
+        else:
+            q, k, v = attn.projections(x, feat_size)
+            out = q + (q.mean(1, keepdim=True) + k.mean(1, keepdim=True) + v.mean(1, keepdim=True))
+        return attn.proj_drop(attn.proj(out))
+
+
+def _replace_attention(model: nn.Module, suffix: str) -> nn.Module:
+    """Replaces every block's ``attn`` by its floor (``@noattn`` or ``@projonly``), in place."""
+    blocks = [m for m in model.modules() if isinstance(getattr(m, 'attn', None), nn.Module)]
+    if not blocks:
+        raise ValueError(f'{type(model).__name__} has no block with an `attn` module to replace')
+    for block in blocks:
+        if suffix == '@noattn':
+            block.attn = NoOpAttention()
+        elif isinstance(block.attn, (LongShortAttention2d, ConvAttention)):
+            block.attn = ProjectionsOnly(block.attn)
+        else:
+            raise ValueError(f'{type(block.attn).__name__} has no projections-only floor: @projonly knows '
+                             'LongShortAttention2d and ConvAttention (CvT); @noattn works for any attention')
+    return model
+
+
+def split_spec(spec: str) -> Tuple[str, str]:
+    """``'vil_ls_medium@full'`` -> ``('vil_ls_medium', '@full')``; a ValueError if the model is unknown or ``@full``
+    names a model without a full-attention switch."""
+    suffix = next((s for s in SUFFIXES if spec.endswith(s)), '')
+    name = spec[:len(spec) - len(suffix)]
+    if not timm.is_model(name):
+        raise ValueError(f'unknown model {name!r} in {spec!r}; lsvision models: {", ".join(list_models())}; any timm '
+                         'model name works too')
+    if suffix == '@full' and not any(name.startswith(p) for p in _FULL_ATTENTION_KWARGS):
+        raise ValueError(f'{spec!r}: only models starting with {", ".join(_FULL_ATTENTION_KWARGS)} have a '
+                         'full-attention switch; name a full-attention model directly (e.g. cvt_13 beside cvt_ls_13).')
+    return name, suffix
+
+
+def spec_label(spec: str) -> str:
+    """'vil_ls_medium (full attention)' for 'vil_ls_medium@full'."""
+    name, suffix = split_spec(spec)
+    return f'{name} ({SUFFIXES[suffix]})' if suffix else name
+
+
+def create_model(spec: str, **kwargs: Any) -> nn.Module:
+    """A model from a spec (see the module docstring), without pretrained weights, in eval mode."""
+    name, suffix = split_spec(spec)
+    if suffix == '@full':
+        kwargs = {**next(v for p, v in _FULL_ATTENTION_KWARGS.items() if name.startswith(p)), **kwargs}
+    model = timm.create_model(name, pretrained=False, **kwargs).eval()
+    if suffix in ('@noattn', '@projonly'):
+        _replace_attention(model, suffix)
+    return reparameterize_model(model) if suffix == '@reparam' else model
+
+
+def resolve_specs(patterns: Sequence[str]) -> List[str]:
+    """Model specs from names, wildcards (lsvision's models first, then timm's) and suffixed specs, without repeats;
+    a ValueError if a pattern matches no model."""
+    specs: List[str] = []
+    for pattern in patterns:
+        if pattern.endswith(tuple(SUFFIXES)):
+            split_spec(pattern)
+            specs.append(pattern)
+            continue
+        matches = list_models(pattern) or timm.list_models(pattern)
+        if not matches:
+            raise ValueError(f'{pattern!r} matches no model. lsvision models: {", ".join(list_models())}; any timm '
+                             'model name (timm.list_models()) works too.')
+        specs += matches
+    return list(dict.fromkeys(specs))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One measurement (in a fresh process)
+
+
+@dataclass
+class Job:
+    """One measurement: what :func:`measure` builds, feeds and times.
+
+    Attributes:
+        label: Name in reports.
+        build: Makes the model; picklable (a class or ``functools.partial`` of importable things).
+        inputs: (shape without the batch dim, high) per model input: ``torch.randint(high)`` token ids if ``high``,
+            else ``torch.randn``; None for one image of the model's own input size (``img_size`` overrides H, W).
+        kind: ``'inference'`` or ``'train'``.
+        budget_s: Seconds of timed passes (``blocked_autorange``'s ``min_run_time``; at least one pass runs).
+        flops: Count FLOPs and activations per image (one traced forward pass each; image models only).
+        timeout_s: The process is stopped (and the job fails) after this many seconds.
+    """
+
+    label: str
+    build: Callable[[], nn.Module]
+    inputs: Optional[List[Tuple[Tuple[int, ...], Optional[int]]]] = None
+    img_size: Optional[int] = None
+    batch_size: int = 1
+    kind: str = 'inference'
+    warmup: int = 3
+    budget_s: float = 10.0
+    device: str = 'cpu'
+    amp: Optional[str] = None
+    channels_last: bool = False
+    compile: Optional[str] = None
+    flops: bool = False
+    memory: bool = True
+    threads: Optional[int] = None
+    timeout_s: float = 1800.0
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ('inference', 'train'):
+            raise ValueError(f"kind must be 'inference' or 'train', got {self.kind!r}")
+        if self.amp is not None and self.amp not in AMP_DTYPES:
+            raise ValueError(f'amp must be one of {sorted(AMP_DTYPES)} or None, got {self.amp!r}')
+        if self.batch_size < 1 or self.warmup < 0 or self.budget_s < 0:
+            raise ValueError('batch_size must be at least 1, warmup and budget_s at least 0')
+
+
+def _rss_bytes() -> int:
+    """The resident memory now (``/proc/self/statm``), or the peak so far where there is no /proc."""
+    try:
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+    except OSError:
+        return _peak_rss_bytes()
+
+
+def _peak_rss_bytes() -> int:
+    """The process's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == 'darwin' else peak * 1024
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device, out: Dict[str, Optional[float]]) -> Any:
+    """Sets ``out['peak_mib']`` to the peak memory of the block above the memory in use before it (CUDA: allocated;
+    CPU: resident, a lifetime peak, hence meaningful in a fresh process only; None elsewhere)."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield
+        torch.cuda.synchronize(device)
+        out['peak_mib'] = max(0, torch.cuda.max_memory_allocated(device) - base) / MIB
+    elif device.type == 'cpu':
+        base = _rss_bytes()
+        yield
+        out['peak_mib'] = max(0, _peak_rss_bytes() - base) / MIB
+    else:
+        yield
+        out['peak_mib'] = None
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1), interpolating linearly between sorted values."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def timing_stats(times: Sequence[float], passes: int) -> Dict[str, Any]:
+    """Median, p10, p90 and IQR of per-pass times (s) of ``passes`` timed passes."""
+    return dict(times_s=list(times), passes=passes, median_s=statistics.median(times), p10_s=_quantile(times, .1),
+                p90_s=_quantile(times, .9), iqr_s=_quantile(times, .75) - _quantile(times, .25))
+
+
+def time_step(step: Callable[[], Any], warmup: int, budget_s: float) -> Dict[str, Any]:
+    """Runs ``step`` ``warmup`` times, then ``Timer.blocked_autorange(min_run_time=budget_s)`` (its block-size
+    estimate runs one more pass; the accelerator is synchronized around blocks); returns :func:`timing_stats` of the
+    blocks' per-pass times and ``cpu_per_pass_s``, this process's CPU time per pass (steadier on a shared machine)."""
+    calls = [0]
+
+    def counted() -> None:
+        calls[0] += 1
+        step()
+
+    for _ in range(warmup):
+        step()
+    cpu0 = time.process_time()
+    m = Timer('step()', globals={'step': counted}, num_threads=torch.get_num_threads()).blocked_autorange(
+        min_run_time=budget_s)
+    stats = timing_stats(m.times, len(m.raw_times) * m.number_per_run)
+    stats['cpu_per_pass_s'] = (time.process_time() - cpu0) / max(1, calls[0])
+    return stats
+
+
+def _inputs(model: nn.Module, job: Job, device: torch.device) -> List[torch.Tensor]:
+    """The job's random inputs, batch first, on the model's device and (floats) dtype."""
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    specs = job.inputs
+    if specs is None:
+        c, h, w = model.pretrained_cfg.get('input_size', (3, 224, 224))
+        specs = [((c, h, w) if job.img_size is None else (c, job.img_size, job.img_size), None)]
+    g = torch.Generator().manual_seed(0)
+    out = [torch.randint(high, (job.batch_size, *shape), generator=g) if high else
+           torch.randn((job.batch_size, *shape), generator=g).to(dtype) for shape, high in specs]
+    if job.channels_last:
+        out = [x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in out]
+    return [x.to(device) for x in out]
+
+
+def _step(model: nn.Module, inputs: Sequence[torch.Tensor], job: Job, device: torch.device) -> Callable[[], Any]:
+    """One forward pass (inference) or training step (SGD at lr 0: the update's cost, the weights unchanged)."""
+    amp = functools.partial(torch.autocast, device.type, AMP_DTYPES[job.amp]) if job.amp else contextlib.nullcontext
+    runner = torch.compile(model, mode=None if job.compile == 'default' else job.compile) if job.compile else model
+    if job.kind == 'inference':
+        model.eval()
+
+        def forward() -> Any:
+            with torch.inference_mode(), amp():
+                return runner(*inputs)
+        return forward
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+
+    def train_step() -> None:
+        with amp():
+            out = runner(*inputs)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.float().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return train_step
+
+
+def measure(job: Job) -> Dict[str, Any]:
+    """Measures one job in this process (meant to be a fresh one, see :func:`run_jobs`); returns its row."""
+    import lsvision  # noqa: F401  (registers the models with timm in a fresh process)
+    if job.threads:
+        torch.set_num_threads(job.threads)
+    torch.manual_seed(0)
+    device = torch.device(job.device)
+    model = job.build().to(device)
+    if job.channels_last:
+        model.to(memory_format=torch.channels_last)
+    inputs = _inputs(model, job, device)
+    row: Dict[str, Any] = dict(
+        label=job.label, kind=job.kind, input_size=list(inputs[0].shape[1:]), batch_size=job.batch_size,
+        device=job.device, amp=job.amp, channels_last=job.channels_last, compile=job.compile,
+        params=parameter_count(model), pid=os.getpid(), **job.extra)
+    if job.flops:
+        flops = count_flops(model, tuple(row['input_size']), warn_unsupported=False)
+        row.update(gflops=flops.gflops, unsupported_ops=flops.unsupported,
+                   mactivations=count_activations(model, tuple(row['input_size'])) / 1e6)
+    step = _step(model, inputs, job, device)
+    memory: Dict[str, Optional[float]] = {'peak_mib': None}
+    with peak_memory(device, memory) if job.memory else contextlib.nullcontext():
+        timing = time_step(step, job.warmup, job.budget_s)
+    row.update(timing=timing, peak_mib=memory['peak_mib'])
+    return row
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Fresh processes, alternating order, pooled rows and paired ratios
+
+
+def _run_with_alarm(fn: Callable[[Job], Any], job: Job) -> Any:
+    """Child side of :func:`run_fresh`: SIGALRM (default action: end the process) after the job's time-out."""
+    if hasattr(signal, 'alarm'):
+        signal.alarm(max(1, math.ceil(job.timeout_s)))
+    try:
+        return fn(job)
+    except BaseException as e:  # noqa: B036  (the exception type may not unpickle in the parent)
+        raise RuntimeError(f'{type(e).__name__}: {e}') from None
+
+
+def run_fresh(job: Job, fn: Callable[[Job], Any] = measure) -> Any:
+    """``fn(job)`` in a fresh spawned process; a child that dies (killed for memory, or over ``job.timeout_s``) is a
+    RuntimeError that says so."""
+    with ProcessPoolExecutor(1, mp_context=get_context('spawn'), max_tasks_per_child=1) as pool:
+        try:
+            return pool.submit(_run_with_alarm, fn, job).result()
+        except BrokenProcessPool:
+            raise RuntimeError(f'{job.label}: the measuring process died (killed for memory, or over the time-out of '
+                               f'{job.timeout_s:g} s)') from None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether an error is, or reports, a failed allocation (CPU or CUDA) or a child killed for memory."""
+    text = str(error).lower()
+    return isinstance(error, MemoryError) or any(
+        s in text for s in ('out of memory', "can't allocate memory", 'killed for memory'))
+
+
+def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True,
+             log: Optional[Callable[[str], None]] = None) -> List[List[Dict[str, Any]]]:
+    """Runs every job ``repeats`` times, each run in a fresh process, in the order given in even rounds and reversed
+    in odd ones (A B, B A, ...), so that neither the machine's drift nor the position favours a job. A run that runs
+    out of memory is retried at a smaller batch (``decay_batch_step``), which the job's later runs keep.
+
+    Returns:
+        Per job, in the order given, the rows of its runs (each with its ``repeat``).
+    """
+    if repeats < 1:
+        raise ValueError(f'repeats must be at least 1, got {repeats}')
+    jobs = list(jobs)
+    results: List[List[Dict[str, Any]]] = [[] for _ in jobs]
+    for r in range(repeats):
+        for i in (range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))):
+            t0 = time.perf_counter()
+            while True:
+                try:  # FLOPs are the same in every run: counted in the first
+                    row = run_fresh(replace(jobs[i], flops=jobs[i].flops and r == 0))
+                    break
+                except RuntimeError as e:
+                    if not retry or jobs[i].batch_size <= 1 or not is_out_of_memory(e):
+                        raise
+                    jobs[i] = replace(jobs[i], batch_size=decay_batch_step(jobs[i].batch_size))
+                    if log:
+                        log(f'  {jobs[i].label}: out of memory; retrying at batch {jobs[i].batch_size}')
+            results[i].append({**row, 'repeat': r})
+            if log:
+                log(f'  [{r + 1}/{repeats}] {jobs[i].label} {jobs[i].kind} b{jobs[i].batch_size}: '
+                    f"{row['timing']['median_s'] * 1e3:.1f} ms/pass; {time.perf_counter() - t0:.0f} s")
+    return results
+
+
+_PREFIX = {'inference': 'latency', 'train': 'train_step'}
+_MEMORY = {'inference': 'peak_mib', 'train': 'train_memory_mib'}
+
+
+def combine(runs_by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """One row from the runs of one model at one point: per kind, the per-pass times of all runs pooled (median,
+    p10-p90), the median of each run (for paired ratios) and memory the median over the runs."""
+    first = next(iter(runs_by_kind.values()))[0]
+    row = {k: v for k, v in first.items() if k not in ('timing', 'peak_mib', 'pid', 'kind', 'repeat')}
+    row['pids'] = {kind: [r['pid'] for r in runs] for kind, runs in runs_by_kind.items()}
+    for runs in runs_by_kind.values():
+        row.update({k: runs[0][k] for k in ('gflops', 'mactivations', 'unsupported_ops') if k in runs[0]})
+    for kind, runs in runs_by_kind.items():
+        p, batch = _PREFIX[kind], runs[-1]['batch_size']
+        t = timing_stats([x for r in runs for x in r['timing']['times_s']], sum(r['timing']['passes'] for r in runs))
+        t['cpu_per_pass_s'] = statistics.median(r['timing']['cpu_per_pass_s'] for r in runs)
+        memory = [r['peak_mib'] for r in runs if r['peak_mib'] is not None]
+        row.update({f'{p}_ms': t['median_s'] * 1e3, f'{p}_p10_ms': t['p10_s'] * 1e3, f'{p}_p90_ms': t['p90_s'] * 1e3,
+                    f'{p}_runs_ms': [r['timing']['median_s'] * 1e3 for r in runs], _MEMORY[kind]: (
+                        statistics.median(memory) if memory else None), f'{kind}_batch_size': batch,
+                    f'{kind}_timing': t, f'{kind}_ms_per_image': t['median_s'] * 1e3 / batch,
+                    f'{kind}_cpu_ms_per_image': t['cpu_per_pass_s'] * 1e3 / batch,
+                    f'{kind}_images_per_s': batch / t['median_s']})
+    row['batch_size'] = runs_by_kind.get('inference', runs_by_kind.get('train'))[-1]['batch_size']
+    if 'inference' in runs_by_kind:  # the names of timm's benchmark.py and of the cards
+        row.update(images_per_s=row['inference_images_per_s'], ms_per_image=row['inference_ms_per_image'],
+                   timed_passes=row['inference_timing']['passes'])
+    return row
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """Adds each row's ratios to the row named by its ``baseline`` spec at the same ``point``: time per image (a batch
+    retried smaller still compares) from the pooled medians and paired (median and range of the per-round ratios, each
+    from two processes of one pass over the models, so that drift between rounds cancels; 2 rounds or more), and
+    memory where both ran at the same batch."""
+    for row in rows:
+        base = next((r for r in rows if r['spec'] == row.get('baseline') and r['point'] == row['point']), None)
+        for kind, p in _PREFIX.items():
+            if base is None or row.get(f'{p}_ms') is None or base.get(f'{p}_ms') is None:
+                continue
+            scale = base[f'{kind}_batch_size'] / row[f'{kind}_batch_size']
+            row[f'{p}_ratio'] = row[f'{p}_ms'] / base[f'{p}_ms'] * scale
+            mem, base_mem = row.get(_MEMORY[kind]), base.get(_MEMORY[kind])
+            if mem is not None and base_mem and scale == 1:
+                row[_MEMORY[kind].replace('_mib', '_ratio')] = mem / base_mem
+            rounds = [a / b * scale for a, b in zip(row[f'{p}_runs_ms'], base[f'{p}_runs_ms'])]
+            if len(rounds) >= 2 and len(row[f'{p}_runs_ms']) == len(base[f'{p}_runs_ms']):
+                row.update({f'{p}_ratio_rounds': rounds, f'{p}_ratio_paired': statistics.median(rounds)})
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Machine, reports and the plot
+
+
+def machine_description(device: Optional[str] = None) -> str:
+    """Where a measurement ran, in one line: CPU, cores, torch threads, versions, the load average (and the GPU)."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open('/proc/cpuinfo') as f:
+        cpu = next((line.split(':', 1)[1].strip() for line in f if line.lower().startswith('model name')), cpu)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
+    text = (f'{cpu}, {cores} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, Python '
+            f'{platform.python_version()}, {platform.system()} {platform.machine()}')
+    if hasattr(os, 'getloadavg'):
+        text += ', load average ' + ' / '.join(f'{x:.2f}' for x in os.getloadavg())
+    if device is not None and torch.device(device).type == 'cuda' and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        text = f'{props.name} ({props.total_memory / 2 ** 30:.1f} GiB, CUDA {torch.version.cuda}); host: {text}'
+    return text
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
+    """A markdown table; the first ``left_columns`` columns left-aligned, the rest right-aligned."""
+    align = ['---'] * left_columns + ['---:'] * (len(header) - left_columns)
+    return '\n'.join('| ' + ' | '.join(line) + ' |' for line in [header, align, *rows])
+
+
+def _spread(p: str) -> Callable[[Dict[str, Any]], str]:
+    return lambda r: f"{r[p + '_ms']:.1f} ({r[p + '_p10_ms']:.1f}-{r[p + '_p90_ms']:.1f})"
+
+
+def _paired(p: str) -> Callable[[Dict[str, Any]], str]:
+    return lambda r: f"{r[p]:.2f}x ({min(r[p[:-7] + '_rounds']):.2f}-{max(r[p[:-7] + '_rounds']):.2f})"
+
+
+TABLE_COLUMNS: List[Tuple[str, str, Callable[[Dict[str, Any]], str]]] = [
+    ('model', 'label', lambda r: str(r['label'])),
+    ('input', 'input_size', lambda r: 'x'.join(map(str, r['input_size'][1:] or r['input_size']))),
+    ('batch', 'batch_size', lambda r: str(r['batch_size'])),
+    ('params (M)', 'params', lambda r: f"{r['params'] / 1e6:.2f}"),
+    ('GFLOPs/img', 'gflops', lambda r: f"{r['gflops']:.3f}"),
+    ('MActs/img', 'mactivations', lambda r: f"{r['mactivations']:.1f}"),
+    ('latency ms (p10-p90)', 'latency_ms', _spread('latency')),
+    ('img/s', 'images_per_s', lambda r: f"{r['images_per_s']:.1f}"),
+    ('CPU ms/img', 'inference_cpu_ms_per_image', lambda r: f"{r['inference_cpu_ms_per_image']:.1f}"),
+    ('peak MiB', 'peak_mib', lambda r: f"{r['peak_mib']:.0f}"),
+    ('latency / baseline', 'latency_ratio', lambda r: f"{r['latency_ratio']:.2f}x"),
+    ('peak / baseline', 'peak_ratio', lambda r: f"{r['peak_ratio']:.2f}x"),
+    ('train step ms (p10-p90)', 'train_step_ms', _spread('train_step')),
+    ('train act. MiB', 'train_memory_mib', lambda r: f"{r['train_memory_mib']:.0f}"),
+    ('train time / baseline', 'train_step_ratio', lambda r: f"{r['train_step_ratio']:.2f}x"),
+    ('train mem. / baseline', 'train_memory_ratio', lambda r: f"{r['train_memory_ratio']:.2f}x"),
+    ('latency / baseline, paired', 'latency_ratio_paired', _paired('latency_ratio_paired')),
+    ('train time / baseline, paired', 'train_step_ratio_paired', _paired('train_step_ratio_paired')),
+    ('over budget', 'exceeded', lambda r: '; '.join(r['exceeded']) or 'no'),
+]
+RATIOS_EXPLAINED = ('Ratios are to the baseline at the same point: time per image, memory at the same batch; paired: '
+                    "the median (and range) over the rounds of each round's ratio, from two processes of one pass over "
+                    "the models, so that the machine's drift between rounds cancels out.")
+
+
+def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """Rows as a markdown table ('-' where not measured; a column no row has is left out)."""
+    columns = [c for i, c in enumerate(TABLE_COLUMNS) if i < 3 or any(r.get(c[1]) is not None for r in rows)]
+    cells = [[fmt(r) if r.get(key) is not None else '-' for _, key, fmt in columns] for r in rows]
+    return markdown_table([c[0] for c in columns], cells, left_columns=2)
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Writes JSON atomically (a temporary file, then ``os.replace``), creating the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + '.tmp')
+    tmp.write_text(json.dumps(data, indent=2) + '\n')
+    os.replace(tmp, path)
+    return path
+
+
+def csv_text(rows: Sequence[Dict[str, Any]]) -> str:
+    """The scalar fields of the rows as CSV (lists joined by 'x'; nested timings stay in the JSON)."""
+    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, dict)))
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator='\n')
+    writer.writerow(keys)
+    writer.writerows([['x'.join(map(str, r[k])) if isinstance(r.get(k), list) else r.get(k) for k in keys]
+                      for r in rows])
+    return buf.getvalue()
+
+
+def write_reports(rows: Sequence[Dict[str, Any]], stem: Path, markdown: str, settings: Dict[str, Any],
+                  device: str = 'cpu', formats: Sequence[str] = ('json', 'csv', 'md')) -> List[Path]:
+    """Writes ``stem.json`` (machine, settings, rows), ``stem.csv`` and ``stem.md`` (``markdown``)."""
+    stem = Path(stem)
+    paths = []
+    if 'json' in formats:
+        paths.append(write_json(stem.with_suffix('.json'), dict(
+            machine=machine_description(device), settings=settings, rows=list(rows))))
+    for fmt, text in (('csv', csv_text(rows)), ('md', markdown)):
+        if fmt in formats:
+            paths.append(stem.with_suffix('.' + fmt))
+            paths[-1].write_text(text)
+    return paths
+
+
+def plot(series: Dict[str, List[Tuple[float, Optional[float], Optional[float]]]], path: Path, title: str,
+         xlabel: str = 'input size (pixels per side)', ylabels: Sequence[str] = ('time per image (ms)',
+                                                                                   'memory (MiB)')) -> Path:
+    """Two log-log panels, time and memory against ``x``: one line per series label, points ``(x, time, memory)``
+    (None where not measured, left out like zeros); a label containing 'train' is dashed. Writes the PNG atomically."""
+    import matplotlib  # the `bench` extra
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for i, (label, pts) in enumerate(series.items()):
+        for ax, col in zip(axes, (1, 2)):
+            xy = sorted((p[0], p[col]) for p in pts if p[col])  # a log scale shows no zeros
+            if xy:
+                ax.plot(*zip(*xy), '--' if 'train' in label else '-', marker='o', color=f'C{i % 10}', label=label)
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xscale('log', base=2)
+        ax.set_yscale('log')
+        ax.set_xlabel(xlabel + ', log scale')
+        ax.set_ylabel(ylabel + ', log scale')
+        ax.grid(True, which='major', alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + '.tmp.png')
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """The exponent ``k`` of ``y = c * x**k`` fitted by least squares in log-log (None with < 2 distinct x)."""
+    if len(xs) != len(ys) or any(v <= 0 for v in [*xs, *ys]):
+        raise ValueError('fit_exponent needs as many positive x as y values (it fits on a log-log scale)')
+    if len(set(xs)) < 2:
+        return None
+    return statistics.linear_regression([math.log(x) for x in xs], [math.log(y) for y in ys]).slope
