@@ -112,6 +112,13 @@ def _layer(dim_ratio: float, prefix: int, **config) -> GatedRecurrentCache:
     return grc
 
 
+def _folded(grc: GatedRecurrentCache) -> GatedRecurrentCache:
+    """A folded copy of the layer (timm's reparameterize_model folds the children of the module it is given)."""
+    folded = reparameterize_model(torch.nn.ModuleDict({'grc': grc}))['grc']
+    assert folded.reparameterized and folded.gate_weight is not None and folded.mix_weight is not None
+    return folded
+
+
 @pytest.mark.parametrize('ratio', [0.25, 0.5])
 @pytest.mark.parametrize('prefix', [0, 1])
 def test_layer_matches_spec_reference_fp64(ratio, prefix):
@@ -131,7 +138,7 @@ def test_layer_matches_spec_reference_fp64(ratio, prefix):
     want, _ = grc_reference(grc, x, o_self, (4, 4), grc.cache, training=False)
     with torch.no_grad():
         torch.testing.assert_close(grc(x, o_self), want, rtol=0, atol=1e-10)
-        torch.testing.assert_close(reparameterize_model(grc)(x, o_self), want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(_folded(grc)(x, o_self), want, rtol=0, atol=1e-10)
 
 
 def test_layer_errors_say_what_is_wrong():
@@ -160,17 +167,19 @@ def test_legacy_onnx_export_is_refused_naming_the_layer(tmp_path):
 
 def test_eval_graph_keeps_the_cache_it_read():
     """An eval forward with autograd on reads a copy of the cache: a train forward that stores a new cache before
-    that graph's backward changes neither the backward's success nor its gradients."""
+    that graph's backward changes neither the backward's success nor the gradients (of the gates' weights, whose
+    backward reads the cache)."""
     grc = _layer(0.5, 0).eval()
-    x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
-    o_self = torch.randn(2, 16, 32, dtype=torch.float64)
-    (expected,) = torch.autograd.grad(grc(x, o_self).square().sum(), x)
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    o_self = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
+    inputs = [o_self] + list(grc.parameters())
+    expected = torch.autograd.grad(grc(x, o_self).square().sum(), inputs)
     out = grc(x, o_self)
     grc.train()
     with torch.no_grad():
-        grc(torch.randn_like(o_self), torch.randn_like(o_self))  # stores a new cache in place
-    (got,) = torch.autograd.grad(out.square().sum(), x)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        grc(torch.randn_like(x), torch.randn_like(x))  # stores a new cache in place
+    for got, want in zip(torch.autograd.grad(out.square().sum(), inputs), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('prefix', [0, 1])
@@ -184,7 +193,7 @@ def test_autocast_output_has_the_self_branch_dtype(prefix, folded):
         for p in grc.parameters():
             p.add_(torch.randn_like(p) * 0.2)
         grc.cache.normal_()
-    layer = reparameterize_model(grc) if folded else grc
+    layer = _folded(grc) if folded else grc
     x = torch.randn(2, prefix + 16, 32)
     o_self = torch.randn(2, prefix + 16, 32)
     with torch.no_grad():
@@ -193,3 +202,11 @@ def test_autocast_output_has_the_self_branch_dtype(prefix, folded):
             got = layer(x, o_self.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_square_grid_is_inferred_after_several_prefix_tokens():
+    """Without feat_size the patch grid is the square of the tokens after the prefix: 4 prefix tokens + 3x3."""
+    grc = GatedRecurrentCache(32, 2, cache_len=13, cache_hw=(3, 3), num_prefix_tokens=4).double().eval()
+    x, o_self = torch.randn(2, 13, 32, dtype=torch.float64), torch.randn(2, 13, 32, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(grc(x, o_self), grc(x, o_self, [3, 3]), rtol=0, atol=0)
