@@ -102,21 +102,23 @@ def _grads(out, inputs, weight):
 
 
 @pytest.mark.parametrize('spatial,w,span_pad,S', CASES)
-@pytest.mark.parametrize('mask_grad', [True, False])
-def test_span_attention_matches_dense_reference_fp64(spatial, w, span_pad, S, mask_grad):
+@pytest.mark.parametrize('mask_kind', ['grad', 'constant', 'float32', 'none'])
+def test_span_attention_matches_dense_reference_fp64(spatial, w, span_pad, S, mask_kind):
     """Output without autograd, output and gradients with it: with a mask that needs a gradient (the batched-matmul
-    backward) and with a constant one (2D and long 1D segments: the flash kernels and the shared-key join)."""
+    backward), a constant one (2D and long 1D segments: the flash kernels and the shared-key join), a constant one
+    in float32 (cast to the queries' dtype) and none."""
     q, kv, shared, mask = _inputs(spatial, w, span_pad, S)
+    mask = {'grad': mask, 'constant': mask, 'float32': mask.float(), 'none': None}[mask_kind]
     want = dense_span_attention(q, kv, shared, mask, w, 0.7, span_pad)
     with torch.no_grad():
         torch.testing.assert_close(span_attention(q, kv, shared, mask, w, 0.7, 0., span_pad), want, rtol=0,
                                    atol=1e-12)
     inputs = [t.clone().requires_grad_() for t in (q, kv, shared)]
-    m = mask.clone().requires_grad_(mask_grad)
-    if mask_grad:
-        inputs.append(m)
-    out = span_attention(*inputs[:3], m, w, 0.7, 0., span_pad)
-    ref = dense_span_attention(*inputs[:3], m, w, 0.7, span_pad)
+    if mask_kind == 'grad':
+        mask = mask.clone().requires_grad_()
+        inputs.append(mask)
+    out = span_attention(*inputs[:3], mask, w, 0.7, 0., span_pad)
+    ref = dense_span_attention(*inputs[:3], mask, w, 0.7, span_pad)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     weight = torch.randn_like(out)
     for name, a, b in zip(['q', 'kv', 'shared', 'mask'], _grads(out, inputs, weight), _grads(ref, inputs, weight)):
