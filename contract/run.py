@@ -29,8 +29,10 @@ import timm
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
 CACHE_DIR = HERE / '.cache'
-# fast enough for CI (about 2 min on 2 cores): one model per family that shares the most code with the others
-DEFAULT_MODELS = 'cvt_ls_13,cvt_13,vil_ls_medium,pvt_v2_b0_grc'
+# one model per family, the smallest registered one (CvT-LS, CvT, ViL-LS, PVTv2-GRC, PVT-GRC, Swin-GRC, ViT/DeiT-GRC);
+# Swin and DeiT have a fixed 224 input, so their forward/backward/fx and pruning tests take most of the time
+DEFAULT_MODELS = ('cvt_ls_13,cvt_13,vil_ls_medium,pvt_v2_b0_grc,pvt_tiny_grc,swin_tiny_patch4_window7_224_grc,'
+                  'deit_small_patch16_224_grc')
 # CvT and CvT-LS return tokens from forward_features (cls token first, as timm's ViT): timm's non-standard cfg test
 DEFAULT_NON_STD = 'cvt_*'
 

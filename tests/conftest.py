@@ -1,4 +1,9 @@
-"""Shared pytest fixtures. Golden outputs of the authors' code live in the repository, under `tests/golden/`."""
+"""Shared pytest fixtures. Golden outputs of the authors' code live in the repository, under `tests/golden/`.
+
+Shared helpers that are not fixtures live in `tests/_helpers.py` (importable as `_helpers`, since `tests/` is put on
+sys.path here): `load_tool` (a tools/ script as a module), `perturb` (weights off their init), `TINY_FAMILIES` and
+`tiny_model` (one tiny config per model family).
+"""
 import os
 import sys
 from pathlib import Path
@@ -6,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import reference_attention directly
+sys.path.insert(0, os.path.dirname(__file__))  # tests import _helpers, reference_attention, ... directly
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # the one root of the golden data (tests/golden/README.md says where each folder came from)
@@ -32,3 +37,12 @@ def golden_root() -> Path:
 def golden_dir() -> Path:
     """The official ViL-LS reference outputs (tests/golden/vil_ls_official)."""
     return golden_path('vil_ls_official')
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Tools run in-process set torch's thread count (``--threads 1``); every test gets the suite's count back."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)

@@ -7,7 +7,6 @@ mCE, BG-gap) is consistent with the raw ones. Exact metric values are tested wit
 test_eval_suites.py.
 """
 import hashlib
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _helpers import load_tool
 from eval_fixtures import (
     ColourOracle,
     make_imagenet,
@@ -38,21 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ['embed_dims=[16,32,64]', 'num_heads=[1,1,1]', 'depths=[1,1,1]']
 # one torch thread: with 2 threads on 2 busy cores, OpenMP synchronisation made the all-suites run 25x slower (140 s)
 ONE_THREAD = ['--threads', '1']
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    """The tools' --threads sets torch's global thread count; put it back for the tests that follow."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / 'tools' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope='module')

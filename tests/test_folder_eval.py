@@ -1,12 +1,12 @@
 """tools/validate.py on any image folder (suite `folder`) with a tools/train.py checkpoint, checked against an
 evaluation written here with torchvision's ImageFolder and timm's transform (not lsvision's runner)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _helpers import load_tool
 from PIL import Image
 from torchvision.datasets import ImageFolder
 
@@ -16,16 +16,12 @@ from timm.data import create_transform, resolve_data_config
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.train import parse_args, run
 
-ROOT = Path(__file__).resolve().parents[1]
 CLASSES = ('circle', 'square', 'triangle')
 TINY = ['--model-kwargs', 'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=(1,1,1)']
 
 
 def _validate_tool():
-    spec = importlib.util.spec_from_file_location('validate_tool', ROOT / 'tools' / 'validate.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool('validate')
 
 
 def write_folder(root: Path, classes=CLASSES, per_class=(8, 3), size: int = 32) -> Path:

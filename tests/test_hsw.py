@@ -5,6 +5,7 @@ from typing import Optional
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import perturb
 
 from lsvision.sequence import create_model
 from lsvision.sequence.hsw import HSW, WindowAttention1d, shift_window_ids
@@ -16,6 +17,13 @@ def _small(attn: str = 'window', **kwargs) -> HSW:
                dp_ranks=(3, 2, 1, 0), drop_path_rate=0.)
     cfg.update(kwargs)
     return HSW(**cfg)
+
+
+@pytest.fixture(scope='module')
+def hsw_tiny() -> HSW:
+    """The full-size hsw_tiny (25M parameters), built once: the tests below use it without changing its weights."""
+    torch.manual_seed(0)
+    return create_model('hsw_tiny').eval()
 
 
 def _dense_window_reference(
@@ -79,9 +87,9 @@ def test_parameter_counts():
     assert [s.blocks[0].attn.num_heads for s in small.stages] == [3, 6, 12, 24]
 
 
-def test_stage_shapes_at_4096():
+def test_stage_shapes_at_4096(hsw_tiny):
+    model = hsw_tiny
     torch.manual_seed(0)
-    model = create_model('hsw_tiny').eval()
     x = torch.randint(0, 50265, (1, 4096))
     with torch.no_grad():
         final, valid, feats = model.forward_intermediates(x)
@@ -93,12 +101,12 @@ def test_stage_shapes_at_4096():
 
 
 @pytest.mark.parametrize('seq_len', [4096, 4000])
-def test_shifted_stage1_receptive_field(seq_len):
+def test_shifted_stage1_receptive_field(hsw_tiny, seq_len):
     """Spec §6 assertion 13: output 4095 of the shifted stage-1 block sees 4064..4095 and not 0..31 (the
     wrap-around window is masked); output 100 sees exactly 96..159. At 4000 tokens the sequence is padded to 4032
     inside, and the wrap-around window holds 3968..3999 (real), 4000..4031 (padding) and 0..31."""
     torch.manual_seed(0)
-    block = create_model('hsw_tiny').stages[0].blocks[1]
+    block = hsw_tiny.stages[0].blocks[1]
     assert block.window_and_shift(seq_len) == (64, 32)
     x = torch.randn(1, seq_len, 96, requires_grad=True)
     out = block(x)
@@ -113,9 +121,9 @@ def test_shifted_stage1_receptive_field(seq_len):
     assert seen_100.nonzero().flatten().tolist() == list(range(96, 160))
 
 
-def test_unshifted_block_and_stage4_is_one_global_window():
+def test_unshifted_block_and_stage4_is_one_global_window(hsw_tiny):
+    model = hsw_tiny
     torch.manual_seed(0)
-    model = create_model('hsw_tiny')
     # stage 1, unshifted block: windows 0..63, 64..127
     x = torch.randn(1, 4096, 96, requires_grad=True)
     (grad,) = torch.autograd.grad(model.stages[0].blocks[0](x)[0, 100].sum(), x)
@@ -143,9 +151,7 @@ def test_wrap_around_region_ids():
 def test_window_attention_matches_dense_reference(dp_rank, seq_len, window, shift, padded):
     torch.manual_seed(0)
     attn = WindowAttention1d(16, 2, window_size=8, dp_rank=dp_rank).double().eval()
-    with torch.no_grad():
-        for p in attn.parameters():  # off the init, so every part (LN affine, biases, rel table) matters
-            p.add_(torch.randn_like(p) * 0.3)
+    perturb(attn, 0.3)  # off the init, so every part (LN affine, biases, rel table) matters
     x = torch.randn(3, seq_len, 16, dtype=torch.float64)
     valid = None
     if padded:
@@ -170,9 +176,7 @@ def test_window_attention_gradients_match_dense_reference_fp64(dp_rank, seq_len,
     softmax), and padded query rows carry no loss."""
     torch.manual_seed(0)
     attn = WindowAttention1d(16, 2, window_size=8, dp_rank=dp_rank).double().train()
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    perturb(attn, 0.3)
     x = torch.randn(batch, seq_len, 16, dtype=torch.float64)
     valid = None
     if batch > 1:

@@ -19,6 +19,7 @@ import huggingface_hub.constants as hf_constants
 import pytest
 import torch
 import torch.nn as nn
+from _helpers import perturb
 from official_layouts import fairseq, microsoft_cvt, official_char_lm, official_pvt, official_vil
 from released_weights import (
     assert_loaded_from,
@@ -90,11 +91,7 @@ RELEASED_RUNS = [pytest.param(*line, id=f'{line[0]}:{line[1]}') for line in _loa
 
 def _perturbed(model: nn.Module, seed: int = 0) -> nn.Module:
     """Every float parameter moved off its init, so that a key loaded into the wrong place shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return model.eval()
+    return perturb(model, 0.05, torch.Generator().manual_seed(seed)).eval()
 
 
 def _writer(name: str, file: str) -> Tuple[Callable[[], nn.Module], Callable[[nn.Module], Dict]]:
@@ -161,8 +158,23 @@ def test_every_model_with_released_weights_documents_the_plain_call():
     assert any(doc == 'README.md' for doc, _ in plain), "README's snippet shows pretrained=True on a released model"
 
 
+@pytest.fixture(scope='module')
+def hub_weights(tmp_path_factory) -> Callable[[str], Path]:
+    """``arch`` -> a ``pytorch_model.bin`` of random weights in transformers' CvT layout, written once per arch
+    (cvt_13 serves cvt_13 and cvt_13_384, ...; CvT-W24's 277M parameters are 1.1 GB) and hard-linked into each
+    test's cache."""
+    folder, files = tmp_path_factory.mktemp('hub_weights'), {}
+
+    def weights(arch: str) -> Path:
+        if arch not in files:
+            files[arch] = folder / f'{arch}.bin'
+            torch.save(random_hub_state_dict(arch), files[arch])
+        return files[arch]
+    return weights
+
+
 @pytest.mark.parametrize('doc,name,file,call', RELEASED_RUNS)
-def test_documented_released_weights_line_loads_them(doc, name, file, call, tmp_path, monkeypatch):
+def test_documented_released_weights_line_loads_them(doc, name, file, call, tmp_path, monkeypatch, hub_weights):
     """The line as documented, offline, from the caches the download fills: every tensor of the file lands."""
     hub, torch_home = tmp_path / 'hf', tmp_path / 'torch'
     monkeypatch.setenv('TORCH_HOME', str(torch_home))
@@ -171,11 +183,8 @@ def test_documented_released_weights_line_loads_them(doc, name, file, call, tmp_
     cfg = timm.models.get_pretrained_cfg(name)
     if cfg.hf_hub_id:
         arch = 'cvt_w24' if name.startswith('cvt_w24') else name.split('.')[0].replace('_384', '')
-        tensors = random_hub_state_dict(arch)
-        torch.save(tensors, tmp_path / 'weights.bin')
-        del tensors
-        put_in_hub_cache(hub, cfg.hf_hub_id, tmp_path / 'weights.bin')
-        tensors = torch.load(tmp_path / 'weights.bin', weights_only=True, mmap=True)
+        put_in_hub_cache(hub, cfg.hf_hub_id, hub_weights(arch))
+        tensors = torch.load(hub_weights(arch), weights_only=True, mmap=True)
         head = ('head.', 'classifier.')
     else:
         checkpoint = official_vil_checkpoint(official_vil_shapes(name.split('.')[0]), seed=0)

@@ -3,16 +3,10 @@ import math
 
 import pytest
 import torch
+from _helpers import perturb
 from reference_attention import dense_causal_long_short_attention, dense_long_short_attention_1d
 
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, projection_weights
-
-
-def _perturb(module, std=0.1):
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * std)
-    return module
 
 
 def _mask(B, n, pads, seed=0):
@@ -31,7 +25,7 @@ def _mask(B, n, pads, seed=0):
 def test_bidir_matches_dense_reference_fp64(n, w, r, heads, pads, with_cls):
     torch.manual_seed(0)
     C = 16 * heads
-    attn = _perturb(LongShortAttention1d(C, heads, w, r)).double().eval()
+    attn = perturb(LongShortAttention1d(C, heads, w, r)).double().eval()
     x = torch.randn(3, n, C, dtype=torch.float64)
     mask = _mask(3, n, pads)
     cls = torch.randn(3, 1, C, dtype=torch.float64) if with_cls else None
@@ -47,7 +41,7 @@ def test_window_span(w, span):
     """With r = 0, token j changes output i iff j is real and floor(i/w)w - e <= j < floor(i/w)w + w + e."""
     torch.manual_seed(0)
     n = 24
-    attn = _perturb(LongShortAttention1d(8, 1, w, 0)).double().eval()
+    attn = perturb(LongShortAttention1d(8, 1, w, 0)).double().eval()
     x = torch.randn(1, n, 8, dtype=torch.float64, requires_grad=True)
     mask = torch.ones(1, n, dtype=torch.bool)
     mask[0, 20:] = False
@@ -64,7 +58,7 @@ def test_window_span(w, span):
 
 def test_projection_weights_sum_to_one_and_come_from_x():
     torch.manual_seed(0)
-    attn = _perturb(LongShortAttention1d(16, 2, 4, 3)).eval()
+    attn = perturb(LongShortAttention1d(16, 2, 4, 3)).eval()
     x = torch.randn(2, 20, 16)
     mask = _mask(2, 20, 6)
     P = projection_weights(attn.dynamic_proj(x), 2, mask)  # (B, h, r, n)
@@ -78,7 +72,7 @@ def test_projection_weights_sum_to_one_and_come_from_x():
 
 def test_padding_invariance_any_length_and_all_pad():
     torch.manual_seed(0)
-    attn = _perturb(LongShortAttention1d(16, 2, 8, 4)).eval()
+    attn = perturb(LongShortAttention1d(16, 2, 8, 4)).eval()
     x = torch.randn(2, 37, 16)  # 37 % 8 != 0: padded internally
     mask = _mask(2, 37, 9)
     cls = torch.randn(2, 1, 16)
@@ -119,7 +113,7 @@ def test_dual_ln_shared_and_global_norm():
 @pytest.mark.parametrize('chunk', [None, 16])
 def test_causal_matches_dense_reference_fp64(L, M, D, h, ls, r, W, chunk):
     torch.manual_seed(0)
-    attn = _perturb(CausalLongShortAttention(D, h, W, ls, r, query_chunk_size=chunk)).double().eval()
+    attn = perturb(CausalLongShortAttention(D, h, W, ls, r, query_chunk_size=chunk)).double().eval()
     x = torch.randn(2, L, D, dtype=torch.float64)
     cache = torch.randn(2, M, D, dtype=torch.float64)
     with torch.no_grad():
@@ -130,7 +124,7 @@ def test_causal_matches_dense_reference_fp64(L, M, D, h, ls, r, W, chunk):
 
 def test_causal_project_then_average_cache_option():
     torch.manual_seed(0)
-    attn = _perturb(CausalLongShortAttention(32, 2, 8, 4, 2, compress_hidden_cache=False)).double().eval()
+    attn = perturb(CausalLongShortAttention(32, 2, 8, 4, 2, compress_hidden_cache=False)).double().eval()
     x, cache = torch.randn(1, 24, 32).double(), torch.randn(1, 16, 32).double()
     with torch.no_grad():
         torch.testing.assert_close(attn(x, cache), dense_causal_long_short_attention(attn, x, cache),
@@ -140,7 +134,7 @@ def test_causal_project_then_average_cache_option():
 @pytest.mark.parametrize('train', [False, True])
 def test_causal_layer_has_no_future_leak(train):
     torch.manual_seed(0)
-    attn = _perturb(CausalLongShortAttention(32, 4, 8, 4, 2, query_chunk_size=8, attn_drop=0.1, pos_drop=0.1))
+    attn = perturb(CausalLongShortAttention(32, 4, 8, 4, 2, query_chunk_size=8, attn_drop=0.1, pos_drop=0.1))
     attn.train(train)
     L = 32
     x = torch.randn(2, L, 32, requires_grad=True)
@@ -164,7 +158,7 @@ def test_causal_visibility_and_segment_positions():
     # J = 3 (t = 4..7): vectors 0..5 with rho 5..0
     assert rho[1].tolist() == [5, 4, 3, 2, 1, 0] and not hidden[1].any()
     # and through gradients: the window reaches back exactly W - 1 tokens (r = 1, zero LN_G gain: no global path)
-    attn2 = _perturb(CausalLongShortAttention(16, 2, W, ls, 1)).double().eval()
+    attn2 = perturb(CausalLongShortAttention(16, 2, W, ls, 1)).double().eval()
     with torch.no_grad():
         attn2.norm_global.weight.zero_()
         attn2.norm_global.bias.zero_()
@@ -193,8 +187,8 @@ def test_causal_cache_rules():
 
 def test_bf16_autocast_close_to_fp32():
     torch.manual_seed(0)
-    bidir = _perturb(LongShortAttention1d(32, 2, 8, 8)).eval()
-    causal = _perturb(CausalLongShortAttention(32, 2, 8, 4, 1, query_chunk_size=16)).eval()
+    bidir = perturb(LongShortAttention1d(32, 2, 8, 8)).eval()
+    causal = perturb(CausalLongShortAttention(32, 2, 8, 4, 1, query_chunk_size=16)).eval()
     x = torch.randn(2, 64, 32)
     mask = _mask(2, 64, 10)
     cache = torch.randn(2, 16, 32)

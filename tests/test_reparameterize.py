@@ -2,7 +2,6 @@
 (`timm.models.reparameterize_model`): same outputs, scriptable, no more FLOPs, and a folded model refuses to train."""
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from lsvision.flops import count_flops
 from lsvision.layers import GatedRecurrentCache, GrcMemoryAttention, LongShortAttention2d
 from lsvision.models.cvt import ConvDynamicProjection, FusedConvProjections, SepConvQkv
 
-ROOT = Path(__file__).resolve().parents[1]
 SWIN_T = 'swin_tiny_patch4_window7_224_grc'
 # a tiny config of every vision model family (name -> kwargs); inputs are 64 x 64
 TINY = {
@@ -264,14 +262,11 @@ def test_patch_reduction_as_matmul_equals_the_conv():
 def test_validate_tool_reparam_flag(tmp_path):
     # tools/validate.py (and robustness.py, same CLI code) --reparam evaluates the folded model: same metrics, and the
     # results say it was folded
-    import importlib.util
-
+    from _helpers import load_tool
     from eval_fixtures import make_imagenet
     from safetensors.torch import save_file
 
-    spec = importlib.util.spec_from_file_location('validate', ROOT / 'tools' / 'validate.py')
-    validate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(validate)
+    validate = load_tool('validate')
     imagenet = make_imagenet(tmp_path / 'imagenet')
     model = _tiny('cvt_ls_13', num_classes=1000)
     ckpt = tmp_path / 'tiny.safetensors'

@@ -2,30 +2,12 @@
 
 Tiny budgets: they check that every code path runs and that the reports have their rows, not the numbers.
 """
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-import torch
+from _helpers import load_tool
 
 from lsvision.sequence.budget_train import lr_factor
-
-TOOLS = Path(__file__).resolve().parents[1] / 'tools'
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, TOOLS / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def _keep_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_demo_listops(tmp_path, capsys):

@@ -1,5 +1,4 @@
 """ViL-LS: official-checkpoint equivalence (golden data), converter, key coverage, sizes, FLOPs and behaviour."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -8,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from _helpers import TINY_FAMILIES, load_tool
 
 import timm
 
@@ -22,12 +22,11 @@ from lsvision.models.vil_ls import (
     resize_rel_pos_table,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 # spec long_short.md §2/§5: exact official parameter counts, and official fvcore GFLOPs at the native size
 PARAMS = {'vil_ls_medium': 39_799_423, 'vil_ls_base': 55_834_363, 'vil_ls_medium_384': 39_947_653}
 GFLOPS = {'vil_ls_medium': (224, 8.722), 'vil_ls_base': (224, 13.395), 'vil_ls_medium_384': (384, 28.743)}
 # the golden tiny224 layout (8/16/32/64 wide, head dim 8), for behaviour tests
-TINY = dict(embed_dims=(8, 16, 32, 64), num_heads=(1, 2, 4, 8), depths=(1, 2, 2, 1))
+TINY = TINY_FAMILIES['vil_ls_medium']
 ATOL = 1e-4  # the golden README's acceptance bound
 
 
@@ -35,13 +34,6 @@ def _golden(golden_dir: Path, name: str):
     io = torch.load(golden_dir / f'{name}_io.pt', weights_only=True)
     kwargs = dict(parse_official_arch(io['arch']), img_size=io['img_size'], num_classes=10)
     return io, kwargs
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location('convert_vil_ls', ROOT / 'tools' / 'convert_vil_ls.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _assert_reproduces(model: nn.Module, io: dict) -> None:
@@ -70,7 +62,7 @@ def test_official_checkpoint_through_timm_reproduces_official_outputs(golden_dir
 
 
 def test_converter_writes_safetensors_that_reproduce_official_outputs(golden_dir, tmp_path, capsys):
-    tool = _load_tool()
+    tool = load_tool('convert_vil_ls')
     io, kwargs = _golden(golden_dir, 'tiny384')
     out = tmp_path / 'tiny384.safetensors'
     assert tool.main([str(golden_dir / 'tiny384.pth'), str(out)]) == 0
@@ -82,7 +74,7 @@ def test_converter_writes_safetensors_that_reproduce_official_outputs(golden_dir
 
 
 def test_converter_explains_a_mismatched_checkpoint(golden_dir, tmp_path, capsys):
-    tool = _load_tool()
+    tool = load_tool('convert_vil_ls')
     assert tool.main([str(golden_dir / 'tiny224.pth'), str(tmp_path / 'x.safetensors'), '--model', 'vil_ls_base']) == 2
     err = capsys.readouterr().err
     assert 'missing' in err and 'mis-shaped' in err and 'What to do: leave --model out' in err
@@ -111,7 +103,7 @@ def _printed_snippet(printed: str) -> str:
 
 def test_converter_load_line_keeps_a_10_class_head(golden_dir, tmp_path, capsys):
     """The printed line carries num_classes in pretrained_cfg_overlay: timm loads the head strictly, no warning."""
-    tool = _load_tool()
+    tool = load_tool('convert_vil_ls')
     io, _ = _golden(golden_dir, 'tiny224')
     out = tmp_path / 'tiny224.safetensors'
     assert tool.main([str(golden_dir / 'tiny224.pth'), str(out)]) == 0
@@ -127,7 +119,7 @@ def test_converter_load_line_keeps_a_10_class_head(golden_dir, tmp_path, capsys)
 def test_converter_snippet_runs_in_a_fresh_interpreter(golden_dir, tmp_path, capsys):
     """The printed snippet, pasted into a new Python (nothing imported before it), loads the converted file: the
     official logits. The file is named relative to the folder the tool ran in, as a user types it."""
-    tool = _load_tool()
+    tool = load_tool('convert_vil_ls')
     (tmp_path / 'out').mkdir()
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp_path)
@@ -144,7 +136,7 @@ def test_converter_snippet_runs_in_a_fresh_interpreter(golden_dir, tmp_path, cap
 
 
 def test_converter_refuses_a_head_it_cannot_load(golden_dir):
-    tool = _load_tool()
+    tool = load_tool('convert_vil_ls')
     checkpoint = torch.load(golden_dir / 'tiny224.pth', weights_only=True)
     del checkpoint['net']['module.head.bias']
     with pytest.raises(tool.ConversionError, match='classifier head cannot be loaded strictly') as e:
@@ -154,7 +146,7 @@ def test_converter_refuses_a_head_it_cannot_load(golden_dir):
 
 def test_last_stage_cls_token_is_refused_by_name(golden_dir):
     """The official head classifies a last-stage cls token; lsvision averages the map: refused, never loaded."""
-    tool = _load_tool()
+    tool = load_tool('convert_vil_ls')
     checkpoint = torch.load(golden_dir / 'tiny224.pth', weights_only=True)
     checkpoint['net']['module.layer4.0.cls_token'] = torch.zeros(1, 1, 64)
     with pytest.raises(tool.ConversionError, match="'layer4.0.cls_token'"):
@@ -353,15 +345,6 @@ def test_full_attention_everywhere_switch():
     assert attns[0].rel_pos_table.shape == (111 * 111, 1) and attns[0].rel_pos_g2g is not None
     with torch.no_grad():
         assert model(torch.randn(1, 3, 96, 64)).shape == (1, 1000)
-
-
-def test_features_only():
-    model = timm.create_model('vil_ls_medium', features_only=True, **TINY).eval()
-    assert model.feature_info.reduction() == [4, 8, 16, 32]
-    assert model.feature_info.channels() == [8, 16, 32, 64]
-    with torch.no_grad():
-        feats = model(torch.randn(1, 3, 96, 128))
-    assert [tuple(f.shape[1:]) for f in feats] == [(8, 24, 32), (16, 12, 16), (32, 6, 8), (64, 3, 4)]
 
 
 def test_parse_official_arch():
