@@ -239,11 +239,12 @@ def test_microsoft_checkpoint_gives_the_cls_token_logits(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     call = next(call for doc, name, f, call in _loading_lines() if doc == 'cvt_13.md' and f == file)
     model = eval(call, {'timm': timm}).eval()
+    avg_model = eval(call.replace('pretrained=True', "pretrained=True, global_pool='avg'"), {'timm': timm}).eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(x), cls_logits, rtol=1e-5, atol=1e-5)
-        avg_model = eval(call.replace('pretrained=True', "pretrained=True, global_pool='avg'"), {'timm': timm})
-        torch.testing.assert_close(avg_model.eval()(x), avg_logits, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(model(x).argmax(1), avg_model(x).argmax(1))
+        logits, avg_model_logits = model(x), avg_model(x)
+    torch.testing.assert_close(logits, cls_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(avg_model_logits, avg_logits, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(logits.argmax(1), avg_model_logits.argmax(1))
 
 
 def test_microsoft_checkpoint_of_another_size_is_refused_by_key(tmp_path):
