@@ -29,6 +29,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.benchmark import Timer
@@ -56,7 +57,7 @@ _FULL_ATTENTION_KWARGS = {'vil_ls_': dict(attn_types=('full',) * 4)}
 
 
 class NoOpAttention(nn.Module):
-    """Stands in for a block's attention: returns its input, computes nothing (the floor of any attention)."""
+    """A block's attention that returns its input: the floor of any attention."""
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return x
@@ -156,18 +157,10 @@ def resolve_specs(patterns: Sequence[str]) -> List[str]:
 
 @dataclass
 class Job:
-    """One measurement: what :func:`measure` builds, feeds and times.
-
-    Attributes:
-        label: Name in reports.
-        build: Makes the model; picklable (a class or ``functools.partial`` of importable things).
-        inputs: (shape without the batch dim, high) per model input: ``torch.randint(high)`` token ids if ``high``,
-            else ``torch.randn``; None for one image of the model's own input size (``img_size`` overrides H, W).
-        kind: ``'inference'`` or ``'train'``.
-        budget_s: Seconds of timed passes (``blocked_autorange``'s ``min_run_time``; at least one pass runs).
-        flops: Count FLOPs and activations per image (one traced forward pass each; image models only).
-        timeout_s: The process is stopped (and the job fails) after this many seconds.
-    """
+    """One measurement (``kind`` ``'inference'`` or ``'train'``): ``build`` makes the model and must pickle (a class
+    or ``functools.partial`` of importable things); ``inputs`` are (shape without batch, high) per model input, token
+    ids below ``high`` or ``randn`` if None, or None for an image of the model's size (``img_size`` overrides it);
+    ``budget_s`` seconds of timed passes; ``flops`` per image (image models); ``extra`` fields go into the row."""
 
     label: str
     build: Callable[[], nn.Module]
@@ -196,19 +189,13 @@ class Job:
             raise ValueError('batch_size must be at least 1, warmup and budget_s at least 0')
 
 
-def _rss_bytes() -> int:
-    """The resident memory now (``/proc/self/statm``), or the peak so far where there is no /proc."""
-    try:
+def _rss_bytes(peak: bool = False) -> int:
+    """The resident memory now (``/proc/self/statm``), or the peak so far (``ru_maxrss``; also where there is no
+    /proc)."""
+    if not peak and os.path.exists('/proc/self/statm'):
         with open('/proc/self/statm') as f:
             return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-    except OSError:
-        return _peak_rss_bytes()
-
-
-def _peak_rss_bytes() -> int:
-    """The process's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == 'darwin' else peak * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == 'darwin' else 1024)
 
 
 @contextlib.contextmanager
@@ -225,24 +212,16 @@ def peak_memory(device: torch.device, out: Dict[str, Optional[float]]) -> Any:
     elif device.type == 'cpu':
         base = _rss_bytes()
         yield
-        out['peak_mib'] = max(0, _peak_rss_bytes() - base) / MIB
+        out['peak_mib'] = max(0, _rss_bytes(peak=True) - base) / MIB
     else:
         yield
         out['peak_mib'] = None
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile (0..1), interpolating linearly between sorted values."""
-    v = sorted(values)
-    pos = q * (len(v) - 1)
-    lo = int(pos)
-    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
-
-
 def timing_stats(times: Sequence[float], passes: int) -> Dict[str, Any]:
-    """Median, p10, p90 and IQR of per-pass times (s) of ``passes`` timed passes."""
-    return dict(times_s=list(times), passes=passes, median_s=statistics.median(times), p10_s=_quantile(times, .1),
-                p90_s=_quantile(times, .9), iqr_s=_quantile(times, .75) - _quantile(times, .25))
+    """Median, p10, p90 and IQR (linear interpolation) of per-pass times (s) of ``passes`` timed passes."""
+    p10, p25, median, p75, p90 = np.quantile(times, [.1, .25, .5, .75, .9]).tolist()
+    return dict(times_s=list(times), passes=passes, median_s=median, p10_s=p10, p90_s=p90, iqr_s=p75 - p25)
 
 
 def time_step(step: Callable[[], Any], warmup: int, budget_s: float) -> Dict[str, Any]:

@@ -28,10 +28,9 @@ InputSpec = Union[Sequence[int], torch.Tensor, Tuple[torch.Tensor, ...]]
 
 
 def _shape(value: Any) -> List[int]:
-    shape = get_shape(value)
-    if shape is None:
+    if get_shape(value) is None:
         raise ValueError('a shape is unknown in the traced graph; cannot count FLOPs')
-    return list(shape)
+    return list(get_shape(value))
 
 
 def _batch(*shapes: Sequence[int]) -> int:
@@ -105,13 +104,11 @@ def parameter_count(model: nn.Module) -> int:
 
 def _inputs(model: nn.Module, input_size: InputSpec, batch_size: int) -> Tuple[torch.Tensor, ...]:
     """A tensor or tensors as given, or a random batch of ``input_size`` on the model's device and float dtype."""
-    first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device('cpu')
+    device = next((p.device for p in model.parameters()), torch.device('cpu'))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-    if isinstance(input_size, torch.Tensor):
-        return (input_size.to(device),)
-    if len(input_size) and all(isinstance(t, torch.Tensor) for t in input_size):
-        return tuple(t.to(device) for t in input_size)  # type: ignore[union-attr]
+    tensors = (input_size,) if isinstance(input_size, torch.Tensor) else tuple(input_size)
+    if tensors and all(isinstance(t, torch.Tensor) for t in tensors):
+        return tuple(t.to(device) for t in tensors)
     if batch_size < 1 or not all(isinstance(s, int) and s > 0 for s in input_size):
         raise ValueError(f'input_size must be a shape of positive ints or tensors and batch_size positive, got '
                          f'{input_size!r} and {batch_size}')

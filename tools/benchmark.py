@@ -1,32 +1,20 @@
 """Benchmarks lsvision (or any timm) models: inference and training, named suites, resolution sweeps and the model
 cards, with the flag names of timm's ``benchmark.py``; the measuring is ``lsvision.bench``.
 
-Every measurement (one model, one point, inference or train) runs in a fresh process, the models in alternating
-order over ``--repeats`` (A B, then B A); times come from ``torch.utils.benchmark`` (median and p10-p90 of the pooled
-timed passes), memory is the peak above the memory in use once model and input (and optimizer) exist (CPU: peak
-resident memory; CUDA: ``max_memory_allocated``). ``--baseline MODEL`` adds each model's ratios to that model's at the
-same point, pooled and paired (per round). A run out of memory is retried at a smaller batch (``--no-retry``)::
+Every measurement (model, point, inference or train) runs in a fresh process, the models in alternating order over
+``--repeats``; ``--baseline MODEL`` adds ratios to that model at the same point, pooled and paired (per round). Model
+specs: names, wildcards, ``NAME@full`` (ViL-LS with full attention everywhere), ``NAME@noattn`` / ``NAME@projonly``
+(the floors: attention a no-op / its projections only), ``NAME@reparam`` (folded; ``--reparam`` adds it)::
 
-    python tools/benchmark.py --bench both --models cvt_ls_13 cvt_13
     python tools/benchmark.py --bench train --models cvt_ls_13 --baseline cvt_13 --points 224x8 384x2 768x1
     python tools/benchmark.py --models 'pvt_v2_*_grc' --device cuda --batch-size 64 --amp --amp-dtype bfloat16 \\
         --channels-last --torchcompile --results-file output/bench.csv
-    python tools/benchmark.py --models cvt_ls_13 --reparam      # also NAME@reparam, with its ratio to NAME
 
-Model specs: a name or wildcard, ``NAME@full`` (ViL-LS with full attention in every stage), ``NAME@noattn`` (every
-block's attention a no-op: the floor), ``NAME@projonly`` (the attention runs its projections only), ``NAME@reparam``.
-
-``--suite NAME`` runs a named comparison and writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/):
-
-    cvt_ls     cvt_ls_13 vs cvt_13 (baseline), and Swin-T at 224: inference and training against input size
-    vil_ls     vil_ls_medium_384 vs the same model with full attention in every stage (baseline)
-    grc        each GRC model vs its timm base (baseline), inference; the slowdown against the 1.25x target
-    sequence   1D long-short attention layers and models vs F.scaled_dot_product_attention, train steps, 1k-64k tokens
-    hsw        HSW, HSW-LS and the flat full-attention encoder at 4k-64k tokens, inference, against the targets
-
-Sub-commands: ``sweep`` (time and peak memory against input size until a budget) and ``cards`` (measure every
-registered model; write model_cards/ and the README models table). ``run ...`` is the earlier spelling of the model
-benchmark (its ``--train`` means ``--bench both``). Progress goes to stderr, tables to stdout.
+``--suite NAME`` writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/): ``cvt_ls`` (cvt_ls_13 vs cvt_13
+and Swin-T at 224, against input size), ``vil_ls`` (vil_ls_medium_384 vs full attention), ``grc`` (each GRC model vs
+its timm base, target 1.25x), ``sequence`` (1D long-short layers and models vs SDPA, training steps, 1k-64k tokens),
+``hsw`` (HSW, HSW-LS and the flat encoder, 4k-64k tokens). Sub-commands: ``sweep`` (time and memory against input
+size until a budget) and ``cards`` (model_cards/ and the README table). ``run ...`` is the earlier spelling.
 """
 import argparse
 import functools
@@ -80,6 +68,10 @@ SEQUENCE_RATIOS = [('ls_bidir_w8_r32', 'sdpa_full'), ('ls_causal_blocked', 'sdpa
 HSW_MODELS = {'HSW': ('hsw_tiny', {}), 'HSW-LS': ('hsw_tiny', {'attn': 'ls'}), 'flat': ('hsw_flat_tiny', {})}
 HSW_TARGETS = {4096: 5., 16384: 15.}  # flat / HSW at least; HSW-LS / HSW at most 1.3
 HSW_LS_TARGET = 1.3
+KINDS = {'inference': ['inference'], 'train': ['train'], 'both': ['inference', 'train']}
+CARD_FIELDS = dict(params=None, gflops=3, mactivations=1, input_size=None, batch_size=None, images_per_s=2,
+                   latency_ms=1, latency_p10_ms=1, latency_p90_ms=1, timed_passes=None)
+"""The measured fields a card stores, and the digits each is rounded to."""
 
 
 def log(msg: str) -> None:
@@ -166,10 +158,6 @@ def job_of(spec: str, args: argparse.Namespace, size: Optional[int], batch: int,
                      threads=args.threads, timeout_s=args.timeout, **kwargs)
 
 
-def kinds_of(what: str) -> List[str]:
-    return ['inference', 'train'] if what == 'both' else [what]
-
-
 def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, point: Any,
                  baseline: Optional[str]) -> List[Dict[str, Any]]:
     """Runs the jobs of one point (spec -> one job per kind; kinds one after the other, the specs alternating) and
@@ -198,7 +186,7 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
         if args.reparam:
             point_specs += [s + '@reparam' for s in point_specs if '@' not in s]
         log(f"Point {f'{size}x{size}' if size else 'native size'}, batch {batch}: {', '.join(point_specs)}")
-        jobs = {s: [job_of(s, args, size, batch, kind) for kind in kinds_of(args.bench)] for s in point_specs}
+        jobs = {s: [job_of(s, args, size, batch, kind) for kind in KINDS[args.bench]] for s in point_specs}
         rows += measure_rows(jobs, args, [size, batch], baseline)
     bench.add_ratios(rows)
     return rows
@@ -329,8 +317,8 @@ def run_sequence(args: argparse.Namespace, command: str) -> int:
                          'lm_sdpa_causal': functools.partial(seq.CharLM, attn='full', max_len=n, **_LM)}[name]
                 inputs = [((n,), 200)]
             jobs[name] = [bench.Job(f'{kind}: {name}', build, inputs, kind='train', warmup=1, budget_s=args.budget_s,
-                              device=args.device, threads=args.threads or 1, timeout_s=args.timeout,
-                              extra=dict(n=n, name=name))]
+                                    device=args.device, threads=args.threads or 1, timeout_s=args.timeout,
+                                    extra=dict(n=n, name=name))]
         for row in measure_rows(jobs, args, n, None) if jobs else []:
             row.update(kind=row['label'].split(':')[0])
             rows.append(row)
@@ -530,16 +518,12 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
         log(str(e))
         return 2
     for i, name in enumerate(to_measure, 1):
-        job = bench.Job(name, functools.partial(bench.create_model, name), warmup=args.warmup, budget_s=args.budget_s,
-                  device=args.device, flops=True, memory=False, threads=args.threads)
+        job = bench.Job(name, functools.partial(bench.create_model, name), warmup=args.warmup,
+                        budget_s=args.budget_s, device=args.device, flops=True, memory=False, threads=args.threads)
         r = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
-        stored['models'][name] = dict(
-            params=r['params'], gflops=round(r['gflops'], 3), mactivations=round(r['mactivations'], 1),
-            input_size=r['input_size'], batch_size=r['batch_size'], images_per_s=round(r['images_per_s'], 2),
-            latency_ms=round(r['latency_ms'], 1), latency_p10_ms=round(r['latency_p10_ms'], 1),
-            latency_p90_ms=round(r['latency_p90_ms'], 1), timed_passes=r['timed_passes'],
-            machine=bench.machine_description(args.device),
-            measured_at=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
+        stored['models'][name] = {k: r[k] if n is None else round(r[k], n) for k, n in CARD_FIELDS.items()}
+        stored['models'][name].update(machine=bench.machine_description(args.device),
+                                      measured_at=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
         stored['models'] = {n: stored['models'][n] for n in names if n in stored['models']}
         stored['command'] = command
         bench.write_json(store, stored)  # after each model: an interrupted run keeps what it measured
