@@ -143,3 +143,29 @@ def test_span_attention_dropout_matches_dense_reference_fp64(spatial, w, span_pa
     weight = torch.randn_like(out)
     for name, a, b in zip(['q', 'kv', 'shared', 'mask'], _grads(out, inputs, weight), _grads(ref, inputs, weight)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=lambda msg, name=name: f'{name}: {msg}')
+
+
+def test_span_attention_default_is_without_dropout():
+    q, kv, shared, mask = _inputs((5, 11), 3, None, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(span_attention(q, kv, shared, mask, 3, 0.7),
+                                   dense_span_attention(q, kv, shared, mask, 3, 0.7, None), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize('spatial,w', [((9,), 2), ((5, 11), 3), ((9, 10), 4)])
+def test_span_attention_under_bf16_autocast(spatial, w):
+    """float32 inputs under CPU bf16 autocast: computed in bf16 (a bf16 output, float32 gradients of the float32
+    inputs), within 2e-2 of the scale of the fp64 reference's output and gradients."""
+    q, kv, shared, mask = _inputs(spatial, w, None, 2)
+    inputs = [t.float().requires_grad_() for t in (q, kv, shared)]
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = span_attention(*inputs, mask.float(), w, 0.7, 0., None)
+    assert out.dtype == torch.bfloat16
+    weight = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * weight).sum(), inputs)
+    ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    ref = dense_span_attention(*ref_inputs, mask, w, 0.7, None)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2 * ref.abs().max().item())
+    for a, b in zip(grads, _grads(ref, ref_inputs, weight)):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-2 * b.abs().max().item())
