@@ -152,6 +152,14 @@ def test_span_attention_default_is_without_dropout():
                                    dense_span_attention(q, kv, shared, mask, 3, 0.7, None), rtol=0, atol=1e-12)
 
 
+def test_span_attention_with_autograd_on_and_no_input_needing_it():
+    """Autograd enabled, no input requiring a gradient, no mask (the call of an eval forward outside no_grad)."""
+    q, kv, shared, _ = _inputs((5, 11), 3, None, 2)
+    out = span_attention(q, kv, shared, None, 3, 0.7)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, dense_span_attention(q, kv, shared, None, 3, 0.7, None), rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize('spatial,w', [((9,), 2), ((5, 11), 3), ((9, 10), 4)])
 def test_span_attention_under_bf16_autocast(spatial, w):
     """float32 inputs under CPU bf16 autocast: computed in bf16 (a bf16 output, float32 gradients of the float32
