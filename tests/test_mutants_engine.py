@@ -124,3 +124,28 @@ def test_train_step_updates_on_the_mean_loss_of_each_group(steps, updates):
             b -= LR * gb
     torch.testing.assert_close(model.weight.detach(), w.detach())
     torch.testing.assert_close(model.bias.detach(), b.detach())
+
+
+@pytest.mark.parametrize('scale,clip', [(8., None), (None, ('norm', 0.5)), (8., ('value', 0.05))])
+def test_train_step_scales_unscales_and_clips(scale, clip):
+    """With a GradScaler and/or clipping (--clip-grad, --clip-mode): each update is an SGD step on the clipped
+    gradient of its group's mean loss (2 micro-batches, then the epoch's single last one)."""
+    model = _linear(torch.float32)
+    init = [p.detach().clone() for p in model.parameters()]
+    args = argparse.Namespace(grad_accum_steps=2, distributed=False, clip_grad=None if clip is None else clip[1],
+                              clip_mode='norm' if clip is None else clip[0])
+    scaler = torch.amp.GradScaler('cpu', init_scale=scale) if scale else None
+    opt = engine._Optimization(torch.optim.SGD(model.parameters(), lr=LR), contextlib.nullcontext, scaler, None,
+                               None, 1)
+    batches = [_batch(3, 20 + i, torch.float32) for i in range(3)]
+    for i, (x, y) in enumerate(batches):
+        engine.train_step(model, nn.CrossEntropyLoss(), opt, x, y, i, len(batches), args)
+    w, b = (t.clone().requires_grad_() for t in init)
+    for group in ([0, 1], [2]):
+        loss = sum(F.cross_entropy(batches[i][0] @ w.t() + b, batches[i][1]) for i in group) / len(group)
+        grads = _clipped(list(torch.autograd.grad(loss, [w, b])), clip)
+        with torch.no_grad():
+            w -= LR * grads[0]
+            b -= LR * grads[1]
+    torch.testing.assert_close(model.weight.detach(), w.detach())
+    torch.testing.assert_close(model.bias.detach(), b.detach())
