@@ -80,6 +80,8 @@ CASES = [
     ((7,), 3, None, 2), ((9,), 2, None, 1), ((7,), 3, 0, 0), ((20,), 17, None, 2), ((9,), 17, 0, 0),
     ((3, 5), 2, None, 2), ((4, 3), 1, None, 2), ((3, 5), 2, 0, 1), ((6, 5), 5, None, 2),
     ((5, 11), 3, None, 2), ((4, 25), 2, None, 1), ((3, 7), 1, None, 0), ((9, 10), 4, None, 2),
+    # one segment a block with non-overlapping spans (K = w): not the row-halves backward
+    ((9, 10), 4, 0, 1),
 ]
 
 
