@@ -451,35 +451,35 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left_co
     return '\n'.join('| ' + ' | '.join(line) + ' |' for line in [header, align, *rows])
 
 
-def _spread(p: str) -> Callable[[Dict[str, Any]], str]:
-    return lambda r: f"{r[p + '_ms']:.1f} ({r[p + '_p10_ms']:.1f}-{r[p + '_p90_ms']:.1f})"
-
-
-def _paired(p: str) -> Callable[[Dict[str, Any]], str]:
-    return lambda r: f"{r[p]:.2f}x ({min(r[p[:-7] + '_rounds']):.2f}-{max(r[p[:-7] + '_rounds']):.2f})"
-
-
-TABLE_COLUMNS: List[Tuple[str, str, Callable[[Dict[str, Any]], str]]] = [
-    ('model', 'label', lambda r: str(r['label'])),
-    ('input', 'input_size', lambda r: 'x'.join(map(str, r['input_size'][1:] or r['input_size']))),
-    ('batch', 'batch_size', lambda r: str(r['batch_size'])),
-    ('params (M)', 'params', lambda r: f"{r['params'] / 1e6:.2f}"),
-    ('GFLOPs/img', 'gflops', lambda r: f"{r['gflops']:.3f}"),
-    ('MActs/img', 'mactivations', lambda r: f"{r['mactivations']:.1f}"),
-    ('latency ms (p10-p90)', 'latency_ms', _spread('latency')),
-    ('img/s', 'images_per_s', lambda r: f"{r['images_per_s']:.1f}"),
-    ('CPU ms/img', 'inference_cpu_ms_per_image', lambda r: f"{r['inference_cpu_ms_per_image']:.1f}"),
-    ('peak MiB', 'peak_mib', lambda r: f"{r['peak_mib']:.0f}"),
-    ('latency / baseline', 'latency_ratio', lambda r: f"{r['latency_ratio']:.2f}x"),
-    ('peak / baseline', 'peak_ratio', lambda r: f"{r['peak_ratio']:.2f}x"),
-    ('train step ms (p10-p90)', 'train_step_ms', _spread('train_step')),
-    ('train act. MiB', 'train_memory_mib', lambda r: f"{r['train_memory_mib']:.0f}"),
-    ('train time / baseline', 'train_step_ratio', lambda r: f"{r['train_step_ratio']:.2f}x"),
-    ('train mem. / baseline', 'train_memory_ratio', lambda r: f"{r['train_memory_ratio']:.2f}x"),
-    ('latency / baseline, paired', 'latency_ratio_paired', _paired('latency_ratio_paired')),
-    ('train time / baseline, paired', 'train_step_ratio_paired', _paired('train_step_ratio_paired')),
-    ('over budget', 'exceeded', lambda r: '; '.join(r['exceeded']) or 'no'),
+TABLE_COLUMNS: List[Tuple[str, str, str]] = [
+    ('model', 'label', ''), ('input', 'input_size', 'size'), ('batch', 'batch_size', ''),
+    ('params (M)', 'params', 'M'), ('GFLOPs/img', 'gflops', '.3f'), ('MActs/img', 'mactivations', '.1f'),
+    ('latency ms (p10-p90)', 'latency_ms', 'spread'), ('img/s', 'images_per_s', '.1f'),
+    ('CPU ms/img', 'inference_cpu_ms_per_image', '.1f'), ('peak MiB', 'peak_mib', '.0f'),
+    ('latency / baseline', 'latency_ratio', 'x'), ('peak / baseline', 'peak_ratio', 'x'),
+    ('train step ms (p10-p90)', 'train_step_ms', 'spread'), ('train act. MiB', 'train_memory_mib', '.0f'),
+    ('train time / baseline', 'train_step_ratio', 'x'), ('train mem. / baseline', 'train_memory_ratio', 'x'),
+    ('latency / baseline, paired', 'latency_ratio_paired', 'paired'),
+    ('train time / baseline, paired', 'train_step_ratio_paired', 'paired'), ('over budget', 'exceeded', 'list'),
 ]
+"""(header, row key, format): a format spec, or M (millions), x (a ratio), spread (median and p10-p90), paired
+(median and range of the rounds), size (of an input), list (of reasons)."""
+
+
+def _cell(row: Dict[str, Any], key: str, fmt: str) -> str:
+    value = row[key]
+    if fmt == 'size':
+        return 'x'.join(map(str, value[1:] or value))
+    if fmt == 'spread':
+        return f"{value:.1f} ({row[key[:-3] + '_p10_ms']:.1f}-{row[key[:-3] + '_p90_ms']:.1f})"
+    if fmt == 'paired':
+        rounds = row[key[:-len('_paired')] + '_rounds']
+        return f'{value:.2f}x ({min(rounds):.2f}-{max(rounds):.2f})'
+    if fmt == 'list':
+        return '; '.join(value) or 'no'
+    return f'{value / 1e6:.2f}' if fmt == 'M' else f'{value:.2f}x' if fmt == 'x' else format(value, fmt)
+
+
 RATIOS_EXPLAINED = ('Ratios are to the baseline at the same point: time per image, memory at the same batch; paired: '
                     "the median (and range) over the rounds of each round's ratio, from two processes of one pass over "
                     "the models, so that the machine's drift between rounds cancels out.")
@@ -488,7 +488,7 @@ RATIOS_EXPLAINED = ('Ratios are to the baseline at the same point: time per imag
 def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
     """Rows as a markdown table ('-' where not measured; a column no row has is left out)."""
     columns = [c for i, c in enumerate(TABLE_COLUMNS) if i < 3 or any(r.get(c[1]) is not None for r in rows)]
-    cells = [[fmt(r) if r.get(key) is not None else '-' for _, key, fmt in columns] for r in rows]
+    cells = [[_cell(r, key, fmt) if r.get(key) is not None else '-' for _, key, fmt in columns] for r in rows]
     return markdown_table([c[0] for c in columns], cells, left_columns=2)
 
 

@@ -274,3 +274,25 @@ def family_of(name: str) -> Family:
         if fnmatch.fnmatchcase(name, pattern):
             return family
     raise KeyError(f'no model family in lsvision.models.papers.FAMILIES matches {name!r}; add one.')
+
+
+# code snippets of the cards (formatted with the model's name, its default tag, a file)
+CREATE_SNIPPET = """```python
+import timm
+import lsvision  # registers the lsvision models with timm
+
+model = timm.create_model('{name}', num_classes=1000)
+features = timm.create_model('{name}', features_only=True)  # multi-scale feature maps
+```"""
+CREATE_PRETRAINED_SNIPPET = """```python
+import timm
+import lsvision  # registers the lsvision models with timm
+
+model = timm.create_model('{name}', pretrained=True)  # {tag}, the default tag (see the table below)
+features = timm.create_model('{name}', features_only=True)  # multi-scale feature maps
+```"""
+MICROSOFT_FILE_SNIPPET = (
+    "Microsoft's own released file of this model (microsoft/CvT's model zoo, `stage{{i}}.*` keys) "
+    "loads from disk as well, maps to lsvision's names and gives Microsoft's logits:\n\n```python\n"
+    "model = timm.create_model('{name}', pretrained=True, pretrained_cfg_overlay=dict(file='{file}'))"
+    "\n```")
