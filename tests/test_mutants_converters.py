@@ -27,3 +27,32 @@ def test_vil_ls_filter_names_an_official_checkpoint_in_its_error():
     deeper = timm.create_model('vil_ls_medium', **dict(TINY, depths=(1, 2, 3, 1)))
     with pytest.raises(KeyError, match=r'^the official ViL-LS checkpoint does not fit .*missing.*stages\.2'):
         vil_ls.checkpoint_filter_fn(official, deeper)
+
+
+def _official_lra_state():
+    """The authors' LRA checkpoint (`golden/lra_official`, written by their run_tasks.py) as a bare state_dict."""
+    from conftest import golden_path
+
+    file = golden_path('lra_official') / 'mean_pool_padded.model'
+    return torch.load(file, weights_only=True)['model_state_dict']
+
+
+def test_lra_converter_reads_each_documented_wrapper():
+    # {'model_state_dict': ...}, {'state_dict': ...}, {'model': ...} and the bare dict give the same weights
+    from lsvision.sequence.convert import convert_lra_state_dict
+
+    state = _official_lra_state()
+    want = convert_lra_state_dict(state)
+    assert 'encoder.blocks.0.attn.qkv.weight' in want and 'head.0.weight' in want
+    for wrapper in ('model_state_dict', 'state_dict', 'model'):
+        got = convert_lra_state_dict({wrapper: dict(state)})
+        assert got.keys() == want.keys(), wrapper
+        assert all(torch.equal(got[k], want[k]) for k in want), wrapper
+
+
+def test_lra_converter_names_a_module_missing_from_the_checkpoint():
+    from lsvision.sequence.convert import convert_lra_state_dict
+
+    state = {k: v for k, v in _official_lra_state().items() if not k.startswith('model.transformer_0.norm1.')}
+    with pytest.raises(KeyError, match=r"no parameters under 'model\.transformer_0\.norm1' in the official"):
+        convert_lra_state_dict(state)
