@@ -56,3 +56,16 @@ def test_lra_converter_names_a_module_missing_from_the_checkpoint():
     state = {k: v for k, v in _official_lra_state().items() if not k.startswith('model.transformer_0.norm1.')}
     with pytest.raises(KeyError, match=r"no parameters under 'model\.transformer_0\.norm1' in the official"):
         convert_lra_state_dict(state)
+
+
+def test_lra_converter_errors_say_what_is_missing():
+    from lsvision.sequence.convert import convert_lra_state_dict
+
+    state = _official_lra_state()
+    no_embedding = {k: v for k, v in state.items() if not k.endswith('word_embeddings.weight')}
+    with pytest.raises(KeyError, match=r'^\'not an official LRA state_dict: no "\.\.\.word_embeddings\.weight" key'):
+        convert_lra_state_dict(no_embedding)
+    no_query = {k: v for k, v in state.items() if not k.startswith('model.transformer_0.mha.W_q.')}
+    with pytest.raises(KeyError, match=r'layer .*model\.transformer_0\..* of the official LRA state_dict has no '
+                                       r'attention \("\.\.\.W_q\.weight" key\)'):
+        convert_lra_state_dict(no_query)
