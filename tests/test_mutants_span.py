@@ -127,7 +127,9 @@ def test_span_attention_matches_dense_reference_fp64(spatial, w, span_pad, S, ma
         torch.testing.assert_close(a, b, rtol=0, atol=1e-11, msg=lambda msg, name=name: f'{name}: {msg}')
 
 
-@pytest.mark.parametrize('spatial,w,span_pad,S', [((9,), 2, None, 2), ((7,), 3, 0, 0), ((4, 3), 1, None, 2)])
+# the last: segments of 17 queries, where the forward without dropout would take SDPA
+@pytest.mark.parametrize('spatial,w,span_pad,S', [((9,), 2, None, 2), ((7,), 3, 0, 0), ((4, 3), 1, None, 2),
+                                                  ((20,), 17, None, 2)])
 def test_span_attention_dropout_matches_dense_reference_fp64(spatial, w, span_pad, S):
     """With dropout: the joint weights times the keep-mask drawn from the seeded RNG over the (B, h, segments,
     w^ndim, S + K^ndim) weights, scaled by 1 / (1 - p); output and gradients."""
@@ -179,3 +181,19 @@ def test_span_attention_under_bf16_autocast(spatial, w):
     for a, b in zip(grads, _grads(ref, ref_inputs, weight)):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-2 * b.abs().max().item())
+
+
+@pytest.mark.parametrize('shape', ['segments', 'full'])
+def test_span_attention_mask_gradient_of_other_mask_shapes(shape):
+    """A mask that needs a gradient given as (segments, w^ndim, K^ndim) (broadcast over batch and heads) or at the
+    full (B, h, segments, w^ndim, K^ndim) shape: its gradient has its own shape, against the reference."""
+    for spatial, w in (((9,), 2), ((5, 11), 3)):
+        q, kv, shared, mask = _inputs(spatial, w, None, 2)
+        mask = mask[0, 0] if shape == 'segments' else mask.expand(2, -1, -1, -1, -1).contiguous()
+        inputs = [t.clone().requires_grad_() for t in (q, kv, shared, mask)]
+        out = span_attention(*inputs, w, 0.7, 0., None)
+        ref = dense_span_attention(*inputs[:3], inputs[3].expand((2, 2) + mask.shape[-3:]), w, 0.7, None)
+        weight = torch.randn_like(out)
+        for a, b in zip(_grads(out, inputs, weight), _grads(ref, inputs, weight)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
