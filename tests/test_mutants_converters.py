@@ -69,3 +69,30 @@ def test_lra_converter_errors_say_what_is_missing():
     with pytest.raises(KeyError, match=r'layer .*model\.transformer_0\..* of the official LRA state_dict has no '
                                        r'attention \("\.\.\.W_q\.weight" key\)'):
         convert_lra_state_dict(no_query)
+
+
+def test_lra_converter_reads_a_cls_token_key_and_names_what_it_cannot_place():
+    from lsvision.sequence.convert import convert_lra_state_dict
+
+    state = _official_lra_state()
+    state['model.cls_token'] = torch.randn(state['model.norm.weight'].shape)  # the other name of the cls vector
+    assert torch.equal(convert_lra_state_dict(state)['encoder.cls_token'].flatten(), state['model.cls_token'])
+    with pytest.raises(KeyError, match=r"^\"LRA conversion: 1 official keys have no lsvision counterpart: "
+                                       r"\['model\.bogus'\]"):
+        convert_lra_state_dict(dict(state, **{'model.bogus': torch.zeros(1)}))
+    no_head = {k: v for k, v in state.items() if not k.startswith('seq_classifer.')}
+    with pytest.raises(KeyError, match=r'^\'the official LRA state_dict has no classifier \("seq_classifer\.'):
+        convert_lra_state_dict(no_head)
+
+
+@pytest.mark.parametrize('stray,ellipsis', [(8, False), (9, True)])
+def test_fairseq_char_lm_names_up_to_8_keys_without_the_prefix(stray, ellipsis):
+    from lsvision.sequence.convert import convert_char_lm_state_dict
+
+    inner = {'decoder.model.in_emb.weight': torch.zeros(2, 2), **{f'bogus.{i}': torch.zeros(1) for i in range(stray)}}
+    with pytest.raises(KeyError) as error:
+        convert_char_lm_state_dict({'model': inner})
+    message = error.value.args[0]
+    assert f'{stray} keys under ["model"] lack the prefix \'decoder.model.\'' in message
+    assert [f'bogus.{i}' in message for i in range(stray)] == [True] * min(stray, 8) + [False] * (stray - 8)
+    assert message.endswith(' ...') == ellipsis
