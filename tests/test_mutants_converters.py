@@ -96,3 +96,19 @@ def test_fairseq_char_lm_names_up_to_8_keys_without_the_prefix(stray, ellipsis):
     assert f'{stray} keys under ["model"] lack the prefix \'decoder.model.\'' in message
     assert [f'bogus.{i}' in message for i in range(stray)] == [True] * min(stray, 8) + [False] * (stray - 8)
     assert message.endswith(' ...') == ellipsis
+
+
+def test_char_lm_frequency_check_is_relative_per_entry():
+    """`pos_emb.inv_freq` of width 8 is 10000^(-2k/8) = 1, 0.1, 0.01, 0.001: within fp32's allowance (1e-5 relative)
+    it loads as the offset from lsvision's frequencies; 3e-5 relative off on the smallest entry is refused by entry,
+    and another shape by shape."""
+    from lsvision.sequence.convert import _inv_freq_offset
+
+    exact = torch.tensor([1., 0.1, 0.01, 0.001], dtype=torch.float64)
+    near = (exact * torch.tensor([1., 1., 1., 1 + 5e-6], dtype=torch.float64)).float()
+    torch.testing.assert_close(_inv_freq_offset(near, 8), near - exact.float(), rtol=0, atol=0)
+    off = (exact * torch.tensor([1., 1., 1., 1 + 3e-5], dtype=torch.float64)).float()
+    with pytest.raises(ValueError, match=r'by up to 3(\.\d+)?e-05 relative \(entry 3: '):
+        _inv_freq_offset(off, 8)
+    with pytest.raises(ValueError, match=r'^pos_emb\.inv_freq has shape \(5,\), expected \(4,\) for width 8$'):
+        _inv_freq_offset(torch.ones(5), 8)
