@@ -13,8 +13,8 @@ import timm
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
 from lsvision.layers import long_short as long_short_module
+from lsvision.layers._private_sdpa import efficient_bias
 from lsvision.layers.span_attention import (
-    _efficient_bias,
     _fold_block_keys,
     _fold_spans,
     _gather_block_keys,
@@ -257,16 +257,16 @@ def test_span_fold_is_the_adjoint_of_the_span_gather(H, W, w, span_pad):
 ])
 def test_efficient_bias_is_the_mask_with_aligned_strides(shape, stored):
     """CUDA's memory-efficient kernel reads its bias with every stride a multiple of 16 elements and a contiguous
-    last axis (`_efficient_bias`, on any device): the values are the broadcast mask's, broadcast axes stay stride 0
+    last axis (`efficient_bias`, on any device): the values are the broadcast mask's, broadcast axes stay stride 0
     (no copy per batch or query), and an aligned mask is passed as it is."""
     mask = torch.randn(stored)
-    bias = _efficient_bias(mask, shape)
+    bias = efficient_bias(mask, shape)
     assert bias.shape == shape and torch.equal(bias, mask.expand(shape))
     assert bias.stride(-1) == 1 and all(st % 16 == 0 for st in bias.stride()[:-1]), bias.stride()
     assert [st == 0 for st in bias.stride()] == [n == 1 and m > 1 for n, m in zip(stored, shape)]
     if shape[-1] % 16 == 0 and stored == shape:
         assert bias.data_ptr() == mask.data_ptr()
-    assert _efficient_bias(None, shape) is None
+    assert efficient_bias(None, shape) is None
 
 
 def test_dropout_drops_the_same_weights_in_forward_and_backward():

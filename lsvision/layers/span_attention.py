@@ -30,6 +30,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ._private_sdpa import efficient_kernel_takes, fused_attention, fused_attention_backward, fused_kernels_available
 from .autocast import autocast_dtype, autocast_off
 from .export import is_exporting
 from .local_norm import local_norm_tokens
@@ -580,63 +581,13 @@ def _use_flash(q: torch.Tensor, window_size: int, dropout_p: float, needs_mask_g
     (neither kernel gives one), in 2D on blocks of segments (`block_segments`, widths by estimated work), in 1D for
     segments of more than 16 queries (on CPU, segments of 16 and 4 queries took 1.25-1.9x the time of the
     batched-matmul backward on 2 cores; not yet measured on CUDA, so the same rule). CPU runs its flash kernels; CUDA
-    the memory-efficient ones for float32, float16 and bfloat16 with a head dim that is a multiple of 8 (their
-    alignment); float64 stays with the batched matmuls there."""
+    the memory-efficient ones where they take the dtype and head dim (`efficient_kernel_takes`; float64 stays with
+    the batched matmuls there); neither where the installed torch changed their schemas (`_private_sdpa`)."""
     if dropout_p != 0. or needs_mask_grad or (q.dim() == 4 and window_size <= 16):
         return False
-    if q.device.type == 'cpu':
-        return True
-    return (q.device.type == 'cuda' and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
-            and q.shape[-1] % 8 == 0)
-
-
-def _efficient_bias(mask: Optional[torch.Tensor], shape: Tuple[int, int, int, int]) -> Optional[torch.Tensor]:
-    """An additive mask as CUDA's memory-efficient kernel reads it: expanded to the (B', H', M, N) of its queries and
-    keys (broadcast dims stay stride-0 views) with every stride aligned to 16 elements, as
-    `F.scaled_dot_product_attention` pads it (the key axis is padded in a copy and sliced back)."""
-    if mask is None:
-        return None
-    mask = mask.expand(shape)
-    if mask.stride(-1) == 1 and all(st % 16 == 0 for st in mask.stride()[:-1]):
-        return mask
-    n = shape[-1]
-    compact = mask[tuple(slice(0, 1) if st == 0 else slice(None) for st in mask.stride())]
-    padded = mask.new_empty(compact.shape[:-1] + (-(-n // 16) * 16,))
-    padded[..., :n].copy_(compact)
-    return padded[..., :n].expand(shape)
-
-
-def _blocks_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float
-                      ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fused attention kernel over blocks of queries (B', H', M, d) and their keys (B', H', N, d), any strides with
-    the last one 1: the output (B', H', M, d) and the log-sum-exp of every query's scores, (B', H', M'), M' >= M
-    (CUDA pads it to a multiple of 32). CPU runs the flash kernel, CUDA the memory-efficient one (its bias and
-    log-sum-exp, which the flash kernel lacks)."""
-    if q.device.type == 'cpu':
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
-        return out, lse
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, _efficient_bias(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])), True, scale=scale)[:2]
-    return out, lse
-
-
-def _blocks_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float
-                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward of `_blocks_attention`, given its output and log-sum-exp (in the kernel's layout): gradients of q,
-    k and v."""
-    if q.device.type == 'cpu':
-        grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse, 0., False, attn_mask=mask, scale=scale)
-        return grad_q, grad_k, grad_v
-    # the kernel reads the output with the row stride of its forward's layout, (B', M, H', d) in memory, whatever
-    # `out`'s strides (it takes those of the batch and head axes only)
-    out = out.transpose(1, 2).contiguous().transpose(1, 2)
-    no_rng = torch.empty((), dtype=torch.long)  # the dropout RNG's seed and offset: read only with dropout
-    grad_q, grad_k, grad_v, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, k, v, _efficient_bias(mask, (q.shape[0], q.shape[1], q.shape[2], k.shape[2])), out, lse,
-        no_rng, no_rng, 0., [True, True, True, False], False, scale=scale)
-    return grad_q, grad_k, grad_v
+    if q.device.type == 'cuda' and not efficient_kernel_takes(q.dtype, q.shape[-1]):
+        return False
+    return fused_kernels_available(q.device.type)
 
 
 def _heads(tokens: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -666,7 +617,7 @@ class _SpanAttention(torch.autograd.Function):
         ctx.q_shape = q.shape
         raw = (k_raw, v_raw, norm_weight, norm_bias)
         if ctx.flash:
-            # the fused kernel (`_blocks_attention`) keeps the log-sum-exp of every query's scores: its backward
+            # the fused kernel (`fused_attention`) keeps the log-sum-exp of every query's scores: its backward
             # recomputes P blockwise from it, without a (queries x keys) buffer. It runs on the spans only (in 2D, on
             # blocks of segments whose keys are strided views of one column gather); the shared keys are scored once
             # over all queries, and the two parts join through their log-sum-exps (the joint softmax, exactly)
@@ -677,7 +628,7 @@ class _SpanAttention(torch.autograd.Function):
                 window_size, _grid(spatial, window_size)[1], span_pad) if len(spatial) == 2 else 1
             q_f = _flash_queries(q, window_size, c)
             keys = _flash_keys(k, v, window_size, span_pad, c)
-            out, lse = _blocks_attention(q_f, keys[0], keys[1], _flash_attn_mask(
+            out, lse = fused_attention(q_f, keys[0], keys[1], _flash_attn_mask(
                 window_mask, B, h, spatial, window_size, span_pad, c, q.dtype, q.device), scale)
             del keys
             if kv_shared.shape[3] > 0:
@@ -743,7 +694,7 @@ class _SpanAttention(torch.autograd.Function):
         if _row_halves_apply(spatial, ws, span_pad, c):
             grad_q, grad_k, grad_v = _SpanAttention._row_halves_backward(ctx, go, q_f, keys, window_mask, out_f, lse)
         else:
-            grad_q, grad_k, grad_v = _blocks_attention_backward(
+            grad_q, grad_k, grad_v = fused_attention_backward(
                 go, q_f, keys[0], keys[1], _flash_attn_mask(window_mask, B, h, spatial, ws, span_pad, c, q_f.dtype,
                                                             q_f.device), out_f, lse, scale)
             grad_k = _flash_fold(grad_k, B, h, spatial, ws, span_pad, c)
@@ -796,7 +747,7 @@ class _SpanAttention(torch.autograd.Function):
         for a in range(2):
             rows_a = slice(a * ws * span, (a + 1) * ws * span)  # the half's keys: rows a * w.. of the K x K span
             half_mask = None if mask is None else mask[..., rows_a]
-            gq, gk, gv = _blocks_attention_backward(go, q_f, keys[0, :, :, rows_a], keys[1, :, :, rows_a], half_mask,
+            gq, gk, gv = fused_attention_backward(go, q_f, keys[0, :, :, rows_a], keys[1, :, :, rows_a], half_mask,
                                                     out_f, lse, scale)
             grad_q = gq if grad_q is None else grad_q.add_(gq)
             for target, g in zip(grad_kv, (gk, gv)):
