@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt
 # models for `make contract` (fnmatch patterns, '*' = all); empty: contract/run.py's default subset
 CONTRACT_MODELS ?=
 
-.PHONY: install demo models demo-listops demo-bytelm demo-hsw bench-hsw test lint unit contract sweep cards clean
+.PHONY: install demo models demo-listops demo-bytelm demo-hsw bench-hsw test lint unit contract sweep cards gpu-check clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,6 +58,10 @@ sweep: install
 # measure every model and regenerate model_cards/ and README's models table
 cards: install
 	$(PY) tools/benchmark.py cards
+
+# on a machine with a CUDA device: tests/test_cuda.py + a train-step benchmark -> docs/benchmarks/gpu.md (< 8 min)
+gpu-check: install
+	$(PY) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info contract/.cache
