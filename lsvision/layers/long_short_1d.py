@@ -594,7 +594,8 @@ class CausalLongShortAttention(nn.Module):
         for idx, start in enumerate(starts):
             t = torch.arange(start, start + sizes[idx], device=x.device)
             J = (Mp + t) // ls  # concatenated segment of each query
-            m = r * int(J[-1])  # vectors of segments before the chunk's last segment
+            # vectors of segments before the chunk's last segment (= r * J[-1], without a host sync)
+            m = r * ((Mp + start + sizes[idx] - 1) // ls)
             key_ok = valid[Mp - W + start:Mp + start + sizes[idx]].unfold(0, 2 * W, W)  # (nb, 2W)
             win_masked = ~(band[None] & key_ok[:, None, :])
             args = (
