@@ -10,7 +10,6 @@ ImageNet-C set holds a single image (one process gets none of it).
 Batch size 1 everywhere: the tiny model's logits of an image then do not depend on which images share its batch, so
 one process and two give bitwise-equal logits and the results must be equal, not close.
 """
-import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +21,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from _helpers import load_tool
 from eval_fixtures import (
     add_mac_junk,
     make_imagenet,
@@ -42,20 +42,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ['embed_dims=[16,32,64]', 'num_heads=[1,1,1]', 'depths=[1,1,1]']
 CORRUPTIONS = ('gaussian_noise', 'contrast', 'speckle_noise')
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1')
-
-
-def load_tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / 'tools' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(autouse=True)
-def restore_threads():
-    threads = torch.get_num_threads()  # the tools' --threads 1 sets the process's count
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope='module')
