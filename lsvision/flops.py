@@ -83,11 +83,10 @@ UNCOUNTED_OPS = {'aten::' + op for op in """
 
 @dataclass
 class FlopReport:
-    """FLOPs of one forward pass: ``total`` (multiply-adds), per submodule (``by_module``, to the requested depth),
-    per operator, and the ``unsupported`` (missing from the total) and ``uncounted`` (free) ops with their counts."""
+    """FLOPs of one forward pass: ``total`` (multiply-adds), per operator, and the ``unsupported`` (missing from the
+    total) and ``uncounted`` (free) ops with their counts."""
 
     total: int
-    by_module: Dict[str, int] = field(default_factory=dict)
     by_operator: Dict[str, int] = field(default_factory=dict)
     unsupported: Dict[str, int] = field(default_factory=dict)
     uncounted: Dict[str, int] = field(default_factory=dict)
@@ -102,17 +101,17 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _inputs(model: nn.Module, input_size: InputSpec, batch_size: int) -> Tuple[torch.Tensor, ...]:
-    """A tensor or tensors as given, or a random batch of ``input_size`` on the model's device and float dtype."""
+def _inputs(model: nn.Module, input_size: InputSpec) -> Tuple[torch.Tensor, ...]:
+    """A tensor or tensors as given, or a random input of batch 1 and ``input_size`` on the model's device and float
+    dtype."""
     device = next((p.device for p in model.parameters()), torch.device('cpu'))
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
     tensors = (input_size,) if isinstance(input_size, torch.Tensor) else tuple(input_size)
     if tensors and all(isinstance(t, torch.Tensor) for t in tensors):
         return tuple(t.to(device) for t in tensors)
-    if batch_size < 1 or not all(isinstance(s, int) and s > 0 for s in input_size):
-        raise ValueError(f'input_size must be a shape of positive ints or tensors and batch_size positive, got '
-                         f'{input_size!r} and {batch_size}')
-    x = torch.randn((batch_size, *input_size), generator=torch.Generator().manual_seed(0))
+    if not all(isinstance(s, int) and s > 0 for s in input_size):
+        raise ValueError(f'input_size must be a shape of positive ints, or tensors, got {input_size!r}')
+    x = torch.randn((1, *input_size), generator=torch.Generator().manual_seed(0))
     return (x.to(device=device, dtype=dtype),)
 
 
@@ -128,22 +127,20 @@ def _run(analysis: JitModelAnalysis, model: nn.Module) -> float:
             module.training = mode
 
 
-def count_flops(model: nn.Module, input_size: InputSpec = (3, 224, 224), batch_size: int = 1,
-                module_depth: Optional[int] = 1, extra_handles: Optional[Mapping[str, Optional[Handle]]] = None,
+def count_flops(model: nn.Module, input_size: InputSpec = (3, 224, 224),
+                extra_handles: Optional[Mapping[str, Optional[Handle]]] = None,
                 warn_unsupported: bool = True) -> FlopReport:
     """Counts the FLOPs (multiply-adds) of one forward pass, traced in eval mode under no_grad.
 
     Args:
         model: A model traceable with ``torch.jit`` at a fixed input shape.
-        input_size: The input shape without the batch dim, or a tensor (or tuple of tensors) passed as is.
-        batch_size: Batch size of the generated input.
-        module_depth: Depth of ``by_module`` (1: top-level children; None: all submodules).
+        input_size: The input shape without the batch dim (batch 1), or a tensor (or tuple of tensors) passed as is.
         extra_handles: Handles for this call (op name -> handle, e.g. ``'prim::PythonOp.MyFunction'``); a None
             handle counts the op as zero.
         warn_unsupported: Log a warning listing unsupported ops.
     """
     handles = {**FLOP_HANDLES, **(extra_handles or {})}
-    analysis = FlopCountAnalysis(model, _inputs(model, input_size, batch_size))
+    analysis = FlopCountAnalysis(model, _inputs(model, input_size))
     # set_op_handle(op, None) keeps fvcore's own handle for the op: a handle counting zero ignores it
     analysis.set_op_handle(**{op: h or (lambda inputs, outputs: 0) for op, h in handles.items()})
     total = _run(analysis, model)
@@ -153,15 +150,13 @@ def count_flops(model: nn.Module, input_size: InputSpec = (3, 224, 224), batch_s
     if warn_unsupported and unsupported:
         _logger.warning('FLOPs of these unsupported ops are not counted: %s',
                         ', '.join(f'{op} ({n}x)' for op, n in sorted(unsupported.items())))
-    by_module = {name: int(round(n)) for name, n in analysis.by_module().items()
-                 if name and (module_depth is None or name.count('.') < module_depth)}
     by_operator = {op: int(round(n)) for op, n in analysis.by_operator('').most_common()}
-    return FlopReport(int(round(total)), by_module, by_operator, unsupported, uncounted)
+    return FlopReport(int(round(total)), by_operator, unsupported, uncounted)
 
 
-def count_activations(model: nn.Module, input_size: InputSpec = (3, 224, 224), batch_size: int = 1) -> int:
+def count_activations(model: nn.Module, input_size: InputSpec = (3, 224, 224)) -> int:
     """Counts the output elements of convolutions, matmuls, linears and attention in one forward pass (fvcore's
     ``ActivationCountAnalysis`` plus fused attention and baddbmm), as :func:`count_flops` traces."""
-    analysis = ActivationCountAnalysis(model, _inputs(model, input_size, batch_size))
+    analysis = ActivationCountAnalysis(model, _inputs(model, input_size))
     analysis.set_op_handle(**ACTIVATION_HANDLES)
     return int(round(_run(analysis, model)))
