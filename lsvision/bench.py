@@ -445,9 +445,11 @@ def machine_description(device: Optional[str] = None) -> str:
     return text
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left_columns: int = 1) -> str:
-    """A markdown table; the first ``left_columns`` columns left-aligned, the rest right-aligned."""
-    align = ['---'] * left_columns + ['---:'] * (len(header) - left_columns)
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left_columns: int = 1,
+                   numeric: Optional[Sequence[int]] = None) -> str:
+    """A markdown table; ``numeric`` columns (indices; default: all but the first ``left_columns``) right-aligned."""
+    numeric = range(left_columns, len(header)) if numeric is None else numeric
+    align = ['---:' if i in numeric else '---' for i in range(len(header))]
     return '\n'.join('| ' + ' | '.join(line) + ' |' for line in [header, align, *rows])
 
 
