@@ -1,4 +1,7 @@
 """Converters: the cases mutmut found untested (docs/testing.md has the run and the survivors' table)."""
+import ast
+import re
+
 import pytest
 import torch
 
@@ -108,7 +111,222 @@ def test_char_lm_frequency_check_is_relative_per_entry():
     near = (exact * torch.tensor([1., 1., 1., 1 + 5e-6], dtype=torch.float64)).float()
     torch.testing.assert_close(_inv_freq_offset(near, 8), near - exact.float(), rtol=0, atol=0)
     off = (exact * torch.tensor([1., 1., 1., 1 + 3e-5], dtype=torch.float64)).float()
-    with pytest.raises(ValueError, match=r'by up to 3(\.\d+)?e-05 relative \(entry 3: '):
+    # what is off (dtype, by how much, where), and that it cannot be loaded because of other position encodings
+    with pytest.raises(ValueError, match=r'^pos_emb\.inv_freq \(torch\.float32\) differs .* by up to 3(\.\d+)?e-05 '
+                                         r'relative \(entry 3: .*trained with other position encodings and cannot '
+                                         r'be loaded\.$'):
         _inv_freq_offset(off, 8)
     with pytest.raises(ValueError, match=r'^pos_emb\.inv_freq has shape \(5,\), expected \(4,\) for width 8$'):
         _inv_freq_offset(torch.ones(5), 8)
+
+
+def _with_stray_keys(state: dict, count: int, prefix: str) -> dict:
+    return dict(state, **{f'{prefix}{i}': torch.zeros(1) for i in range(count)})
+
+
+def _listed_keys(message: str, total: int) -> list:
+    """The key list that ends `message`: at most 8 names, then ' ...' exactly when `total` keys were wrong."""
+    tail = message.rpartition(': ')[2]
+    more = tail.endswith(' ...')
+    named = ast.literal_eval(tail[:-len(' ...')] if more else tail)
+    assert more == (total > 8) and len(named) == min(total, 8), message
+    return named
+
+
+@pytest.mark.parametrize('count', [8, 9])
+def test_lra_converter_names_up_to_8_keys_it_cannot_place(count):
+    from lsvision.sequence.convert import convert_lra_state_dict
+
+    state = _with_stray_keys(_official_lra_state(), count, 'model.stray_')
+    with pytest.raises(KeyError) as error:
+        convert_lra_state_dict(state)
+    message = error.value.args[0]
+    assert message.startswith(f'LRA conversion: {count} official keys have no lsvision counterpart: ')
+    assert _listed_keys(message, count) == sorted(f'model.stray_{i}' for i in range(count))[:8]
+
+
+def test_lra_converter_drops_only_the_empty_projection_of_an_r0_layer():
+    # the authors' r = 0 layer keeps an empty dconv_fc (0 rows): dropped; another empty tensor is still named
+    from lsvision.sequence.convert import convert_lra_state_dict
+
+    state = _official_lra_state()
+    state['model.transformer_0.mha.dconv_fc.weight'] = torch.zeros(0, 48)
+    state['model.transformer_0.mha.dconv_fc.bias'] = torch.zeros(0)
+    converted = convert_lra_state_dict(state)
+    assert not any('dynamic_proj' in k for k in converted)
+    with pytest.raises(KeyError, match=r"1 official keys have no lsvision counterpart: \['model\.empty'\]"):
+        convert_lra_state_dict(dict(state, **{'model.empty': torch.zeros(0)}))
+
+
+def _official_char_lm_file() -> dict:
+    """The authors' char-LM as fairseq saved it (`golden/char_lm_official_outputs/checkpoint_best.pt`)."""
+    from conftest import golden_path
+
+    return torch.load(golden_path('char_lm_official_outputs') / 'checkpoint_best.pt', weights_only=True)
+
+
+def _official_char_lm_state() -> dict:
+    """The bare `TransformerLSModel` state_dict inside that file (fairseq's 'decoder.model.' prefix removed)."""
+    return {k[len('decoder.model.'):]: v for k, v in _official_char_lm_file()['model'].items()}
+
+
+def test_fairseq_char_lm_list_of_keys_without_the_prefix_ends_the_message():
+    from lsvision.sequence.convert import convert_char_lm_state_dict
+
+    for count in (8, 9):
+        inner = _with_stray_keys(_official_char_lm_file()['model'], count, 'stray.')
+        with pytest.raises(KeyError) as error:
+            convert_char_lm_state_dict({'model': inner})
+        assert _listed_keys(error.value.args[0], count) == sorted(f'stray.{i}' for i in range(count))[:8]
+
+
+@pytest.mark.parametrize('count', [8, 9])
+def test_char_lm_converter_names_up_to_8_keys_per_problem(count):
+    from lsvision.sequence.convert import convert_char_lm_state_dict
+
+    state = _with_stray_keys(_official_char_lm_state(), count, 'stray.')
+    with pytest.raises(KeyError) as error:
+        convert_char_lm_state_dict(state)
+    message = error.value.args[0]
+    assert f'{count} keys have no lsvision counterpart: ' in message
+    assert _listed_keys(message, count) == sorted(f'stray.{i}' for i in range(count))[:8]
+    missing = sorted(k for k in state if k.startswith('layers.1.'))[:count]
+    with pytest.raises(KeyError) as error:
+        convert_char_lm_state_dict({k: v for k, v in state.items() if k not in missing and not k.startswith('stray')})
+    message = error.value.args[0]
+    assert f'{count} official keys are missing: ' in message
+    assert set(_listed_keys(message, count)) <= set(missing)
+
+
+def test_char_lm_errors_name_the_kind_of_file():
+    # the fairseq checkpoint and the bare state_dict are named as such in both the key and the value errors
+    from lsvision.sequence.convert import convert_char_lm_state_dict
+
+    fairseq_file, bare = _official_char_lm_file(), _official_char_lm_state()
+    prefix = 'decoder.model.'
+    for state, kind in ((fairseq_file, 'fairseq char-LM checkpoint'), (bare, 'char-LM state_dict')):
+        inner, key_prefix = (state['model'], prefix) if 'model' in state else (state, '')
+        without_bias = {k: v for k, v in inner.items() if k != key_prefix + 'out_emb.bias'}
+        with pytest.raises(KeyError, match=rf"^[\'\"]{kind} is not in the official TransformerLSModel layout "
+                                           r"\(NVIDIA/transformer-ls autoregressive/\): 1 official keys are missing"):
+            convert_char_lm_state_dict(dict(state, model=without_bias) if key_prefix else without_bias)
+        untied = dict(inner, **{key_prefix + 'out_emb.weight': inner[key_prefix + 'in_emb.weight'] + 1})
+        with pytest.raises(ValueError, match=rf"^{kind}: 'out_emb\.weight' differs from 'in_emb\.weight'.* "
+                                             r"CharLM has one tied matrix$"):
+            convert_char_lm_state_dict(dict(state, model=untied) if key_prefix else untied)
+
+
+def test_char_lm_error_lists_both_problems():
+    # a renamed key is missing under its official name and has no counterpart under the new one: both lists, '; '
+    from lsvision.sequence.convert import convert_char_lm_state_dict
+
+    state = _official_char_lm_state()
+    state['layers.1.ff.fc_1.weight'] = state.pop('layers.1.ff.fc1.weight')
+    with pytest.raises(KeyError) as error:
+        convert_char_lm_state_dict(state)
+    assert error.value.args[0].endswith("1 official keys are missing: ['layers.1.ff.fc1.weight']; "
+                                        "1 keys have no lsvision counterpart: ['layers.1.ff.fc_1.weight']")
+
+
+def test_char_lm_without_layers_converts_to_no_blocks():
+    """A state_dict with no `layers.{i}` keys (a depth-0 model) gives the embedding and output bias only; a model
+    with layers then names each block it lacks in its strict load."""
+    import lsvision.sequence as seq
+    from lsvision.sequence.convert import convert_char_lm_state_dict, load_official_checkpoint
+
+    state = {k: v for k, v in _official_char_lm_state().items() if not k.startswith('layers.')}
+    converted = convert_char_lm_state_dict(state)
+    assert converted.keys() == {'embed.weight', 'out_bias'}
+    model = seq.CharLM(vocab_size=260, dim=48, depth=2, num_heads=4, mlp_hidden=128, window_size=16,
+                       segment_size=16, dp_rank=3, mem_len=32)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\).*blocks\.0\..*blocks\.1\.'):
+        load_official_checkpoint(model, state)
+
+
+TINY_CVT = dict(embed_dims=(16, 32, 48), num_heads=(1, 2, 3), depths=(1, 1, 2), num_classes=10)  # golden/cvt_official
+
+
+def test_microsoft_cvt_state_dict_gives_microsofts_logits_bare_or_wrapped():
+    """Microsoft's tiny CvT (`golden/cvt_official`, their layout `stage{i}.*`) through the filter: bare, and as a
+    DDP training checkpoint (`{'state_dict': {'module.' + key: ...}}`), the same weights and Microsoft's logits."""
+    from conftest import golden_path
+
+    from lsvision.models import cvt
+
+    folder = golden_path('cvt_official')
+    weights = torch.load(folder / 'tiny_cvt.pth', weights_only=True)
+    io = torch.load(folder / 'tiny_cvt_io.pt', weights_only=True)
+    assert any(k.startswith('stage2.') for k in weights) and not any(k.startswith('stages.') for k in weights)
+    model = timm.create_model('cvt_13', **TINY_CVT).eval()
+    bare = cvt.checkpoint_filter_fn(dict(weights), model)
+    wrapped = cvt.checkpoint_filter_fn({'state_dict': {'module.' + k: v for k, v in weights.items()}}, model)
+    assert wrapped.keys() == bare.keys() == model.state_dict().keys()
+    assert all(torch.equal(wrapped[k], bare[k]) for k in bare)
+    model.load_state_dict(bare)
+    with torch.no_grad():
+        torch.testing.assert_close(model(io['x_224']), io['logits_224'], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize('key,source', [
+    ('stage0.bogus', 'the Microsoft CvT checkpoint'),
+    ('cvt.encoder.stages.0.bogus', 'the transformers-layout CvT checkpoint (Hugging Face Hub)'),
+    ('stages.0.bogus', 'the lsvision CvT checkpoint'),
+])
+def test_cvt_filter_names_the_kind_of_checkpoint_that_does_not_fit(key, source):
+    from lsvision.models import cvt
+
+    model = timm.create_model('cvt_13', device='meta', **TINY_CVT)
+    # the message says which layout was read, and the key's lsvision name (each layout renamed to `stages.0.bogus`)
+    with pytest.raises(KeyError, match=rf'^{re.escape(source)} does not fit cvt_13: missing .*stages\.0\.'
+                                       r'.*unexpected .*: stages\.0\.bogus\.'):
+        cvt.checkpoint_filter_fn({key: torch.zeros(1)}, model)
+
+
+def _golden_char_lm(**kwargs):
+    """An lsvision CharLM of the authors' small char-LM's size (`golden/char_lm_official_outputs/meta.json`)."""
+    import lsvision.sequence as seq
+
+    return seq.CharLM(vocab_size=260, dim=48, depth=2, num_heads=4, mlp_hidden=128, window_size=16, segment_size=16,
+                      dp_rank=3, mem_len=32, **kwargs)
+
+
+def test_official_char_lm_load_says_when_it_changes_the_cache_mode(caplog):
+    from lsvision.sequence.convert import load_official_checkpoint
+
+    masked, official = _golden_char_lm(cache_mode='masked'), _golden_char_lm(cache_mode='official')
+    with caplog.at_level('INFO', logger='lsvision.sequence.convert'):
+        load_official_checkpoint(official, _official_char_lm_file())
+        assert caplog.records == []  # nothing changed, nothing said
+        load_official_checkpoint(masked, _official_char_lm_file())
+    assert masked.cache_mode == 'official'
+    assert [r.getMessage() for r in caplog.records] == [
+        "official char-LM checkpoint: cache_mode 'masked' -> 'official'"]
+
+
+def test_official_char_lm_settings_leave_a_model_without_cache_mode_alone():
+    """A model that holds the char-LM's weights but has no `cache_mode` (no initial cache to choose) loads them
+    with kind='char_lm' and gets no such attribute."""
+    from lsvision.sequence.convert import load_official_checkpoint
+
+    model = _golden_char_lm()
+    del model.cache_mode
+    load_official_checkpoint(model, _official_char_lm_file(), kind='char_lm')
+    assert not hasattr(model, 'cache_mode')
+    assert torch.equal(model.embed.weight, _official_char_lm_state()['in_emb.weight'])
+
+
+def test_vil_ls_filter_names_up_to_5_foreign_keys_and_the_tool_that_lists_all():
+    """The authors' tiny ViL-LS file (`golden/vil_ls_official/tiny224.pth`) with 6 keys no ViL-LS has: the error
+    counts them, names the first 5 and points at tools/convert_vil_ls.py for every mismatch."""
+    from conftest import golden_path
+
+    checkpoint = torch.load(golden_path('vil_ls_official') / 'tiny224.pth', weights_only=True)
+    foreign = [f'layer1.0.pos_embed_{i}' for i in range(6)]
+    checkpoint['net'].update({'module.' + k: torch.zeros(1) for k in foreign})
+    model = timm.create_model('vil_ls_medium', device='meta', **TINY)
+    with pytest.raises(ValueError) as error:
+        vil_ls.checkpoint_filter_fn(checkpoint, model)
+    message = str(error.value)
+    assert message.startswith('6 keys of the checkpoint are not ViL-LS')
+    assert [k in message for k in foreign] == [True] * 5 + [False]
+    assert message.endswith('tools/convert_vil_ls.py lists every mismatch.')
