@@ -330,3 +330,17 @@ def test_vil_ls_filter_names_up_to_5_foreign_keys_and_the_tool_that_lists_all():
     assert message.startswith('6 keys of the checkpoint are not ViL-LS')
     assert [k in message for k in foreign] == [True] * 5 + [False]
     assert message.endswith('tools/convert_vil_ls.py lists every mismatch.')
+
+
+@pytest.mark.parametrize('key', [
+    'pos_embed',  # not under a layer
+    'layer1.0.pos_embed',  # the patch embedding has no such parameter
+    'layer1.1.attn.relative_bias_table',  # an attention parameter of another attention type
+    'layer1.1.attn.kv.proj.weight',  # not a parameter of the attention itself
+    'layer1.2.mlp.fc3.weight',  # the MLP has fc1 and fc2
+])
+def test_vil_ls_key_map_raises_keyerror_naming_an_unknown_official_key(key):
+    # the documented error of the public key map: KeyError(key), which the filter collects into its message
+    with pytest.raises(KeyError) as error:
+        vil_ls.official_key_to_lsvision(key)
+    assert error.value.args == (key,)
