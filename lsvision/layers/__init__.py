@@ -29,5 +29,5 @@ from .long_short_1d import (
     sinusoid_frequencies,
     sinusoid_positions,
 )
-from .matmul_attention import matmul_attention
+from .matmul_attention import matmul_attention, scaled_dot_product_attention
 from .span_attention import span_attention

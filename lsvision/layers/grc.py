@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 
 from .export import refuse_legacy_onnx_export
-from .matmul_attention import matmul_attention
+from .matmul_attention import matmul_attention, scaled_dot_product_attention
 from .reparam import FoldableModule
 
 __all__ = [
@@ -322,7 +322,7 @@ class GrcMemoryAttention(FoldableModule):
         if bias is not None and q.device.type == 'cpu' and q.shape[2] * k.shape[2] <= self.matmul_max_scores:
             return matmul_attention(q, k, v, bias, dropout_p, self.scale)
         if self.fused_attn:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=self.scale)
+            return scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=self.scale)
         attn = (q * self.scale) @ k.transpose(-2, -1)
         if bias is not None:
             attn = attn + bias

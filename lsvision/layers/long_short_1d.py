@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .long_short import local_norm_projection, project_keys_values, projection_weights
+from .matmul_attention import scaled_dot_product_attention
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_frequencies',
@@ -216,7 +217,7 @@ class LongShortAttention1d(nn.Module):
                 out = span_attention(qh, kv, kv_bar, win_mask, w, 1., dropout_p)
             out = out.transpose(1, 2)
         else:
-            out = F.scaled_dot_product_attention(qh, kv_bar[0], kv_bar[1], dropout_p=dropout_p, scale=1.)
+            out = scaled_dot_product_attention(qh, kv_bar[0], kv_bar[1], dropout_p=dropout_p, scale=1.)
         if valid is not None:
             out = out * valid[:, None, :, None].to(out.dtype)  # padded queries: attention output 0 (official)
 
@@ -230,7 +231,7 @@ class LongShortAttention1d(nn.Module):
             if valid is not None:
                 cls_mask = torch.zeros(B, 1, 1, 1 + n, dtype=q.dtype, device=x.device)
                 cls_mask[:, 0, 0, 1:] = cls_mask[:, 0, 0, 1:].masked_fill(~valid, _mask_value(q.dtype))
-            cls_out = F.scaled_dot_product_attention(q_cls, cls_keys, cls_values, attn_mask=cls_mask, scale=1.)
+            cls_out = scaled_dot_product_attention(q_cls, cls_keys, cls_values, attn_mask=cls_mask, scale=1.)
             out = torch.cat([cls_out, out], dim=2)
         x = self.proj(self._merge(out))
         return self.proj_drop(x)
@@ -265,7 +266,7 @@ class FullAttention1d(nn.Module):
         B, n, C = x.shape
         q, k, v = self.qkv(x).reshape(B, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         attn_mask = None if mask is None else mask.to(torch.bool)[:, None, None, :]
-        out = F.scaled_dot_product_attention(
+        out = scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=self.attn_drop if self.training else 0.)
         if mask is not None:
             out = out * mask.to(out.dtype)[:, None, :, None]

@@ -5,6 +5,10 @@ queries, does not speed up with more threads; batched matmuls do. The layers pic
 only, where they measured it faster on the 2-core CPU (long-short segments of at most 16 queries, Swin's 49-slot
 window memory attention of GRC), never by thread count, so that a model's rounding does not change with it.
 
+`scaled_dot_product_attention` is the layers' and models' one call of F.scaled_dot_product_attention: under
+torch.jit.trace it writes the same math out as two torch.matmul, since fvcore (which traces, as timm's benchmark.py
+runs it) has no handle for SDPA and would count attention as zero FLOPs.
+
 Written for lsvision, Apache-2.0.
 """
 from typing import Optional
@@ -12,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ['matmul_attention']
+__all__ = ['matmul_attention', 'scaled_dot_product_attention']
 
 
 def matmul_attention(
@@ -36,6 +40,8 @@ def matmul_attention(
     Returns:
         (B, n, L, dv). Softmax in fp32 for fp16/bf16 inputs.
     """
+    if not torch.jit.is_scripting() and torch.jit.is_tracing():
+        return _traced_attention(q, k, v, mask, dropout_p, False, scale)
     B, n, L, d = q.shape
     S = k.shape[2]
     # the mask broadcasts over the queries inside baddbmm; only its batch dimension is materialized
@@ -52,3 +58,47 @@ def matmul_attention(
     if dropout_p > 0.:
         attn = F.dropout(attn, p=dropout_p)
     return torch.bmm(attn, v.reshape(B * n, S, v.shape[-1])).reshape(B, n, L, v.shape[-1])
+
+
+def scaled_dot_product_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: Optional[torch.Tensor] = None,
+        dropout_p: float = 0.,
+        is_causal: bool = False,
+        scale: Optional[float] = None,
+) -> torch.Tensor:
+    """F.scaled_dot_product_attention (same arguments); under torch.jit.trace, the same math as two torch.matmul.
+
+    fvcore's FlopCountAnalysis traces the model and has no handle for SDPA: through SDPA, attention would count zero
+    FLOPs with fvcore as timm's benchmark.py calls it; through torch.matmul, its own handle counts it.
+    """
+    if not torch.jit.is_scripting() and torch.jit.is_tracing():
+        return _traced_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+
+
+def _traced_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: Optional[torch.Tensor],
+        dropout_p: float,
+        is_causal: bool,
+        scale: Optional[float],
+) -> torch.Tensor:
+    """softmax(q k^T * scale + mask) v as torch.matmul (fvcore's handle counts them); a boolean mask (or
+    `is_causal`) keeps the keys where it is True, as in SDPA. Softmax in fp32 for fp16/bf16 inputs."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else scores + mask
+    attn = scores.float().softmax(dim=-1).to(q.dtype) if scores.dtype in (
+        torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
+    if dropout_p > 0.:
+        attn = F.dropout(attn, p=dropout_p)
+    return torch.matmul(attn, v)

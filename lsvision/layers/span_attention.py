@@ -32,8 +32,9 @@ import torch.nn.functional as F
 
 from ._private_sdpa import efficient_kernel_takes, fused_attention, fused_attention_backward, fused_kernels_available
 from .autocast import autocast_dtype, autocast_off
-from .export import is_exporting
+from .export import captures_graph
 from .local_norm import local_norm_tokens
+from .matmul_attention import scaled_dot_product_attention
 
 __all__ = ['window_span', 'block_segments', 'span_attention', 'span_attention_local_norm', 'span_window_key_mask']
 
@@ -537,7 +538,7 @@ def _span_forward(
     # against 0.6 ms, CvT-LS stage 3 at 384 px on 2 cores); with dropout the matmul path keeps the dropout mask
     if dropout_p == 0. and (q.device.type != 'cpu' or L > 16):
         keys = _gather_keys(kv, kv_shared, window_size, span_pad)
-        out = F.scaled_dot_product_attention(
+        out = scaled_dot_product_attention(
             q_t.reshape(B, h * n, L, d), keys[0].reshape(B, h * n, -1, d), keys[1].reshape(B, h * n, -1, d),
             attn_mask=_flash_mask(mask, h, n), scale=scale).reshape(B, h, n, L, d)
     else:
@@ -844,8 +845,8 @@ def span_attention(
     """
     if torch.jit.is_scripting():
         return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)[0]
-    # an exported graph (torch.export) is for inference: the plain forward
-    needs_grad = torch.is_grad_enabled() and not is_exporting() and (
+    # a captured graph (torch.export, torch.jit.trace as fvcore runs it) takes the plain forward (`captures_graph`)
+    needs_grad = torch.is_grad_enabled() and not captures_graph() and (
         q.requires_grad or kv.requires_grad or kv_shared.requires_grad
         or (window_mask is not None and window_mask.requires_grad))
     if not needs_grad:

@@ -37,8 +37,9 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import QuickGELU, StdConv2d, register_notrace_module
 from timm.models import generate_default_cfgs, register_model
 
-from lsvision.layers import LongShortAttention2d
+from lsvision.layers import LongShortAttention2d, scaled_dot_product_attention
 from lsvision.layers.autocast import autocast_dtype, autocast_off
+from lsvision.layers.export import captures_graph
 from lsvision.layers.reparam import FoldableModule
 
 from ._checkpoint import check_filtered_keys
@@ -109,7 +110,7 @@ class SepConv2d(FoldableModule):
         """(B, C, H, W) map, channels-last memory (dense, or a `_map_view` of tokens), in; (B, H*W, C) tokens out."""
         if not torch.jit.is_scripting():
             bn = self.bn
-            if (torch.is_grad_enabled() and isinstance(bn, nn.BatchNorm2d) and bn.training
+            if (torch.is_grad_enabled() and not captures_graph() and isinstance(bn, nn.BatchNorm2d) and bn.training
                     and bn.track_running_stats and bn.momentum is not None):
                 # training: keep only the input map for backward (conv and BatchNorm outputs are recomputed there)
                 bn.num_batches_tracked.add_(1)
@@ -272,7 +273,7 @@ class ConvDynamicProjection(FoldableModule):
         feat_map = _map_view(x, feat_size)  # kept as a view in training (see `_SepConvRecompute`)
         if not torch.jit.is_scripting():
             dw = self.dw
-            if torch.is_grad_enabled() and isinstance(dw, StdConv2d):
+            if torch.is_grad_enabled() and not captures_graph() and isinstance(dw, StdConv2d):
                 # training: keep only the input map for backward (the conv output is recomputed there); the
                 # standardized weight as StdConv2d computes it
                 weight = F.batch_norm(dw.weight.reshape(1, dw.out_channels, -1), None, None, training=True,
@@ -413,7 +414,7 @@ class ConvAttention(nn.Module):
         B, N, C = x.shape
         q, k, v = self.projections(x, feat_size)
         q, k, v = self._split_heads(q), self._split_heads(k), self._split_heads(v)
-        x = F.scaled_dot_product_attention(
+        x = scaled_dot_product_attention(
             q, k, v, dropout_p=self.attn_drop if self.training else 0., scale=self.scale)
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
         return self.proj_drop(x)

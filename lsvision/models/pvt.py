@@ -37,7 +37,7 @@ from timm.layers import (
 )
 from timm.models import checkpoint, generate_default_cfgs, register_model
 
-from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
+from lsvision.layers import GrcConfig, scaled_dot_product_attention, self_attention_of, wrap_attention_with_grc
 
 from ._checkpoint import check_filtered_keys
 from ._helpers import GRC_CHECKPOINT_ERROR, GrcModelMixin, require_non_grc_keys
@@ -112,7 +112,7 @@ class PvtAttention(nn.Module):
             kv_in = x
         kv = self.kv(kv_in).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         k, v = kv.unbind(0)
-        x = F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
+        x = scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop if self.training else 0.)
         x = self.proj(x.transpose(1, 2).reshape(B, N, C))
         return self.proj_drop(x)
 

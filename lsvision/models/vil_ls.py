@@ -36,7 +36,12 @@ from timm.layers import (
 )
 from timm.models import generate_default_cfgs, register_model
 
-from lsvision.layers import LongShortAttention2d, resize_window_rel_pos_table, window_rel_pos_table_size
+from lsvision.layers import (
+    LongShortAttention2d,
+    resize_window_rel_pos_table,
+    scaled_dot_product_attention,
+    window_rel_pos_table_size,
+)
 
 from ._checkpoint import check_filtered_keys
 from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
@@ -217,7 +222,7 @@ class RelPosAttention(nn.Module):
         # patch queries in reversed order: their bias is then a window view of the table, built in one copy
         q = torch.cat([q[:, :, :g], q[:, :, g:].flip(2)], dim=2)
         bias = self.rel_pos_bias(feat_size, reverse_queries=True).to(q.dtype).unsqueeze(0)
-        x = F.scaled_dot_product_attention(
+        x = scaled_dot_product_attention(
             q, k, v, attn_mask=bias, dropout_p=self.attn_drop if self.training else 0.)
         x = torch.cat([x[:, :, :g], x[:, :, g:].flip(2)], dim=2)
         x = x.transpose(1, 2).reshape(B, N, C)

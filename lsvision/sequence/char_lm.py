@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from timm.layers import Mlp
 
-from lsvision.layers import CausalLongShortAttention
+from lsvision.layers import CausalLongShortAttention, scaled_dot_product_attention
 
 from ._registry import register_model
 
@@ -61,7 +61,7 @@ class CausalFullAttention(nn.Module):
         def heads(t):
             return t.reshape(B, L, h, C // h).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True,
+        out = scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)), is_causal=True,
                                              dropout_p=self.attn_drop if self.training else 0.)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(B, L, C)))
 
