@@ -470,10 +470,11 @@ TABLE_COLUMNS: List[Tuple[str, str, str]] = [
 
 def _cell(row: Dict[str, Any], key: str, fmt: str) -> str:
     value = row[key]
-    if fmt == 'size':
-        return 'x'.join(map(str, value[1:] or value))
-    if fmt == 'spread':
-        return f"{value:.1f} ({row[key[:-3] + '_p10_ms']:.1f}-{row[key[:-3] + '_p90_ms']:.1f})"
+    if fmt == 'size':  # of an image without its channels
+        return 'x'.join(map(str, value[1:] if len(value) == 3 else value))
+    if fmt == 'spread':  # (p10-p90) where measured
+        low, high = row.get(key[:-3] + '_p10_ms'), row.get(key[:-3] + '_p90_ms')
+        return f'{value:.1f}' if low is None else f'{value:.1f} ({low:.1f}-{high:.1f})'
     if fmt == 'paired':
         rounds = row[key[:-len('_paired')] + '_rounds']
         return f'{value:.2f}x ({min(rounds):.2f}-{max(rounds):.2f})'
@@ -502,6 +503,19 @@ def write_json(path: Path, data: Any) -> Path:
     tmp.write_text(json.dumps(data, indent=2) + '\n')
     os.replace(tmp, path)
     return path
+
+
+def read_report(path: Path, sweep: bool = False) -> Dict[str, Any]:
+    """A JSON report of :func:`write_reports` (machine, settings, rows) or of a sweep (also its command, budget and
+    fit_min); a ValueError that says what is missing from another format."""
+    data = json.loads(Path(path).read_text())
+    keys = ('machine', 'settings', 'rows') + (('command', 'budget', 'fit_min') if sweep else ())
+    missing = [k for k in keys if k not in data] or sorted({k for r in data['rows'] if 'skipped' not in r for k in (
+        'label', 'input_size', 'batch_size') if k not in r})
+    if missing:
+        raise ValueError(f'{path} is not a report of this tool ({"sweep" if sweep else "suite or benchmark"}): it '
+                         f'lacks {", ".join(missing)}.')
+    return data
 
 
 def csv_text(rows: Sequence[Dict[str, Any]]) -> str:

@@ -32,9 +32,8 @@ import torch
 import lsvision.sequence as seq
 from lsvision import bench
 from lsvision.flops import parameter_count
-from lsvision.layers import CausalLongShortAttention, FullAttention1d, LongShortAttention1d
 from lsvision.models import list_models
-from lsvision.sequence.char_lm import CausalFullAttention
+from lsvision.sequence.suites import HSW_LS_TARGET, HSW_MODELS, HSW_TARGETS, MEM, SEQUENCE_CONFIGS, D
 from lsvision.zoo import GENERATED_NOTE, render_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,22 +51,6 @@ VISION_SUITES: Dict[str, Dict[str, Any]] = {
                 models=['pvt_v2_b2_grc', 'swin_tiny_patch4_window7_224_grc', 'deit_small_patch16_224_grc'],
                 baseline=None, bench='inference', points=[(None, 1), (None, 8)]),
 }
-D, HEADS, MEM = 256, 4, 128  # the sequence suite's layers: width, heads, cached tokens of the causal layer
-SEQUENCE_LAYERS = {
-    'sdpa_full': (functools.partial(FullAttention1d, D, HEADS), False),
-    'ls_bidir_w8_r32': (functools.partial(LongShortAttention1d, D, HEADS, 8, 32), False),
-    'sdpa_causal': (functools.partial(CausalFullAttention, D, HEADS), False),
-    'ls_causal_blocked': (functools.partial(CausalLongShortAttention, D, HEADS, 128, 16, 1), True),
-    'ls_causal_official': (functools.partial(CausalLongShortAttention, D, HEADS, 128, 16, 1, query_chunk_size=None,
-                                             checkpoint_chunks=False), True),
-}
-"""Layer -> (build, whether it takes a cache of MEM tokens)."""
-_LM = dict(vocab_size=256, dim=256, depth=2, num_heads=4, mlp_hidden=1024, drop=0.)
-SEQUENCE_RATIOS = [('ls_bidir_w8_r32', 'sdpa_full'), ('ls_causal_blocked', 'sdpa_causal'),
-                   ('ls_causal_official', 'sdpa_causal'), ('lra_ls', 'lra_full'), ('lm_ls_causal', 'lm_sdpa_causal')]
-HSW_MODELS = {'HSW': ('hsw_tiny', {}), 'HSW-LS': ('hsw_tiny', {'attn': 'ls'}), 'flat': ('hsw_flat_tiny', {})}
-HSW_TARGETS = {4096: 5., 16384: 15.}  # flat / HSW at least; HSW-LS / HSW at most 1.3
-HSW_LS_TARGET = 1.3
 KINDS = {'inference': ['inference'], 'train': ['train'], 'both': ['inference', 'train']}
 CARD_FIELDS = dict(params=None, gflops=3, mactivations=1, input_size=None, batch_size=None, images_per_s=2,
                    latency_ms=1, latency_p10_ms=1, latency_p90_ms=1, timed_passes=None)
@@ -119,19 +102,13 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--points', nargs='+', type=parse_point, default=None, metavar='SIZExBATCH',
                         help='(size, batch) points, e.g. 384x2 768x1, instead of --img-size/--batch-size')
     parser.add_argument('--repeats', type=int, default=2, help='fresh processes per model and point (default: 2)')
-    parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu', help='device')
-    parser.add_argument('--threads', type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_timing_args(parser, warmup=3, budget=10.0, threads=None, device='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--amp', action='store_true', help='run under torch.autocast (see --amp-dtype)')
     parser.add_argument('--amp-dtype', default='float16', choices=sorted(bench.AMP_DTYPES), help='autocast dtype')
     parser.add_argument('--channels-last', action='store_true', help='channels-last memory format')
     parser.add_argument('--torchcompile', nargs='?', const='default', default=None, metavar='MODE',
                         help='time torch.compile(model, mode=MODE)')
     parser.add_argument('--reparam', action='store_true', help='also measure NAME@reparam, with its ratio to NAME')
-    parser.add_argument('--num-warm-iter', '--warmup', dest='warmup', type=int, default=3,
-                        help='warm-up passes or steps per measurement (default: 3)')
-    parser.add_argument('--budget-s', type=float, default=10.0,
-                        help='seconds of timed passes per measurement (blocked_autorange; at least one; default: 10)')
-    parser.add_argument('--timeout', type=float, default=1800.0, help='seconds before a measurement is stopped')
     parser.add_argument('--no-retry', action='store_true', help='fail on out-of-memory instead of a smaller batch')
     parser.add_argument('--no-flops', action='store_true', help='skip FLOP and activation counting')
     parser.add_argument('--no-memory', action='store_true', help='skip memory measurements')
@@ -142,20 +119,24 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         help='run a named comparison; --models/--img-size/... override its defaults')
     parser.add_argument('--train', action='store_true', help=argparse.SUPPRESS)  # `run --train`: --bench both
     parser.add_argument('--lengths', nargs='+', type=int, default=None, help='sequence, hsw: tokens per sequence')
-    parser.add_argument('--only', choices=['layer', 'model'], default=None, help='sequence: only layers or models')
     parser.add_argument('--names', nargs='+', default=None,
                         help='sequence: only these configurations (e.g. sdpa_full); hsw: of HSW, HSW-LS, flat')
     parser.add_argument('--flat-full-max', type=int, default=16384,
                         help='hsw: longest length at which the flat encoder runs all 8 blocks (above: 1 block x 8)')
 
 
-def job_of(spec: str, args: argparse.Namespace, size: Optional[int], batch: int, kind: str, **kwargs: Any) -> bench.Job:
-    """The :class:`Job` of one model spec at one point from the command line."""
-    return bench.Job(label=bench.spec_label(spec), build=functools.partial(bench.create_model, spec), img_size=size,
-                     batch_size=batch, kind=kind, warmup=args.warmup, budget_s=args.budget_s, device=args.device,
-                     amp=args.amp_dtype if args.amp else None, channels_last=args.channels_last,
-                     compile=args.torchcompile, flops=not args.no_flops, memory=not args.no_memory,
-                     threads=args.threads, timeout_s=args.timeout, **kwargs)
+def job_of(args: argparse.Namespace, label: str, build: Any, **fields: Any) -> bench.Job:
+    """A :class:`bench.Job` with the command line's timing options; ``fields`` set (or override) the others."""
+    return bench.Job(label, build, **{**dict(warmup=args.warmup, budget_s=args.budget_s, device=args.device,
+                                             threads=args.threads, timeout_s=args.timeout), **fields})
+
+
+def model_job(spec: str, args: argparse.Namespace, size: Optional[int], batch: int, kind: str) -> bench.Job:
+    """The :class:`Job` of one model spec at one point from the model benchmark's command line."""
+    return job_of(args, bench.spec_label(spec), functools.partial(bench.create_model, spec), img_size=size,
+                  batch_size=batch, kind=kind, amp=args.amp_dtype if args.amp else None,
+                  channels_last=args.channels_last, compile=args.torchcompile, flops=not args.no_flops,
+                  memory=not args.no_memory)
 
 
 def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, point: Any,
@@ -186,7 +167,7 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
         if args.reparam:
             point_specs += [s + '@reparam' for s in point_specs if '@' not in s]
         log(f"Point {f'{size}x{size}' if size else 'native size'}, batch {batch}: {', '.join(point_specs)}")
-        jobs = {s: [job_of(s, args, size, batch, kind) for kind in KINDS[args.bench]] for s in point_specs}
+        jobs = {s: [model_job(s, args, size, batch, kind) for kind in KINDS[args.bench]] for s in point_specs}
         rows += measure_rows(jobs, args, [size, batch], baseline)
     bench.add_ratios(rows)
     return rows
@@ -278,27 +259,17 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def _sequence_cell(row: Optional[Dict[str, Any]]) -> str:
-    if row is None:
-        return ''
-    if 'skipped' in row:
-        return f"skipped ({row['skipped']})"
-    return f"{row['train_step_ms'] / 1e3:.3f} / {row['train_memory_mib'] or 0:.0f}"
-
-
 def run_sequence(args: argparse.Namespace, command: str) -> int:
     """``--suite sequence``: training steps of 1D layers and models against SDPA; a configuration stops growing once
     its next length is predicted (linear, or quadratic for full attention) over 60 s or 6 GiB."""
     lengths = args.lengths or [1024, 4096, 16384, 65536]
-    configs = {('layer', n): v for n, v in SEQUENCE_LAYERS.items()} if args.only != 'model' else {}
-    if args.only != 'layer':
-        configs.update({('model', n): None for n in ('lra_ls', 'lra_full', 'lm_ls_causal', 'lm_sdpa_causal')})
-    configs = {k: v for k, v in configs.items() if not args.names or k[1] in args.names}
+    names = [name for name in SEQUENCE_CONFIGS if not args.names or name in args.names]
     rows: List[Dict[str, Any]] = []
     last: Dict[str, Dict[str, Any]] = {}
     for n in lengths:
         jobs = {}
-        for (kind, name), layer in configs.items():
+        for name in names:
+            kind, build, _ = SEQUENCE_CONFIGS[name]
             prev = last.get(name)
             if prev is not None:
                 growth = (n / prev['n']) ** (2 if any(s in name for s in ('sdpa', 'full', 'official')) else 1)
@@ -306,32 +277,22 @@ def run_sequence(args: argparse.Namespace, command: str) -> int:
                 if est_s > 60 or est_mib > 6144:
                     rows.append(dict(kind=kind, name=name, n=n, skipped=f'est. {est_s:.0f} s / {est_mib:.0f} MiB'))
                     continue
-            if kind == 'layer':
-                build, cached = layer
-                inputs = [((n, D), None)] + ([((MEM, D), None)] if cached else [])
-            else:
-                build = {'lra_ls': functools.partial(seq.create_model, 'ls_lra_text', max_len=n),
-                         'lra_full': functools.partial(seq.create_model, 'full_lra_text', max_len=n),
-                         'lm_ls_causal': functools.partial(seq.CharLM, window_size=128, segment_size=16, dp_rank=1,
-                                                           mem_len=128, cache_mode='official', **_LM),
-                         'lm_sdpa_causal': functools.partial(seq.CharLM, attn='full', max_len=n, **_LM)}[name]
-                inputs = [((n,), 200)]
-            jobs[name] = [bench.Job(f'{kind}: {name}', build, inputs, kind='train', warmup=1, budget_s=args.budget_s,
-                                    device=args.device, threads=args.threads or 1, timeout_s=args.timeout,
-                                    extra=dict(n=n, name=name))]
-        for row in measure_rows(jobs, args, n, None) if jobs else []:
-            row.update(kind=row['label'].split(':')[0])
-            rows.append(row)
+            inputs = [((n,), 200)] if kind == 'model' else [((n, D), None)] + [((MEM, D), None)] * ('ls_causal' in name)
+            jobs[name] = [job_of(args, f'{kind}: {name}', functools.partial(build, max_len=n) if kind == 'model' else
+                                 build, inputs=inputs, kind='train', warmup=1, threads=args.threads or 1,
+                                 extra=dict(n=n, name=name))]
+        point_rows = measure_rows(jobs, args, n, None) if jobs else []
+        for row in point_rows:
+            row.update(kind=SEQUENCE_CONFIGS[row['name']][0], baseline=SEQUENCE_CONFIGS[row['name']][2])
             last[row['name']] = row
-    measured = {(r['name'], r['n']): r for r in rows if 'skipped' not in r}
-    ratios = {f'{a}/{b} time @{n}': measured[(a, n)]['train_step_ms'] / measured[(b, n)]['train_step_ms']
-              for n in lengths for a, b in SEQUENCE_RATIOS if (a, n) in measured and (b, n) in measured}
-    by_point = {(r['name'], r['n']): r for r in rows}
-    cells = [[kind, name] + [_sequence_cell(by_point.get((name, n))) for n in lengths] for kind, name in configs]
-    body = (bench.markdown_table(['kind', 'config'] + [f'{n // 1024}k step s / act. MiB' for n in lengths], cells, 2)
-            + '\n\n' + '\n'.join(f'- {k}: {v:.3f}' for k, v in ratios.items()))
+        bench.add_ratios(point_rows)
+        rows += point_rows
+    measured = [r for r in rows if 'skipped' not in r]
+    body = '\n'.join([f'Each long-short configuration against its full-attention counterpart. {bench.RATIOS_EXPLAINED}',
+                      '', bench.benchmark_table(measured), ''] + [
+        f"- {r['kind']}: {r['name']} at {r['n']} tokens: skipped ({r['skipped']})" for r in rows if 'skipped' in r])
     series: Dict[str, List[Tuple[float, Any, Any]]] = {}
-    for r in measured.values():
+    for r in measured:
         series.setdefault(r['label'], []).append((r['n'], r['train_step_ms'], r['train_memory_mib']))
     write_suite('sequence', args, rows, '1D long-short attention vs SDPA (training steps)', body, series, command,
                 xlabel='sequence length (tokens)', ylabels=('training step (ms)', 'activation memory (MiB)'))
@@ -348,24 +309,20 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
         return 2
     rows, summary = [], []
     for n in lengths:
-        jobs, scale = {}, {}
+        jobs = {}
         for label in labels:
             name, kwargs = HSW_MODELS[label]
             kwargs = dict(kwargs, max_len=n) if label == 'flat' else kwargs
             params = parameter_count(seq.create_model(name, **kwargs))  # of all blocks, though 1 may run
-            scale[label] = 8 if label == 'flat' and n > args.flat_full_max else 1
-            build = functools.partial(seq.create_model, name, **kwargs, **({'depth': 1} if scale[label] > 1 else {}))
-            jobs[label] = [bench.Job(label, build, [((n,), 50265)], warmup=1, budget_s=args.budget_s,
-                                     device=args.device,
-                               threads=args.threads or 1, timeout_s=args.timeout,
-                               extra=dict(tokens=n, full_params=params, time_scale=scale[label]))]
+            scale = 8 if label == 'flat' and n > args.flat_full_max else 1
+            build = functools.partial(seq.create_model, name, **kwargs, **({'depth': 1} if scale > 1 else {}))
+            jobs[label] = [job_of(args, label, build, inputs=[((n,), 50265)], warmup=1, threads=args.threads or 1,
+                                  extra=dict(tokens=n, full_params=params, time_scale=scale))]
         point_rows = measure_rows(jobs, args, n, 'HSW' if 'HSW' in labels else None)
         for r in point_rows:
             for key in ('latency_ms', 'latency_p10_ms', 'latency_p90_ms'):
                 r[key] *= r['time_scale']
-            r['latency_runs_ms'] = [t * r['time_scale'] for t in r['latency_runs_ms']]
-            r['params'] = r['full_params']
-            r['spec'] = r['label']
+            r.update(latency_runs_ms=[t * r['time_scale'] for t in r['latency_runs_ms']], params=r['full_params'])
         bench.add_ratios(point_rows)
         rows += point_rows
         by = {r['label']: r for r in point_rows}
@@ -396,13 +353,12 @@ def add_sweep_args(sweep: argparse.ArgumentParser) -> None:
     sweep.add_argument('--memory-budget', type=float, default=4096.0, help='largest peak memory in MiB')
     sweep.add_argument('--memory-limit', type=float, default=8192.0,
                        help='a point predicted (quadratic growth from the previous point) to need more MiB is not run')
-    sweep.add_argument('--timeout', type=float, default=600.0, help='seconds before a point is stopped')
     sweep.add_argument('--fit-min', type=int, default=512, help='smallest size of the exponent fit (default: 512)')
     sweep.add_argument('--no-flops', action='store_true', help='skip FLOP counting at each point')
     sweep.add_argument('--refit', type=Path, default=None, metavar='JSON', help='fit a stored sweep again')
     sweep.add_argument('--name', default=None, help='file stem of the outputs (default: MODEL1_vs_MODEL2)')
     sweep.add_argument('--out', type=Path, default=OUT, help='output folder (default: docs/benchmarks)')
-    add_timing_args(sweep, warmup=1, budget=10.0, threads=1)
+    add_timing_args(sweep, warmup=1, budget=10.0, threads=1, timeout=600.0)
 
 
 def add_cards_args(cards: argparse.ArgumentParser) -> None:
@@ -414,12 +370,17 @@ def add_cards_args(cards: argparse.ArgumentParser) -> None:
     add_timing_args(cards, warmup=3, budget=5.0, threads=None)
 
 
-def add_timing_args(parser: argparse.ArgumentParser, warmup: int, budget: float, threads: Optional[int]) -> None:
-    parser.add_argument('--device', default='cpu', help='device to run on (default: cpu)')
+def add_timing_args(parser: argparse.ArgumentParser, warmup: int, budget: float, threads: Optional[int],
+                    timeout: float = 1800.0, device: str = 'cpu') -> None:
+    """The options of every measurement, with the defaults of the model benchmark, ``sweep`` or ``cards``."""
+    parser.add_argument('--device', default=device, help=f'device to run on (default: {device})')
     parser.add_argument('--threads', type=int, default=threads, help=f'torch threads (default: {threads or "torch"})')
     parser.add_argument('--num-warm-iter', '--warmup', dest='warmup', type=int, default=warmup,
-                        help=f'warm-up passes (default: {warmup})')
-    parser.add_argument('--budget-s', type=float, default=budget, help=f'seconds of timed passes (default: {budget:g})')
+                        help=f'warm-up passes or steps per measurement (default: {warmup})')
+    parser.add_argument('--budget-s', type=float, default=budget,
+                        help=f'seconds of timed passes per measurement (blocked_autorange; default: {budget:g})')
+    parser.add_argument('--timeout', type=float, default=timeout, help=f'seconds before a measurement is stopped '
+                        f'(default: {timeout:g})')
 
 
 def sweep_exponents(rows: Sequence[Dict[str, Any]], fit_min: int) -> Dict[str, Dict[str, Any]]:
@@ -468,14 +429,15 @@ def over_budget(row: Dict[str, Any], args: argparse.Namespace) -> List[str]:
 def run_sweep(args: argparse.Namespace, command: str) -> int:
     """The ``sweep`` sub-command: each curve over the sizes until a point exceeds the budget (or is predicted, from
     quadratic growth, to need more than ``--memory-limit``, and is not run)."""
-    if args.refit is not None:
-        write_sweep(dict(json.loads(args.refit.read_text()), fit_min=args.fit_min), args.refit.with_suffix(''))
-        return 0
     try:
+        stored = bench.read_report(args.refit, sweep=True) if args.refit is not None else None
         specs = bench.resolve_specs(args.models)
     except ValueError as e:
         log(str(e))
         return 2
+    if stored is not None:
+        write_sweep(dict(stored, fit_min=args.fit_min), args.refit.with_suffix(''))
+        return 0
     rows = []
     for spec in specs:
         prev = None
@@ -485,9 +447,8 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
             if predicted and predicted > args.memory_limit:
                 row['exceeded'] = [f'predicted over the memory limit of {args.memory_limit:g} MiB; not run']
             else:
-                job = bench.Job(row['label'], functools.partial(bench.create_model, spec), img_size=size,
-                                warmup=args.warmup, budget_s=args.budget_s, device=args.device,
-                                flops=not args.no_flops, threads=args.threads, timeout_s=args.timeout)
+                job = job_of(args, row['label'], functools.partial(bench.create_model, spec), img_size=size,
+                             flops=not args.no_flops)
                 try:
                     row = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
                     row['exceeded'] = over_budget(row, args)
@@ -518,8 +479,7 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
         log(str(e))
         return 2
     for i, name in enumerate(to_measure, 1):
-        job = bench.Job(name, functools.partial(bench.create_model, name), warmup=args.warmup,
-                        budget_s=args.budget_s, device=args.device, flops=True, memory=False, threads=args.threads)
+        job = job_of(args, name, functools.partial(bench.create_model, name), flops=True, memory=False)
         r = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
         stored['models'][name] = {k: r[k] if n is None else round(r[k], n) for k, n in CARD_FIELDS.items()}
         stored['models'][name].update(machine=bench.machine_description(args.device),
