@@ -495,14 +495,19 @@ def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
     return markdown_table([c[0] for c in columns], cells, left_columns=2)
 
 
-def write_json(path: Path, data: Any) -> Path:
-    """Writes JSON atomically (a temporary file, then ``os.replace``), creating the folder."""
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> Path:
+    """Writes a file atomically: ``write(tmp)`` to a temporary file beside it, then ``os.replace`` (folder created)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + '.tmp')
-    tmp.write_text(json.dumps(data, indent=2) + '\n')
+    tmp = path.with_name('.tmp-' + path.name)  # the same suffix, for writers that choose the format by it
+    write(tmp)
     os.replace(tmp, path)
     return path
+
+
+def write_json(path: Path, data: Any) -> Path:
+    """Writes JSON atomically."""
+    return write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + '\n'))
 
 
 def read_report(path: Path, sweep: bool = False) -> Dict[str, Any]:
@@ -539,8 +544,7 @@ def write_reports(rows: Sequence[Dict[str, Any]], stem: Path, markdown: str, set
             machine=machine_description(device), settings=settings, rows=list(rows))))
     for fmt, text in (('csv', csv_text(rows)), ('md', markdown)):
         if fmt in formats:
-            paths.append(stem.with_suffix('.' + fmt))
-            paths[-1].write_text(text)
+            paths.append(write_atomic(stem.with_suffix('.' + fmt), lambda tmp, text=text: tmp.write_text(text)))
     return paths
 
 
@@ -568,13 +572,9 @@ def plot(series: Dict[str, List[Tuple[float, Optional[float], Optional[float]]]]
             ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + '.tmp.png')
-    fig.savefig(tmp, dpi=110)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
-    os.replace(tmp, path)
-    return path
+    return Path(path)
 
 
 def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:

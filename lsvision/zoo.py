@@ -242,10 +242,10 @@ def render_outputs(
 ) -> Dict[str, str]:
     """Every card and the README with its models table from the stored measurements of ``names`` (all registered
     models, in table order): the files' contents by path relative to the repository root (``'<cards_dir>/<model>.md'``
-    and ``'README.md'``); a KeyError if a model has no stored measurement."""
+    and ``'README.md'``); a ValueError if a model has no stored measurement."""
     missing = [n for n in names if n not in measurements]
     if missing:
-        raise KeyError(f'no stored measurement for {missing}; run `python tools/benchmark.py cards --models '
+        raise ValueError(f'no stored measurement for {missing}; run `python tools/benchmark.py cards --models '
                        f'{" ".join(missing)}`.')
     outputs = {f'{cards_dir}/{name}.md': render_card(name, measurements[name]) for name in names}
     outputs['README.md'] = replace_readme_table(readme, render_models_table(measurements, names, cards_dir))

@@ -1,20 +1,17 @@
 """Benchmarks lsvision (or any timm) models: inference and training, named suites, resolution sweeps and the model
-cards, with the flag names of timm's ``benchmark.py``; the measuring is ``lsvision.bench``.
+cards, with the flag names of timm's ``benchmark.py``; the measuring is ``lsvision.bench`` (docs/benchmarks/README.md).
 
-Every measurement (model, point, inference or train) runs in a fresh process, the models in alternating order over
-``--repeats``; ``--baseline MODEL`` adds ratios to that model at the same point, pooled and paired (per round). Model
-specs: names, wildcards, ``NAME@full`` (ViL-LS with full attention everywhere), ``NAME@noattn`` / ``NAME@projonly``
-(the floors: attention a no-op / its projections only), ``NAME@reparam`` (folded; ``--reparam`` adds it)::
+Every measurement runs in a fresh process, the models in alternating order over ``--repeats``; ``--baseline MODEL``
+adds ratios to it. Model specs: names, wildcards, ``NAME@full`` (ViL-LS with full attention everywhere), the floors
+``NAME@noattn`` / ``NAME@projonly`` (attention a no-op / its projections only), ``NAME@reparam`` (folded)::
 
     python tools/benchmark.py --bench train --models cvt_ls_13 --baseline cvt_13 --points 224x8 384x2 768x1
     python tools/benchmark.py --models 'pvt_v2_*_grc' --device cuda --batch-size 64 --amp --amp-dtype bfloat16 \\
         --channels-last --torchcompile --results-file output/bench.csv
 
-``--suite NAME`` writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/): ``cvt_ls`` (cvt_ls_13 vs cvt_13
-and Swin-T at 224, against input size), ``vil_ls`` (vil_ls_medium_384 vs full attention), ``grc`` (each GRC model vs
-its timm base, target 1.25x), ``sequence`` (1D long-short layers and models vs SDPA, training steps, 1k-64k tokens),
-``hsw`` (HSW, HSW-LS and the flat encoder, 4k-64k tokens). Sub-commands: ``sweep`` (time and memory against input
-size until a budget) and ``cards`` (model_cards/ and the README table). ``run ...`` is the earlier spelling.
+``--suite NAME`` writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/); the sub-commands ``sweep`` (time
+and memory against input size until a budget) and ``cards`` (model_cards/ and the README table) have their own help.
+``run ...`` is the earlier spelling.
 """
 import argparse
 import functools
@@ -184,16 +181,12 @@ def settings_of(args: argparse.Namespace) -> Dict[str, Any]:
 
 def run_models(args: argparse.Namespace) -> int:
     """The model benchmark (no sub-command, no suite)."""
-    try:
-        if not args.models:
-            raise ValueError('name the models to benchmark: --models NAME [NAME ...] (or a --suite)')
-        points = resolve_points(args.img_size, args.batch_size, args.points)
-        specs = model_specs(args.models, args.baseline)
-        if args.results_file is not None and args.results_file.suffix.lower() not in ('.csv', '.json', '.md'):
-            raise ValueError(f'--results-file {args.results_file}: the suffix must be .csv, .json or .md')
-    except ValueError as e:
-        log(str(e))
-        return 2
+    if not args.models:
+        raise ValueError('name the models to benchmark: --models NAME [NAME ...] (or a --suite)')
+    points = resolve_points(args.img_size, args.batch_size, args.points)
+    specs = model_specs(args.models, args.baseline)
+    if args.results_file is not None and args.results_file.suffix.lower() not in ('.csv', '.json', '.md'):
+        raise ValueError(f'--results-file {args.results_file}: the suffix must be .csv, .json or .md')
     log(f'Machine: {bench.machine_description(args.device)}')
     rows = benchmark_models(specs, points, args, args.baseline)
     ratios = any('latency_ratio' in r or 'train_step_ratio' in r for r in rows)
@@ -234,20 +227,16 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
     """``--suite cvt_ls``, ``vil_ls`` or ``grc``."""
     suite = VISION_SUITES[name]
     args.bench = args.bench or suite['bench']
-    try:
-        points = resolve_points(args.img_size, args.batch_size, args.points) \
-            if (args.img_size or args.batch_size or args.points) else suite['points']
-        if name == 'grc':
-            grc = [s for s in bench.resolve_specs(args.models or suite['models']) if s.endswith('_grc')]
-            if not grc:
-                raise ValueError('--suite grc needs GRC models (NAME_grc)')
-            groups = [([s[:-4], s], s[:-4]) for s in grc]
-        else:
-            groups = [(model_specs(args.models or suite['models'], args.baseline or suite['baseline']),
-                       args.baseline or suite['baseline'])]
-    except ValueError as e:
-        log(str(e))
-        return 2
+    points = resolve_points(args.img_size, args.batch_size, args.points) \
+        if (args.img_size or args.batch_size or args.points) else suite['points']
+    if name == 'grc':
+        grc = [s for s in bench.resolve_specs(args.models or suite['models']) if s.endswith('_grc')]
+        if not grc:
+            raise ValueError('--suite grc needs GRC models (NAME_grc)')
+        groups = [([s[:-4], s], s[:-4]) for s in grc]
+    else:
+        groups = [(model_specs(args.models or suite['models'], args.baseline or suite['baseline']),
+                   args.baseline or suite['baseline'])]
     references = None if args.models else suite.get('references')
     log(f'Machine: {bench.machine_description(args.device)}')
     rows = [r for specs, base in groups for r in benchmark_models(specs, points, args, base, references)]
@@ -305,8 +294,8 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
     lengths, labels = args.lengths or [4096, 16384, 65536], args.names or list(HSW_MODELS)
     unknown = sorted(set(labels) - set(HSW_MODELS)) + [str(n) for n in lengths if n < 64]
     if unknown:
-        log(f"--suite hsw: unknown --names or --lengths below 64: {', '.join(unknown)}; names: {', '.join(HSW_MODELS)}")
-        return 2
+        raise ValueError(f"--suite hsw: unknown --names or --lengths below 64: {', '.join(unknown)}; names: "
+                         f"{', '.join(HSW_MODELS)}")
     rows, summary = [], []
     for n in lengths:
         jobs = {}
@@ -347,9 +336,8 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
 def add_sweep_args(sweep: argparse.ArgumentParser) -> None:
     sweep.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13'], help='curves: model specs')
     sweep.add_argument('--sizes', nargs='+', type=int, default=[224, 384, 512, 640, 768, 1024, 1280, 1536])
-    sweep.add_argument('--time-budget', type=float, default=15.0, help='largest seconds per image (default: 15)')
-    sweep.add_argument('--budget-clock', choices=['cpu', 'wall'], default='cpu',
-                       help="the budget's clock: the process's CPU time (steady on a shared machine) or wall time")
+    sweep.add_argument('--time-budget', type=float, default=15.0,
+                       help="largest seconds of the process's CPU time (steady on a shared machine) per image")
     sweep.add_argument('--memory-budget', type=float, default=4096.0, help='largest peak memory in MiB')
     sweep.add_argument('--memory-limit', type=float, default=8192.0,
                        help='a point predicted (quadratic growth from the previous point) to need more MiB is not run')
@@ -411,7 +399,7 @@ def write_sweep(result: Dict[str, Any], stem: Path) -> None:
             f"{result['fit_min']} (log-log slope; 1 = linear, 2 = quadratic)\n\n"
             + bench.markdown_table(['model', 'sizes fitted', 'wall time', 'CPU time', 'peak memory', 'FLOPs'], exps, 2))
     bench.write_json(stem.with_suffix('.json'), result)
-    stem.with_suffix('.md').write_text(text + '\n')
+    bench.write_atomic(stem.with_suffix('.md'), lambda tmp: tmp.write_text(text + '\n'))
     bench.plot(size_series(result['rows']), stem.with_suffix('.png'), ' vs '.join(result['exponents']) + ', batch 1')
     print(text)
     log(f'Wrote {stem}.{{json,md,png}}')
@@ -419,8 +407,8 @@ def write_sweep(result: Dict[str, Any], stem: Path) -> None:
 
 def over_budget(row: Dict[str, Any], args: argparse.Namespace) -> List[str]:
     """Which of the sweep's budgets a measured point exceeds."""
-    seconds = row['inference_cpu_ms_per_image' if args.budget_clock == 'cpu' else 'latency_ms'] / 1e3
-    over = [f'{args.budget_clock} time {seconds:.3g} s/img > {args.time_budget:g} s'] * (seconds > args.time_budget)
+    seconds = row['inference_cpu_ms_per_image'] / 1e3
+    over = [f'cpu time {seconds:.3g} s/img > {args.time_budget:g} s'] * (seconds > args.time_budget)
     if row['peak_mib'] is not None and row['peak_mib'] > args.memory_budget:
         over.append(f"memory {row['peak_mib']:.0f} MiB > {args.memory_budget:g} MiB")
     return over
@@ -429,15 +417,10 @@ def over_budget(row: Dict[str, Any], args: argparse.Namespace) -> List[str]:
 def run_sweep(args: argparse.Namespace, command: str) -> int:
     """The ``sweep`` sub-command: each curve over the sizes until a point exceeds the budget (or is predicted, from
     quadratic growth, to need more than ``--memory-limit``, and is not run)."""
-    try:
-        stored = bench.read_report(args.refit, sweep=True) if args.refit is not None else None
-        specs = bench.resolve_specs(args.models)
-    except ValueError as e:
-        log(str(e))
-        return 2
-    if stored is not None:
-        write_sweep(dict(stored, fit_min=args.fit_min), args.refit.with_suffix(''))
+    if args.refit is not None:
+        write_sweep(dict(bench.read_report(args.refit, sweep=True), fit_min=args.fit_min), args.refit.with_suffix(''))
         return 0
+    specs = bench.resolve_specs(args.models)
     rows = []
     for spec in specs:
         prev = None
@@ -458,7 +441,7 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
             prev = row
             if row['exceeded']:
                 break
-    budget = f'{args.time_budget:g} s of {args.budget_clock} time per image and {args.memory_budget:g} MiB'
+    budget = f'{args.time_budget:g} s of cpu time per image and {args.memory_budget:g} MiB'
     result = dict(machine=bench.machine_description(args.device), command=command, budget=budget,
                   settings=settings_of(args), fit_min=args.fit_min, rows=rows)
     write_sweep(result, args.out / (args.name or '_vs_'.join(s.replace('@', '_') for s in args.models)))
@@ -470,14 +453,10 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
     store = args.cards_dir / 'measurements.json'
     stored = json.loads(store.read_text()) if store.exists() else {'models': {}}
     names = list_models()
-    try:
-        to_measure = [] if args.reuse else (bench.resolve_specs(args.models) if args.models else names)
-        if set(to_measure) - set(names):
-            raise ValueError(f'not registered lsvision models (cards are for those only): '
-                             f'{sorted(set(to_measure) - set(names))}')
-    except ValueError as e:
-        log(str(e))
-        return 2
+    to_measure = [] if args.reuse else (bench.resolve_specs(args.models) if args.models else names)
+    if set(to_measure) - set(names):
+        raise ValueError(f'not registered lsvision models (cards are for those only): '
+                         f'{sorted(set(to_measure) - set(names))}')
     for i, name in enumerate(to_measure, 1):
         job = job_of(args, name, functools.partial(bench.create_model, name), flops=True, memory=False)
         r = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
@@ -488,12 +467,8 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
         stored['command'] = command
         bench.write_json(store, stored)  # after each model: an interrupted run keeps what it measured
         log(f"[{i}/{len(to_measure)}] {name}: {r['gflops']:.3f} GFLOPs, {r['images_per_s']:.2f} img/s")
-    try:
-        outputs = render_outputs(stored['models'], names, args.readme.read_text(),
-                                 cards_dir=os.path.relpath(args.cards_dir, args.readme.parent))
-    except (KeyError, ValueError) as e:
-        log(str(e))
-        return 2
+    outputs = render_outputs(stored['models'], names, args.readme.read_text(),
+                             cards_dir=os.path.relpath(args.cards_dir, args.readme.parent))
     for rel, text in outputs.items():
         path = args.readme if rel == 'README.md' else args.readme.parent / rel
         if not path.exists() or path.read_text() != text:
@@ -529,18 +504,23 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the command line; bad input (a ValueError, raised before anything is measured or written) exits with 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = shlex.join(['python', 'tools/benchmark.py', *argv])
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)  # the measuring processes' count, for the machine description
-    if args.command in ('sweep', 'cards'):
-        return (run_sweep if args.command == 'sweep' else run_cards)(args, command)
-    if args.suite in VISION_SUITES:
-        return run_vision_suite(args.suite, args, command)
-    if args.suite is not None:
-        return (run_sequence if args.suite == 'sequence' else run_hsw)(args, command)
-    return run_models(args)
+    try:
+        if args.command in ('sweep', 'cards'):
+            return (run_sweep if args.command == 'sweep' else run_cards)(args, command)
+        if args.suite in VISION_SUITES:
+            return run_vision_suite(args.suite, args, command)
+        if args.suite is not None:
+            return (run_sequence if args.suite == 'sequence' else run_hsw)(args, command)
+        return run_models(args)
+    except ValueError as e:
+        log(str(e))
+        return 2
 
 
 if __name__ == '__main__':
