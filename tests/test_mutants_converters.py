@@ -1,6 +1,7 @@
 """Converters: the cases mutmut found untested (docs/testing.md has the run and the survivors' table)."""
 import ast
 import re
+from typing import Optional
 
 import pytest
 import torch
@@ -344,3 +345,104 @@ def test_vil_ls_key_map_raises_keyerror_naming_an_unknown_official_key(key):
     with pytest.raises(KeyError) as error:
         vil_ls.official_key_to_lsvision(key)
     assert error.value.args == (key,)
+
+
+def _golden_lra(name: str, **kwargs):
+    """An lsvision LRA classifier of the size of the authors' `golden/lra_official/{name}` (their meta.json)."""
+    import json
+
+    from conftest import golden_path
+
+    import lsvision.sequence as seq
+
+    cfg = json.loads((golden_path('lra_official') / 'meta.json').read_text())['configs'][name]['config']
+    return seq.create_model('ls_lra_listops', num_classes=cfg['num_classes'], vocab_size=cfg['vocab_size'],
+                            max_len=cfg['max_seq_len'], dim=cfg['transformer_dim'], depth=cfg['num_layers'],
+                            num_heads=cfg['num_head'], mlp_hidden=cfg['transformer_hidden_dim'],
+                            window_size=cfg['window_size'], dp_rank=cfg['num_landmarks'], **kwargs)
+
+
+@pytest.mark.parametrize('name,pool,expected', [
+    ('mean_pool_padded', 'cls', "official LRA checkpoint without a cls vector: pool 'cls' -> 'mean_official'"),
+    ('cls_last_layer_padded', 'mean_official',
+     "official LRA checkpoint with a cls vector: pool 'mean_official' -> 'cls'"),
+])
+def test_official_lra_load_says_when_it_changes_the_pooling(name, pool, expected, caplog):
+    from conftest import golden_path
+
+    from lsvision.sequence.convert import load_official_checkpoint
+
+    file = str(golden_path('lra_official') / f'{name}.model')
+    with caplog.at_level('INFO', logger='lsvision.sequence.convert'):
+        load_official_checkpoint(_golden_lra(name, pool=pool), file)
+        assert [r.getMessage() for r in caplog.records] == [expected]
+        caplog.clear()
+        load_official_checkpoint(_golden_lra(name, pool=expected.rpartition(' -> ')[2].strip("'")), file)
+        assert caplog.records == []  # the model's pooling already fits: nothing said
+
+
+def test_load_official_checkpoint_refuses_an_unknown_kind():
+    from lsvision.sequence.convert import load_official_checkpoint
+
+    with pytest.raises(ValueError, match=r"kind must be 'lra' or 'char_lm', got 'lm'"):
+        load_official_checkpoint(_golden_char_lm(), _official_char_lm_file(), kind='lm')
+
+
+_UNPICKLED = []
+
+
+def _record_unpickling(text: str) -> str:
+    _UNPICKLED.append(text)
+    return text
+
+
+class _RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return _record_unpickling, ('code ran',)
+
+
+def test_official_checkpoint_file_is_read_with_weights_only(tmp_path):
+    """A file that would run code when unpickled (an object of any class) is refused before anything runs."""
+    import pickle
+
+    from lsvision.sequence.convert import load_official_checkpoint
+
+    file = tmp_path / 'checkpoint_best.pt'
+    torch.save(dict(_official_char_lm_file(), extra=_RunsCodeWhenUnpickled()), file)
+    with pytest.raises(pickle.UnpicklingError, match='Weights only load failed'):
+        load_official_checkpoint(_golden_char_lm(), str(file))
+    assert _UNPICKLED == []
+
+
+_SAVE_ON_CUDA = []  # while non-empty, torch.save records every storage as saved on 'cuda:0'
+
+
+def _cuda_location_tag(storage) -> Optional[str]:
+    return 'cuda:0' if _SAVE_ON_CUDA else None
+
+
+torch.serialization.register_package(0, _cuda_location_tag, lambda storage, location: None)
+
+
+def test_checkpoint_saved_on_a_gpu_loads_into_a_cpu_model(tmp_path):
+    """The authors' LRA script saves the state_dict of a model on the GPU (tensors tagged 'cuda:0'); on a machine
+    without CUDA such a file loads onto the CPU (map_location='cpu'). The tag is set by a torch.serialization
+    location tagger, the public hook torch.save uses for every storage."""
+    from conftest import golden_path
+
+    from lsvision.sequence.convert import load_official_checkpoint
+
+    name = 'mean_pool_padded'
+    state = torch.load(golden_path('lra_official') / f'{name}.model', weights_only=True)
+    file = tmp_path / f'{name}.model'
+    _SAVE_ON_CUDA.append(True)
+    try:
+        torch.save(state, file)
+    finally:
+        _SAVE_ON_CUDA.clear()
+    if not torch.cuda.is_available():  # what a load without map_location does here
+        with pytest.raises(RuntimeError, match='CUDA'):
+            torch.load(file, weights_only=True)
+    model = _golden_lra(name)
+    load_official_checkpoint(model, str(file))
+    assert torch.equal(model.encoder.embed.weight, state['model_state_dict']['model.embeddings.word_embeddings.weight'])
