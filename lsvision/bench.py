@@ -201,7 +201,7 @@ def _rss_bytes(peak: bool = False) -> int:
 @contextlib.contextmanager
 def peak_memory(device: torch.device, out: Dict[str, Optional[float]]) -> Any:
     """Sets ``out['peak_mib']`` to the peak memory of the block above the memory in use before it (CUDA: allocated;
-    CPU: resident, a lifetime peak, hence meaningful in a fresh process only; None elsewhere)."""
+    CPU: resident, a lifetime peak, hence meaningful in a fresh process only; elsewhere ``out`` is left alone)."""
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -215,7 +215,6 @@ def peak_memory(device: torch.device, out: Dict[str, Optional[float]]) -> Any:
         out['peak_mib'] = max(0, _rss_bytes(peak=True) - base) / MIB
     else:
         yield
-        out['peak_mib'] = None
 
 
 def timing_stats(times: Sequence[float], passes: int) -> Dict[str, Any]:
@@ -575,12 +574,3 @@ def plot(series: Dict[str, List[Tuple[float, Optional[float], Optional[float]]]]
     write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110))
     plt.close(fig)
     return Path(path)
-
-
-def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
-    """The exponent ``k`` of ``y = c * x**k`` fitted by least squares in log-log (None with < 2 distinct x)."""
-    if len(xs) != len(ys) or any(v <= 0 for v in [*xs, *ys]):
-        raise ValueError('fit_exponent needs as many positive x as y values (it fits on a log-log scale)')
-    if len(set(xs)) < 2:
-        return None
-    return statistics.linear_regression([math.log(x) for x in xs], [math.log(y) for y in ys]).slope

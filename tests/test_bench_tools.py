@@ -90,7 +90,7 @@ def test_points_and_bad_input(tool, tmp_path, capsys):
     assert tool.resolve_points(None, [1, 8], None) == [(None, 1), (None, 8)]
     assert tool.parse_args(['--points', '384x2', '768X1', '--models', 'cvt_13']).points == [(384, 2), (768, 1)]
     assert tool.parse_args(['--models', 'cvt_13']).bench == 'inference'
-    assert tool.parse_args(['run', '--train', '--models', 'cvt_13']).bench == 'both'
+    assert tool.parse_args(['run', '--bench', 'both', '--models', 'cvt_13']).bench == 'both'
     args = tool.parse_args(['--models', 'cvt_13', '--amp', '--amp-dtype', 'bfloat16', '--torchcompile'])
     job = tool.model_job('cvt_13', args, 64, 2, 'train')
     assert (job.amp, job.compile, job.kind, job.img_size, job.batch_size) == ('bfloat16', 'default', 'train', 64, 2)
@@ -162,6 +162,16 @@ def test_sweep_ends_a_curve_at_the_budget(tool, capsys, tmp_path):
     (row,) = bench.read_report(tmp_path / 's.json', sweep=True)['rows']
     assert row['input_size'] == [3, 32, 32] and row['exceeded'][0].startswith('cpu time')
     assert '| cvt_ls_13 | 32x32 | 1 |' in (tmp_path / 's.md').read_text() and (tmp_path / 's.png').exists()
+
+
+def test_sweep_exponents(tool):
+    rows = [dict(label='m', input_size=[3, s, s], latency_ms=2 * s ** 3, peak_mib=s * s, gflops=7.0)
+            for s in (8, 16, 32)]
+    rows.append(dict(label='one', input_size=[3, 32, 32], latency_ms=1.0, peak_mib=None))
+    fits = tool.sweep_exponents(rows, fit_min=16)  # y = c * pixels ** k: time 1.5, memory 1, FLOPs 0
+    assert (fits['m']['sizes'], fits['m']['cpu_time']) == ([16, 32], None)
+    assert [fits['m'][k] for k in ('time', 'memory', 'flops')] == pytest.approx([1.5, 1.0, 0.0])
+    assert fits['one'] == dict(time=None, cpu_time=None, memory=None, flops=None, sizes=[32])  # one size: no fit
 
 
 @pytest.mark.parametrize('path', sorted((ROOT / 'docs' / 'benchmarks').glob('*.json')), ids=lambda p: p.name)

@@ -21,7 +21,6 @@ from lsvision.bench import (
     combine,
     create_model,
     csv_text,
-    fit_exponent,
     is_out_of_memory,
     markdown_table,
     measure,
@@ -155,14 +154,6 @@ def test_reports_and_plot(tmp_path):
     png = plot({'m, inference': [(8, 150.0, 10.0), (16, 400.0, None)]}, tmp_path / 'p.png', 'title')
     assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert markdown_table(['a', 'b'], [['x', '1']]) == '| a | b |\n| --- | ---: |\n| x | 1 |'
-
-
-def test_fit_exponent():
-    xs = [1e4, 4e4, 1.6e5]
-    assert fit_exponent(xs, [3 * x ** 1.5 for x in xs]) == pytest.approx(1.5)
-    assert fit_exponent([5.0, 5.0], [1.0, 2.0]) is None
-    with pytest.raises(ValueError):
-        fit_exponent([1.0, -2.0], [1.0, 2.0])
 
 
 def test_specs():

@@ -16,8 +16,10 @@ and memory against input size until a budget) and ``cards`` (model_cards/ and th
 import argparse
 import functools
 import json
+import math
 import os
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -48,7 +50,6 @@ VISION_SUITES: Dict[str, Dict[str, Any]] = {
                 models=['pvt_v2_b2_grc', 'swin_tiny_patch4_window7_224_grc', 'deit_small_patch16_224_grc'],
                 baseline=None, bench='inference', points=[(None, 1), (None, 8)]),
 }
-KINDS = {'inference': ['inference'], 'train': ['train'], 'both': ['inference', 'train']}
 CARD_FIELDS = dict(params=None, gflops=3, mactivations=1, input_size=None, batch_size=None, images_per_s=2,
                    latency_ms=1, latency_p10_ms=1, latency_p90_ms=1, timed_passes=None)
 """The measured fields a card stores, and the digits each is rounded to."""
@@ -114,7 +115,6 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
                         'docs/benchmarks)')
     parser.add_argument('--suite', choices=[*VISION_SUITES, 'sequence', 'hsw'], default=None,
                         help='run a named comparison; --models/--img-size/... override its defaults')
-    parser.add_argument('--train', action='store_true', help=argparse.SUPPRESS)  # `run --train`: --bench both
     parser.add_argument('--lengths', nargs='+', type=int, default=None, help='sequence, hsw: tokens per sequence')
     parser.add_argument('--names', nargs='+', default=None,
                         help='sequence: only these configurations (e.g. sdpa_full); hsw: of HSW, HSW-LS, flat')
@@ -164,7 +164,8 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
         if args.reparam:
             point_specs += [s + '@reparam' for s in point_specs if '@' not in s]
         log(f"Point {f'{size}x{size}' if size else 'native size'}, batch {batch}: {', '.join(point_specs)}")
-        jobs = {s: [model_job(s, args, size, batch, kind) for kind in KINDS[args.bench]] for s in point_specs}
+        kinds = ['inference', 'train'] if args.bench == 'both' else [args.bench]
+        jobs = {s: [model_job(s, args, size, batch, kind) for kind in kinds] for s in point_specs}
         rows += measure_rows(jobs, args, [size, batch], baseline)
     bench.add_ratios(rows)
     return rows
@@ -314,9 +315,8 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
             r.update(latency_runs_ms=[t * r['time_scale'] for t in r['latency_runs_ms']], params=r['full_params'])
         bench.add_ratios(point_rows)
         rows += point_rows
-        by = {r['label']: r for r in point_rows}
-        flat = by.get('flat', {}).get('latency_ratio_paired', by.get('flat', {}).get('latency_ratio'))
-        ls = by.get('HSW-LS', {}).get('latency_ratio_paired', by.get('HSW-LS', {}).get('latency_ratio'))
+        ratios = {r['label']: r.get('latency_ratio_paired', r.get('latency_ratio')) for r in point_rows}
+        flat, ls = ratios.get('flat'), ratios.get('HSW-LS')
         summary.append([str(n), '-' if flat is None else f'{flat:.1f}x', '-' if flat is None or n not in HSW_TARGETS
                         else f">= {HSW_TARGETS[n]:.0f}x: {'met' if flat >= HSW_TARGETS[n] else 'NOT met'}",
                         '-' if ls is None else f'{ls:.2f}x',
@@ -372,15 +372,16 @@ def add_timing_args(parser: argparse.ArgumentParser, warmup: int, budget: float,
 
 
 def sweep_exponents(rows: Sequence[Dict[str, Any]], fit_min: int) -> Dict[str, Dict[str, Any]]:
-    """Each curve's exponents of time, CPU time, memory and FLOPs against the pixel count, from size ``fit_min``."""
+    """Each curve's exponents of time, CPU time, memory and FLOPs against the pixel count, from size ``fit_min``: the
+    least-squares slopes in log-log (None below two sizes)."""
     out = {}
     for label in dict.fromkeys(r['label'] for r in rows):
         pts = [r for r in rows if r['label'] == label and r['input_size'][1] >= fit_min and r.get('latency_ms')]
         fits = {}
         for what, key in (('time', 'latency_ms'), ('cpu_time', 'inference_cpu_ms_per_image'), ('memory', 'peak_mib'),
                           ('flops', 'gflops')):
-            xy = [(r['input_size'][1] ** 2, r[key]) for r in pts if r.get(key)]
-            fits[what] = bench.fit_exponent(*zip(*xy)) if xy else None
+            xy = [(math.log(r['input_size'][1] ** 2), math.log(r[key])) for r in pts if r.get(key)]
+            fits[what] = statistics.linear_regression(*zip(*xy)).slope if len({x for x, _ in xy}) > 1 else None
         out[label] = {**fits, 'sizes': [r['input_size'][1] for r in pts]}
     return out
 
@@ -497,7 +498,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         parser.error('--threads must be at least 1')
     if args.command == 'bench':
-        args.bench = 'both' if args.train else args.bench or (None if args.suite else 'inference')
+        args.bench = args.bench or (None if args.suite else 'inference')
         if args.repeats < 1:
             parser.error('--repeats must be at least 1')
     return args
