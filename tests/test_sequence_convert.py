@@ -99,8 +99,7 @@ def test_char_lm_round_trip_through_official_layout(wrapped, tmp_path):
 @pytest.fixture(scope='module')
 def official_char_lm_keys(golden_root):
     path = golden_root / 'char_lm_official' / 'keys.json'
-    if not path.exists():
-        pytest.skip(f'{path} not found')
+    assert path.exists(), f'{path} is missing: copy it from ../shared/golden/char_lm_official/ (tests/golden/README.md)'
     return json.loads(path.read_text())
 
 
