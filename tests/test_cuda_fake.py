@@ -137,7 +137,7 @@ def test_fake_cuda_causal_long_short_trains():
 
 def test_fake_cuda_dynamic_projection_runs_block_diagonal():
     """On CUDA the dynamic projection's products run for all heads at once (one matmul each for keys and values,
-    forward), where at this size (r N C = 4 x 40000 x 32, above `_BLOCK_DIAGONAL_MAX_MACS`) the CPU runs one matmul per
+    forward), where at this size (r N C = 4 x 40000 x 32, above `BLOCK_DIAGONAL_MAX_MACS`) the CPU runs one matmul per
     head: the same layer on the fake CPU device shows the difference."""
     calls = {}
     for device in ('cuda', 'cpu'):

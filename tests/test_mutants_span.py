@@ -1,13 +1,14 @@
-"""Tests written to kill mutants of the span attention core (`lsvision/layers/span_attention.py`: forward, the
-batched-matmul and flash backwards, the shared-key join) that survived the dense-reference tests of
-`tests/test_span_attention.py` (docs/testing.md, "Mutation testing").
+"""Tests written to kill mutants of the span attention core (`lsvision/layers/span_attention.py` and its modules
+`span_segments`, `span_blocks`, `span_fused`: forward, the batched-matmul and flash backwards, the shared-key join)
+that survived the dense-reference tests of `tests/test_span_attention.py` (docs/testing.md, "Mutation testing").
 
-`span_attention` itself against `dense_span_attention`, a per-query restatement written here: each query attends to
-the shared keys and to the K^ndim keys of its segment's span (the segment's origin minus s, zero vectors outside the
-map), with the mask entry of its (segment, offset in the segment, key offset), one softmax. Forward outputs and, by
-autograd through the reference, the gradients of q, kv, the shared keys and the mask, in fp64. Cheap (tiny maps):
-the gradcheck tests of test_span_attention.py cover the same paths against finite differences, too slowly to run
-for every mutant.
+`span_attention` itself against the library's dense reference, `span_attention_reference` (masked full attention
+over the zero-padded map): forward outputs and, by autograd through the reference, the gradients of q, kv, the shared
+keys and the mask, in fp64. The reference itself is checked against `dense_span_attention`, a per-query restatement
+written here: each query attends to the shared keys and to the K^ndim keys of its segment's span (the segment's
+origin minus s, zero vectors outside the map), with the mask entry of its (segment, offset in the segment, key
+offset), one softmax. Cheap (tiny maps): the gradcheck tests of test_span_attention.py cover the same paths against
+finite differences, too slowly to run for every mutant.
 """
 import itertools
 from typing import List, Optional, Sequence
@@ -15,7 +16,7 @@ from typing import List, Optional, Sequence
 import pytest
 import torch
 
-from lsvision.layers.span_attention import span_attention
+from lsvision.layers.span_attention import span_attention, span_attention_reference
 
 
 def _row_major(index: Sequence[int], sizes: Sequence[int]) -> int:
@@ -111,7 +112,7 @@ def test_span_attention_matches_dense_reference_fp64(spatial, w, span_pad, S, ma
     in float32 (cast to the queries' dtype) and none."""
     q, kv, shared, mask = _inputs(spatial, w, span_pad, S)
     mask = {'grad': mask, 'constant': mask, 'float32': mask.float(), 'none': None}[mask_kind]
-    want = dense_span_attention(q, kv, shared, mask, w, 0.7, span_pad)
+    want = span_attention_reference(q, kv, shared, mask, w, 0.7, span_pad)
     with torch.no_grad():
         torch.testing.assert_close(span_attention(q, kv, shared, mask, w, 0.7, 0., span_pad), want, rtol=0,
                                    atol=1e-12)
@@ -120,7 +121,7 @@ def test_span_attention_matches_dense_reference_fp64(spatial, w, span_pad, S, ma
         mask = mask.clone().requires_grad_()
         inputs.append(mask)
     out = span_attention(*inputs[:3], mask, w, 0.7, 0., span_pad)
-    ref = dense_span_attention(*inputs[:3], mask, w, 0.7, span_pad)
+    ref = span_attention_reference(*inputs[:3], mask, w, 0.7, span_pad)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     weight = torch.randn_like(out)
     for name, a, b in zip(['q', 'kv', 'shared', 'mask'], _grads(out, inputs, weight), _grads(ref, inputs, weight)):
@@ -142,7 +143,7 @@ def test_span_attention_dropout_matches_dense_reference_fp64(spatial, w, span_pa
     shape = mask.shape[:4] + (S + (w + 2 * s) ** len(spatial),)
     torch.manual_seed(1)
     keep = torch.rand((q.shape[0],) + shape[1:], dtype=torch.float64) >= p
-    ref = dense_span_attention(*inputs, w, 0.7, span_pad, keep=keep, dropout_p=p)
+    ref = span_attention_reference(*inputs, w, 0.7, span_pad, keep=keep, dropout_p=p)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     weight = torch.randn_like(out)
     for name, a, b in zip(['q', 'kv', 'shared', 'mask'], _grads(out, inputs, weight), _grads(ref, inputs, weight)):
@@ -153,7 +154,7 @@ def test_span_attention_default_is_without_dropout():
     q, kv, shared, mask = _inputs((5, 11), 3, None, 2)
     with torch.no_grad():
         torch.testing.assert_close(span_attention(q, kv, shared, mask, 3, 0.7),
-                                   dense_span_attention(q, kv, shared, mask, 3, 0.7, None), rtol=0, atol=1e-12)
+                                   span_attention_reference(q, kv, shared, mask, 3, 0.7, None), rtol=0, atol=1e-12)
 
 
 def test_span_attention_with_autograd_on_and_no_input_needing_it():
@@ -161,7 +162,7 @@ def test_span_attention_with_autograd_on_and_no_input_needing_it():
     q, kv, shared, _ = _inputs((5, 11), 3, None, 2)
     out = span_attention(q, kv, shared, None, 3, 0.7)
     assert not out.requires_grad
-    torch.testing.assert_close(out, dense_span_attention(q, kv, shared, None, 3, 0.7, None), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, span_attention_reference(q, kv, shared, None, 3, 0.7, None), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize('spatial,w', [((9,), 2), ((5, 11), 3), ((9, 10), 4)])
@@ -176,7 +177,7 @@ def test_span_attention_under_bf16_autocast(spatial, w):
     weight = torch.randn(out.shape, dtype=torch.float64)
     grads = torch.autograd.grad((out.double() * weight).sum(), inputs)
     ref_inputs = [t.detach().double().requires_grad_() for t in inputs]
-    ref = dense_span_attention(*ref_inputs, mask, w, 0.7, None)
+    ref = span_attention_reference(*ref_inputs, mask, w, 0.7, None)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2 * ref.abs().max().item())
     for a, b in zip(grads, _grads(ref, ref_inputs, weight)):
         assert a.dtype == torch.float32
@@ -192,8 +193,37 @@ def test_span_attention_mask_gradient_of_other_mask_shapes(shape):
         mask = mask[0, 0] if shape == 'segments' else mask.expand(2, -1, -1, -1, -1).contiguous()
         inputs = [t.clone().requires_grad_() for t in (q, kv, shared, mask)]
         out = span_attention(*inputs, w, 0.7, 0., None)
-        ref = dense_span_attention(*inputs[:3], inputs[3].expand((2, 2) + mask.shape[-3:]), w, 0.7, None)
+        ref = span_attention_reference(*inputs[:3], inputs[3].expand((2, 2) + mask.shape[-3:]), w, 0.7, None)
         weight = torch.randn_like(out)
         for a, b in zip(_grads(out, inputs, weight), _grads(ref, inputs, weight)):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize('spatial,w,span_pad,S', CASES)
+def test_library_reference_equals_the_per_query_restatement(spatial, w, span_pad, S):
+    """`span_attention_reference` (masked full attention) against `dense_span_attention` (each query's own keys): a
+    mask per head, segment and offset, one broadcast over the query offsets, none; with a dropout keep-mask."""
+    q, kv, shared, mask = _inputs(spatial, w, span_pad, S)
+    for m in (mask, mask[:, :, :, :1], None):
+        torch.testing.assert_close(span_attention_reference(q, kv, shared, m, w, 0.7, span_pad),
+                                   dense_span_attention(q, kv, shared, m, w, 0.7, span_pad), rtol=0, atol=1e-12)
+    keep = torch.rand(mask.shape[:4] + (S + mask.shape[-1],)).expand(2, -1, -1, -1, -1) >= 0.3
+    torch.testing.assert_close(span_attention_reference(q, kv, shared, mask, w, 0.7, span_pad, keep, 0.3),
+                               dense_span_attention(q, kv, shared, mask, w, 0.7, span_pad, keep, 0.3), rtol=0,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize('spatial,w', [((9,), 2), ((5, 11), 3)])
+def test_reference_tells_a_changed_mask_entry_or_span(spatial, w):
+    """The comparisons above can fail: one mask entry changed by 1 or a span one key wider on each side moves the
+    reference's output by far more than their tolerance."""
+    q, kv, shared, mask = _inputs(spatial, w, None, 2)
+    out = span_attention(q, kv, shared, mask, w, 0.7)
+    torch.testing.assert_close(span_attention_reference(q, kv, shared, mask, w, 0.7), out, rtol=0, atol=1e-12)
+    changed = mask.clone()
+    changed[0, 1, 1, 1, 2] += 1.
+    assert (span_attention_reference(q, kv, shared, changed, w, 0.7) - out).abs().max() > 1e-3
+    s = max(w // 2, 1)
+    wider = span_attention_reference(q, kv, shared, None, w, 0.7, span_pad=s + 1)
+    assert (wider - span_attention(q, kv, shared, None, w, 0.7)).abs().max() > 1e-3

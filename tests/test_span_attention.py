@@ -14,16 +14,9 @@ import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
 from lsvision.layers import long_short as long_short_module
 from lsvision.layers._private_sdpa import efficient_bias
-from lsvision.layers.span_attention import (
-    _fold_block_keys,
-    _fold_spans,
-    _gather_block_keys,
-    _gather_spans,
-    _span_forward,
-    block_segments,
-    span_attention,
-    window_span,
-)
+from lsvision.layers.span_attention import _span_forward, block_segments, span_attention, window_span
+from lsvision.layers.span_blocks import _fold_block_keys, _gather_block_keys
+from lsvision.layers.span_segments import _fold_spans, _gather_spans
 from lsvision.models.cvt import ConvDynamicProjection, SepConvQkv
 
 LAYERS = {'linear': {}, 'conv': dict(qkv_layer=SepConvQkv, dp_layer=ConvDynamicProjection)}
@@ -82,7 +75,7 @@ def test_dynamic_projection_head_paths_match_dense_reference_fp64(monkeypatch, b
     """The dynamic projection's products in training, per head or block-diagonal over the heads
     (`_block_diagonal_heads`, by size): each gives the dense reference's gradients, in 2D (3 heads, a prefix token)
     and 1D (2 heads, padding, cls)."""
-    monkeypatch.setattr(long_short_module, '_BLOCK_DIAGONAL_MAX_MACS', 2 ** 40 if block_diagonal else 0)
+    monkeypatch.setattr(long_short_module, 'BLOCK_DIAGONAL_MAX_MACS', 2 ** 40 if block_diagonal else 0)
     assert long_short_module._block_diagonal_heads(torch.empty(1, 3, 2, 10), 24) == block_diagonal
     torch.manual_seed(0)
     attn = _perturb(LongShortAttention2d(24, 3, 4, 2, **LAYERS['conv'])).double().train()

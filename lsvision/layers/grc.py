@@ -44,6 +44,7 @@ from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 from .export import refuse_legacy_onnx_export
 from .matmul_attention import matmul_attention, scaled_dot_product_attention
 from .reparam import FoldableModule
+from .tuning import GRC_MATMUL_MAX_SCORES
 
 __all__ = [
     'GatedRecurrentCache', 'GatedRecurrentCache1d', 'GrcAttention', 'GrcConfig', 'GrcMemoryAttention', 'attach_grc',
@@ -113,11 +114,6 @@ class GrcConfig:
             raise TypeError(f'pass either grc_config or {", ".join(sorted(given))}, not both')
         return config if config is not None else cls(**{fields[k]: v for k, v in given.items()})
 
-# Window memory attention with at most this many scores per (window, head) runs as batched matmuls on CPU (see
-# `GrcMemoryAttention.attend`); Swin's 7x7 windows have 49 x 49.
-_SMALL_WINDOW_SCORES = 64 * 64
-
-
 def _cat_bias(
         a: Optional[torch.Tensor], b: Optional[torch.Tensor], c: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if a is None or b is None:
@@ -184,7 +180,7 @@ class GrcMemoryAttention(FoldableModule):
         # SDPA also for the window memory branch (timm's self branch asks for it only as 'experimental'); small windows
         # on CPU run as batched matmuls instead (see `attend`)
         self.fused_attn = use_fused_attn()
-        self.matmul_max_scores = _SMALL_WINDOW_SCORES
+        self.matmul_max_scores = GRC_MATMUL_MAX_SCORES
         if self.window_size is not None:
             wh, ww = self.window_size
             self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * wh - 1) * (2 * ww - 1), num_heads, **dd))

@@ -33,6 +33,7 @@ from .span_attention import (
     span_window_key_mask,
     window_span,
 )
+from .tuning import BLOCK_DIAGONAL_MAX_MACS
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'LinearDynamicProjection',
@@ -220,19 +221,11 @@ def _bmm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.bmm(a, b, out=out)
 
 
-# The dynamic projection's products run for all heads at once, block-diagonal (h times the multiply-adds of the
-# per-head products, in one matmul each), where a sample's r x N x C multiply-adds are at most this many; above it,
-# one matmul per head. On 2 CPU cores, the products' forward + backward in one layer: CvT-LS stage 3 at 224 px batch
-# 8 (r N C = 0.3M) 3.2 ms against 6.5 ms per head, at 384 px batch 2 (0.9M) 2.0 against 3.3 ms; at 768 px (3.5M) 6.0
-# against 5.3 ms, stage 2 at 384 px (7.1M) 7.6 against 6.9 ms. Each per-head matmul costs a fixed overhead per sample,
-# the block-diagonal ones h times the arithmetic. CUDA always runs them block-diagonal (one launch instead of h).
-_BLOCK_DIAGONAL_MAX_MACS = 2 ** 21
-
-
 def _block_diagonal_heads(proj: torch.Tensor, channels: int) -> bool:
-    """Whether `_LocalNormProjection` runs all heads in one block-diagonal matmul (see `_BLOCK_DIAGONAL_MAX_MACS`)."""
+    """Whether `_LocalNormProjection` runs all heads in one block-diagonal matmul (h times the multiply-adds of the
+    per-head products, one matmul instead of h): always on CUDA, on CPU up to `tuning.BLOCK_DIAGONAL_MAX_MACS`."""
     _, h, r, n = proj.shape
-    return h > 1 and (proj.device.type != 'cpu' or r * n * channels <= _BLOCK_DIAGONAL_MAX_MACS)
+    return h > 1 and (proj.device.type != 'cpu' or r * n * channels <= BLOCK_DIAGONAL_MAX_MACS)
 
 
 class _LocalNormProjection(torch.autograd.Function):

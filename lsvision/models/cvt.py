@@ -41,6 +41,7 @@ from lsvision.layers import LongShortAttention2d, scaled_dot_product_attention
 from lsvision.layers.autocast import autocast_dtype, autocast_off
 from lsvision.layers.export import captures_graph
 from lsvision.layers.reparam import FoldableModule
+from lsvision.layers.tuning import FUSE_CONVS_MAX_POSITIONS
 
 from ._checkpoint import check_filtered_keys
 from ._hierarchical import ConvEmbed, HierarchicalTransformer, TransformerStage
@@ -287,19 +288,13 @@ class ConvDynamicProjection(FoldableModule):
         return F.linear(x, self.pw.weight.flatten(1), self.pw.bias)  # the 1x1 conv as a GEMM on tokens
 
 
-# A reparameterized CvT-LS layer runs its four depthwise convs as one conv up to this many map positions
-# (batch x H x W): measured in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at
-# batch 8 as well, stage 3 (1568 positions) was no faster and stage 1 slower.
-_FUSE_CONVS_MAX_POSITIONS = 1024
-
-
 class FusedConvProjections(FoldableModule):
     """The CvT-LS q, k, v convs and projection-logit conv of a reparameterized `LongShortAttention2d`, for inference.
 
     The four depthwise convs (q, k, v with BatchNorm folded in, the projection's standardized conv) read the same
     patch map; their filters are stored concatenated, so on small maps one depthwise conv over four copies of the map
     gives all four outputs (oneDNN spends a fixed ~50-100 us per depthwise conv call on CPU, which dominates on small
-    maps); on larger maps (more than `_FUSE_CONVS_MAX_POSITIONS` positions, batch included) each filter set runs as
+    maps); on larger maps (more than `FUSE_CONVS_MAX_POSITIONS` positions, batch included) each filter set runs as
     its own conv, which was faster there. The same math either way (tested). The pointwise convs read their channel
     slice. Built by `SepConvQkv.fuse_projections` (when `LongShortAttention2d.reparameterize`
     calls it); inference-only.
@@ -321,7 +316,7 @@ class FusedConvProjections(FoldableModule):
             self.register_buffer('qkv_bias', torch.stack([c.pw.bias for c in convs]))  # (3, C)
             self.register_buffer('proj_weight', dynamic_proj.pw.weight.flatten(1).clone())  # (h * r, C)
             self.register_buffer('proj_bias', dynamic_proj.pw.bias.clone())
-        self.max_fused_positions = _FUSE_CONVS_MAX_POSITIONS
+        self.max_fused_positions = FUSE_CONVS_MAX_POSITIONS
         self._set_reparameterized()
 
     def forward(
