@@ -1,13 +1,10 @@
 """Measuring models on standard libraries: time, peak memory and FLOPs, each in a fresh process, with paired ratios.
 
-* :func:`measure` measures one :class:`Job` (a model, an input, inference or a training step): after warm-up,
-  ``torch.utils.benchmark.Timer.blocked_autorange`` times it; peak memory is ``torch.cuda.max_memory_allocated`` on
-  CUDA and ``getrusage(RUSAGE_SELF).ru_maxrss`` on CPU, a lifetime peak: hence a fresh process per measurement.
-* :func:`run_jobs` runs jobs in fresh processes (``ProcessPoolExecutor``, spawn, one task each) in alternating order
-  over repeats, retrying out-of-memory at a smaller batch; :func:`combine` pools a job's runs and :func:`add_ratios`
-  adds ratios to a baseline, pooled and paired (per round). :func:`write_reports` and :func:`plot` write them.
-* Model specs: a timm name with ``@full`` (ViL-LS with full attention in every stage), ``@noattn`` (every block's
-  attention a no-op), ``@projonly`` (the attention runs its projections only) or ``@reparam`` (folded) if asked.
+:func:`measure` times one :class:`Job` with ``Timer.blocked_autorange`` after warm-up; its peak memory is CUDA's
+``max_memory_allocated`` or the CPU's ``ru_maxrss``, a lifetime peak: hence a fresh process per measurement
+(:func:`run_jobs`, in alternating order over repeats). :func:`combine` pools a job's runs, :func:`add_ratios` adds
+pooled and paired ratios to a baseline. Model specs: a timm name with ``@full`` (ViL-LS with full attention in every
+stage), ``@noattn`` (every block's attention a no-op), ``@projonly`` (its projections only) or ``@reparam`` (folded).
 """
 import contextlib
 import csv
@@ -379,13 +376,11 @@ _MEMORY = {'inference': 'peak_mib', 'train': 'train_memory_mib'}
 
 
 def combine(runs_by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
-    """One row from the runs of one model at one point: per kind, the per-pass times of all runs pooled (median,
-    p10-p90), the median of each run (for paired ratios) and memory the median over the runs."""
+    """One row from the runs of one model at one point (FLOPs from the first kind's first run): per kind, the per-pass
+    times of all runs pooled (median, p10-p90), the median of each run (for paired ratios), memory their median."""
     first = next(iter(runs_by_kind.values()))[0]
     row = {k: v for k, v in first.items() if k not in ('timing', 'peak_mib', 'pid', 'kind', 'repeat')}
     row['pids'] = {kind: [r['pid'] for r in runs] for kind, runs in runs_by_kind.items()}
-    for runs in runs_by_kind.values():
-        row.update({k: runs[0][k] for k in ('gflops', 'mactivations', 'unsupported_ops') if k in runs[0]})
     for kind, runs in runs_by_kind.items():
         p, batch = _PREFIX[kind], runs[-1]['batch_size']
         t = timing_stats([x for r in runs for x in r['timing']['times_s']], sum(r['timing']['passes'] for r in runs))
@@ -526,10 +521,9 @@ def csv_text(rows: Sequence[Dict[str, Any]]) -> str:
     """The scalar fields of the rows as CSV (lists joined by 'x'; nested timings stay in the JSON)."""
     keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, dict)))
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator='\n')
-    writer.writerow(keys)
-    writer.writerows([['x'.join(map(str, r[k])) if isinstance(r.get(k), list) else r.get(k) for k in keys]
-                      for r in rows])
+    writer = csv.DictWriter(buf, keys, extrasaction='ignore', lineterminator='\n')
+    writer.writeheader()
+    writer.writerows({k: 'x'.join(map(str, v)) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
     return buf.getvalue()
 
 

@@ -1,10 +1,6 @@
-"""The model cards and README's models table, rendered from stored measurements and the papers' data.
-
-``python tools/benchmark.py cards`` measures each registered model (parameters, FLOPs at the native size, batch-1
-throughput, the machine and its load) into ``model_cards/measurements.json``; :func:`render_outputs` turns those plus
-the papers' numbers, sources and family texts (``lsvision.models.papers``) and the released weights of each model's
-timm pretrained cfgs (:func:`released_weights`) into ``model_cards/<model>.md`` and the README table (between
-:data:`README_START` and :data:`README_END`). The tests check that both are what this generator writes.
+"""The model cards and README's models table (:func:`render_outputs`), from the measurements that ``python
+tools/benchmark.py cards`` stores in ``model_cards/measurements.json``, the papers' data (``lsvision.models.papers``)
+and the released weights of each model's timm pretrained cfgs; the tests check the committed files are what it writes.
 """
 
 import re
@@ -76,11 +72,8 @@ def _pretrained_on(tag: str) -> str:
 
 
 def released_weights(name: str) -> List[ReleasedWeights]:
-    """The pretrained tags of ``name`` that have weights (hub id or URL), the default tag first.
-
-    Raises:
-        ValueError: If such a cfg's notes give no "top-1 reported by the authors: N %", or its tag no dataset.
-    """
+    """The pretrained tags of ``name`` that have weights (hub id or URL), the default tag first; a ValueError if such a
+    cfg's notes give no "top-1 reported by the authors: N %", or its tag no dataset."""
     released = []
     for tag, cfg in get_arch_pretrained_cfgs(name).items():
         if cfg.hf_hub_id:

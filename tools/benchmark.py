@@ -145,13 +145,9 @@ def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, poi
     for k in range(len(next(iter(jobs.values())))):
         kind_jobs = [jobs[s][k] if k == 0 else replace(jobs[s][k], flops=False) for s in specs]
         by_kind[kind_jobs[0].kind] = bench.run_jobs(kind_jobs, args.repeats, retry=not args.no_retry, log=log)
-    rows = []
-    for i, spec in enumerate(specs):
-        row = bench.combine({kind: runs[i] for kind, runs in by_kind.items()})
-        base = spec[:-len('@reparam')] if spec.endswith('@reparam') else baseline
-        row.update(spec=spec, point=point, baseline=base)
-        rows.append(row)
-    return rows
+    return [dict(bench.combine({kind: runs[i] for kind, runs in by_kind.items()}), spec=spec, point=point,
+                 baseline=spec.removesuffix('@reparam') if spec.endswith('@reparam') else baseline)
+            for i, spec in enumerate(specs)]
 
 
 def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argparse.Namespace,
@@ -171,11 +167,6 @@ def benchmark_models(specs: Sequence[str], points: Sequence[Point], args: argpar
     return rows
 
 
-def model_specs(patterns: Sequence[str], baseline: Optional[str]) -> List[str]:
-    specs = bench.resolve_specs(patterns)
-    return specs + ([baseline] if baseline is not None and baseline not in specs else [])
-
-
 def settings_of(args: argparse.Namespace) -> Dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != 'command'}
 
@@ -185,7 +176,7 @@ def run_models(args: argparse.Namespace) -> int:
     if not args.models:
         raise ValueError('name the models to benchmark: --models NAME [NAME ...] (or a --suite)')
     points = resolve_points(args.img_size, args.batch_size, args.points)
-    specs = model_specs(args.models, args.baseline)
+    specs = bench.resolve_specs(args.models + ([args.baseline] if args.baseline else []))  # the baseline measured too
     if args.results_file is not None and args.results_file.suffix.lower() not in ('.csv', '.json', '.md'):
         raise ValueError(f'--results-file {args.results_file}: the suffix must be .csv, .json or .md')
     log(f'Machine: {bench.machine_description(args.device)}')
@@ -236,8 +227,8 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
             raise ValueError('--suite grc needs GRC models (NAME_grc)')
         groups = [([s[:-4], s], s[:-4]) for s in grc]
     else:
-        groups = [(model_specs(args.models or suite['models'], args.baseline or suite['baseline']),
-                   args.baseline or suite['baseline'])]
+        baseline = args.baseline or suite['baseline']
+        groups = [(bench.resolve_specs((args.models or suite['models']) + [baseline]), baseline)]
     references = None if args.models else suite.get('references')
     log(f'Machine: {bench.machine_description(args.device)}')
     rows = [r for specs, base in groups for r in benchmark_models(specs, points, args, base, references)]
@@ -321,9 +312,8 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
                         else f">= {HSW_TARGETS[n]:.0f}x: {'met' if flat >= HSW_TARGETS[n] else 'NOT met'}",
                         '-' if ls is None else f'{ls:.2f}x',
                         '-' if ls is None else f"<= {HSW_LS_TARGET}x: {'met' if ls <= HSW_LS_TARGET else 'NOT met'}"])
-    body = (bench.benchmark_table(rows) + '\n\nThe flat encoder above --flat-full-max tokens: 1 of its 8 blocks '
-            'timed, x 8. '
-            "Ratios: paired (median over the rounds of each round's ratio) where there are 2 rounds or more.\n\n"
+    body = (f'{bench.benchmark_table(rows)}\n\nThe flat encoder above --flat-full-max tokens: 1 of its 8 blocks timed, '
+            f'x 8. {bench.RATIOS_EXPLAINED}\n\n'
             + bench.markdown_table(['tokens', 'flat / HSW', 'target', 'HSW-LS / HSW', 'target'], summary))
     series: Dict[str, List[Tuple[float, Any, Any]]] = {}
     for r in rows:
@@ -389,10 +379,8 @@ def sweep_exponents(rows: Sequence[Dict[str, Any]], fit_min: int) -> Dict[str, D
 def write_sweep(result: Dict[str, Any], stem: Path) -> None:
     """Writes a sweep's JSON, markdown (rows and exponents) and plot."""
     result['exponents'] = sweep_exponents(result['rows'], result['fit_min'])
-    fmt = lambda v: '-' if v is None else f'{v:.2f}'  # noqa: E731
-    exps = [[label, ', '.join(map(str, e['sizes'])) or 'none'] + [fmt(e[k]) for k in ('time', 'cpu_time', 'memory',
-                                                                                     'flops')]
-            for label, e in result['exponents'].items()]
+    exps = [[label, ', '.join(map(str, e['sizes'])) or 'none'] + ['-' if e[k] is None else f'{e[k]:.2f}' for k in
+             ('time', 'cpu_time', 'memory', 'flops')] for label, e in result['exponents'].items()]
     text = (f"## Time and peak memory against input size\n\nProduced by `{result['command']}`.\n\nMeasured on: "
             f"{result['machine']}.\n\nBudget: {result['budget']}; a curve ends at the first size over it. Batch 1, "
             'each point in a fresh process; peak memory above the memory once model and input exist.\n\n'
