@@ -401,12 +401,17 @@ class _RunsCodeWhenUnpickled:
         return _record_unpickling, ('code ran',)
 
 
-def test_official_checkpoint_file_is_read_with_weights_only(tmp_path):
-    """A file that would run code when unpickled (an object of any class) is refused before anything runs."""
+@pytest.mark.parametrize('force_no_weights_only', [False, True])
+def test_official_checkpoint_file_is_read_with_weights_only(force_no_weights_only, tmp_path, monkeypatch):
+    """A file that would run code when unpickled (an object of any class) is refused before anything runs, also
+    where TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 is set (torch lets it override only calls that leave weights_only
+    out)."""
     import pickle
 
     from lsvision.sequence.convert import load_official_checkpoint
 
+    if force_no_weights_only:
+        monkeypatch.setenv('TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD', '1')
     file = tmp_path / 'checkpoint_best.pt'
     torch.save(dict(_official_char_lm_file(), extra=_RunsCodeWhenUnpickled()), file)
     with pytest.raises(pickle.UnpicklingError, match='Weights only load failed'):
