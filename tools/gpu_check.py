@@ -9,11 +9,12 @@
 `--dry-run` lists what it would run. Self-contained on torch.utils.benchmark (no lsvision benchmark module).
 """
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
+
+from lsvision.bench import write_atomic, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # (label, model name, model kwargs, image size, batch)
@@ -63,14 +64,13 @@ def train_step_stats(name: str, kwargs: Dict, size: int, batch: int) -> Dict:
 
 
 def write_report(results: Dict[str, Dict], device: str, commit: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / 'gpu.json').write_text(json.dumps({'device': device, 'commit': commit, 'results': results}, indent=2))
+    write_json(out_dir / 'gpu.json', {'device': device, 'commit': commit, 'results': results})
     lines = ['# GPU training-step benchmark', '', f'`make gpu-check` on {device}, commit {commit}: one SGD step '
              'under bf16 autocast, median of torch.utils.benchmark blocked_autorange.', '',
              '| model | median ms | IQR ms | peak MiB |', '|---|---|---|---|']
     lines += [f"| {label} | {r['median_ms']:.1f} | {r['iqr_ms']:.1f} | {r['peak_mem_mib']:.0f} |"
               for label, r in results.items()]
-    (out_dir / 'gpu.md').write_text('\n'.join(lines) + '\n')
+    write_atomic(out_dir / 'gpu.md', lambda tmp: tmp.write_text('\n'.join(lines) + '\n'))
 
 
 def main(argv=None) -> int:
