@@ -44,6 +44,7 @@ from timm.layers import register_notrace_module, trunc_normal_, use_fused_attn
 from .export import refuse_legacy_onnx_export
 from .matmul_attention import matmul_attention, scaled_dot_product_attention
 from .reparam import FoldableModule
+from .softmax import softmax_fp32
 from .tuning import GRC_MATMUL_MAX_SCORES
 
 __all__ = [
@@ -322,7 +323,7 @@ class GrcMemoryAttention(FoldableModule):
         attn = (q * self.scale) @ k.transpose(-2, -1)
         if bias is not None:
             attn = attn + bias
-        attn = F.dropout(attn.softmax(dim=-1), self.attn_drop, self.training)
+        attn = F.dropout(softmax_fp32(attn), self.attn_drop, self.training)
         return attn @ v
 
 

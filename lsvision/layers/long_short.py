@@ -27,6 +27,7 @@ from .autocast import autocast_dtype, autocast_off
 from .export import captures_graph, refuse_legacy_onnx_export
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .reparam import FoldableModule
+from .softmax import mask_value, softmax_fp32
 from .span_attention import (
     span_attention,
     span_attention_local_norm,
@@ -163,13 +164,9 @@ def projection_weights(
         P: (B, h, r, n) in the dtype of `logits`; each row sums to 1 over the valid tokens.
     """
     B, n, hr = logits.shape
-    dtype = logits.dtype
-    if dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
     if valid is not None:
-        logits = logits.masked_fill(~valid[:, :, None], -3.4028234663852886e38)  # fp32 min: exp gives 0
-    proj = logits.transpose(1, 2).reshape(B, num_heads, hr // num_heads, n).softmax(dim=-1)
-    return proj.to(dtype)
+        logits = logits.masked_fill(~valid[:, :, None], mask_value(logits.dtype))  # exp gives 0
+    return softmax_fp32(logits.transpose(1, 2).reshape(B, num_heads, hr // num_heads, n))
 
 
 def project_keys_values(proj: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -451,7 +448,7 @@ class LongShortAttention2d(FoldableModule):
     def _window_mask(self, feat_size: Tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Additive mask of the window-span keys: (1, h or 1, Gy * Gx, w^2 or 1, K^2).
 
-        -inf on the zero-padded keys, plus the window relative-position bias if the layer has one.
+        `mask_value` on the zero-padded keys, plus the window relative-position bias if the layer has one.
         """
         ws = self.window_size
         mask = span_window_key_mask(list(feat_size), ws, dtype, device)[None, None, :, None]  # (1, 1, n, 1, K^2)
@@ -492,8 +489,7 @@ class LongShortAttention2d(FoldableModule):
             out_heads = out.reshape(B, -1, h, d).transpose(1, 2)  # (B, h, Np, d)
             scores_patch = torch.matmul(q_heads, out_heads.transpose(-1, -2))
         scores = torch.cat([scores_prefix, scores_patch], dim=-1)  # (B, h, g, g + Np)
-        attn = scores.float().softmax(dim=-1).to(q_heads.dtype) if scores.dtype in (
-            torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
+        attn = softmax_fp32(scores, out_dtype=q_heads.dtype)
         out_prefix = torch.matmul(attn[..., :g], kv_prefix[1])  # (B, h, g, d)
         if block_diagonal:
             out_patch = torch.matmul(attn[..., g:].transpose(1, 2).reshape(B, g * h, -1), out).reshape(B, g, h, h, d)

@@ -32,24 +32,11 @@ from torch.utils.checkpoint import checkpoint
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .long_short import local_norm_projection, project_keys_values, projection_weights
 from .matmul_attention import scaled_dot_product_attention
+from .softmax import mask_value, softmax_fp32
 from .span_attention import span_attention, span_attention_local_norm, window_span
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_frequencies',
            'sinusoid_positions']
-
-_MASKED = -3.4028234663852886e38  # fp32 min: masked scores get exactly 0 weight, all-masked rows stay finite
-
-
-def _mask_value(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).min
-
-
-def _softmax_fp32(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Softmax in at least fp32 (half precision is upcast; fp64 stays fp64), cast back."""
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return t.float().softmax(dim=dim).to(t.dtype)
-    return t.softmax(dim=dim)
-
 
 def sinusoid_frequencies(dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The Transformer-XL sinusoid frequencies w_k = 10000^(-2k/dim), k < dim/2, computed as the official
@@ -207,7 +194,7 @@ class LongShortAttention1d(nn.Module):
             key_ok[:, pad:pad + n] = True if valid is None else valid
             key_ok = key_ok.unfold(1, span, w)  # (B or 1, G, T)
             win_mask = torch.zeros(key_ok.shape, dtype=q.dtype, device=x.device).masked_fill(
-                ~key_ok, _mask_value(q.dtype))
+                ~key_ok, mask_value(q.dtype))
             # one joint softmax over [global | window span] keys; the backward gathers the spans again
             win_mask = win_mask[:, None, :, None, :]
             if recompute_norm:
@@ -230,7 +217,7 @@ class LongShortAttention1d(nn.Module):
             cls_mask = None
             if valid is not None:
                 cls_mask = torch.zeros(B, 1, 1, 1 + n, dtype=q.dtype, device=x.device)
-                cls_mask[:, 0, 0, 1:] = cls_mask[:, 0, 0, 1:].masked_fill(~valid, _mask_value(q.dtype))
+                cls_mask[:, 0, 0, 1:] = cls_mask[:, 0, 0, 1:].masked_fill(~valid, mask_value(q.dtype))
             cls_out = scaled_dot_product_attention(q_cls, cls_keys, cls_values, attn_mask=cls_mask, scale=1.)
             out = torch.cat([cls_out, out], dim=2)
         x = self.proj(self._merge(out))
@@ -337,16 +324,16 @@ def _causal_chunk(
     bar_masked = bar_masked | ~vector_ok
     bar_scores = q @ bar_k.transpose(-1, -2) + torch.gather(
         q @ seg_pos.transpose(-1, -2), -1, rho.clamp(0, max(m - 1, 0)).expand(B, h, Cq, m))
-    bar_scores = bar_scores.masked_fill(bar_masked, _mask_value(q.dtype))
+    bar_scores = bar_scores.masked_fill(bar_masked, mask_value(q.dtype))
     # window: blocks of W queries against the 2W keys [block start - W, block end), band t-W+1..t
     keys = win_k.unfold(2, 2 * W, W)  # (B, h, nb, d, 2W)
     q_blocks = q.unflatten(2, (nb, W))
     win_scores = (q_blocks + content_bias[:, None]) @ keys
     rel = ((q + pos_bias) @ win_pos.transpose(-1, -2)).unflatten(2, (nb, W))  # (B, h, nb, W, W) by delta
     win_scores = win_scores + torch.gather(rel, -1, win_index.expand(B, h, nb, W, 2 * W))
-    win_scores = win_scores.masked_fill(win_masked, _mask_value(q.dtype))
+    win_scores = win_scores.masked_fill(win_masked, mask_value(q.dtype))
     scores = torch.cat([bar_scores.unflatten(2, (nb, W)), win_scores], dim=-1)
-    attn = _softmax_fp32(scores, -1)
+    attn = softmax_fp32(scores, -1)
     attn = F.dropout(attn, p=dropout_p, training=dropout_p > 0)
     out = attn[..., :m].flatten(2, 3) @ bar_v
     out = out + (attn[..., m:] @ win_v.unfold(2, 2 * W, W).transpose(-1, -2)).flatten(2, 3)
@@ -522,10 +509,8 @@ class CausalLongShortAttention(nn.Module):
         num_seg = (Mp + Lp) // ls
         logits = torch.cat([self.dynamic_proj(pre), self.dynamic_proj(x)]
                            + ([x.new_zeros(B, Lp - L, h * r)] if Lp > L else []), dim=1)  # pads: masked below
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        logits = logits.masked_fill(~valid[None, :, None], _MASKED)
-        P = logits.reshape(B, num_seg, ls, h, r).softmax(dim=2).to(x.dtype)  # (B, S, l, h, r)
+        logits = logits.masked_fill(~valid[None, :, None], mask_value(logits.dtype))  # exp gives 0
+        P = softmax_fp32(logits.reshape(B, num_seg, ls, h, r), dim=2, out_dtype=x.dtype)  # (B, S, l, h, r)
         seg_valid = valid.reshape(num_seg, ls).any(1)
         nsc = Mp // ls
         cur_k, cur_v = self._project_average(P[:, nsc:], layout.x_cur)

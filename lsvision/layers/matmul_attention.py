@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .softmax import softmax_fp32
+
 __all__ = ['matmul_attention', 'scaled_dot_product_attention']
 
 
@@ -51,10 +53,7 @@ def matmul_attention(
         k.reshape(B * n, S, d).transpose(1, 2),
         alpha=d ** -0.5 if scale is None else scale,
     )
-    if attn.dtype in (torch.float16, torch.bfloat16):
-        attn = attn.float().softmax(dim=-1).to(q.dtype)
-    else:  # fp32 as is, fp64 not truncated
-        attn = attn.softmax(dim=-1)
+    attn = softmax_fp32(attn)
     if dropout_p > 0.:
         attn = F.dropout(attn, p=dropout_p)
     return torch.bmm(attn, v.reshape(B * n, S, v.shape[-1])).reshape(B, n, L, v.shape[-1])
@@ -90,15 +89,15 @@ def _traced_attention(
         scale: Optional[float],
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v as torch.matmul (fvcore's handle counts them); a boolean mask (or
-    `is_causal`) keeps the keys where it is True, as in SDPA. Softmax in fp32 for fp16/bf16 inputs."""
+    `is_causal`) keeps the keys where it is True, as in SDPA (-inf elsewhere, SDPA's semantics: a row with no key
+    left is NaN there too). Softmax in fp32 for fp16/bf16 inputs."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if is_causal:
         L, S = q.shape[-2], k.shape[-2]
         mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float('-inf')) if mask.dtype == torch.bool else scores + mask
-    attn = scores.float().softmax(dim=-1).to(q.dtype) if scores.dtype in (
-        torch.float16, torch.bfloat16) else scores.softmax(dim=-1)
+    attn = softmax_fp32(scores)
     if dropout_p > 0.:
         attn = F.dropout(attn, p=dropout_p)
     return torch.matmul(attn, v)

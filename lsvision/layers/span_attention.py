@@ -6,7 +6,7 @@ Each segment attends, in one joint softmax, to
   * S shared keys (the dynamic projection, prefix or global tokens), the same for every segment, and
   * the keys of its span: K = w + 2s positions per axis around it (s = max(w // 2, 1) by default, the long-short
     layers' overlapping windows; s = 0 gives non-overlapping windows, K = w, as Swin's), zero-padded at the border;
-    the additive `window_mask` (a mask value on padded keys, a relative-position bias) acts on these.
+    the additive `window_mask` (`softmax.mask_value` on padded keys, a relative-position bias) acts on these.
 
 `span_attention_reference` states this math as masked full attention (written for clarity; the fast paths are tested
 against it). `span_attention` computes it without a (queries x all keys) buffer:
@@ -36,6 +36,7 @@ from .autocast import autocast_dtype, autocast_off
 from .export import captures_graph
 from .local_norm import local_norm_tokens
 from .matmul_attention import scaled_dot_product_attention
+from .softmax import softmax_dtype
 from .span_blocks import _flash_keys, block_segments
 from .span_fused import _flash_backward, _flash_forward, _use_flash
 from .span_segments import (
@@ -168,8 +169,7 @@ def _scores_softmax(q_t: torch.Tensor, k_shared: torch.Tensor, k_span: torch.Ten
     if S > 0:
         shared = torch.matmul(q_t.reshape(B, h, n * L, d), k_shared.transpose(-1, -2)).view(B, h, n, L, S)
         scores = torch.cat([shared, scores], dim=-1)
-    if scores.dtype in (torch.float16, torch.bfloat16):
-        scores = scores.float()
+    scores = scores.to(softmax_dtype(scores.dtype))  # the scale and the mask in that dtype too
     scores.mul_(scale)
     if mask is not None:
         scores.add_(mask)
@@ -365,7 +365,7 @@ def span_attention(
         kv: Keys and values of the map (2, B, h, *spatial, d).
         kv_shared: Keys and values every segment sees (2, B, h, S, d); S may be 0.
         window_mask: Additive mask of the span keys, broadcastable to (B, h, num_segments, w^ndim, K^ndim) with
-            the segments in row-major order (-inf on padded keys, a bias; it may require grad), or None.
+            the segments in row-major order (`mask_value` on padded keys, a bias; it may require grad), or None.
         window_size: Segment size w per axis.
         scale: Score scale.
         dropout_p: Dropout on the joint attention weights (pass 0 in eval).

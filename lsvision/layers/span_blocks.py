@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .softmax import mask_value
 from .span_segments import _fold_blocks, _fold_spans, _grid, _tile_queries, _untile, window_span
 from .tuning import SPAN_BLOCK_COST_PAIRS
 
@@ -132,8 +133,9 @@ def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: Li
     """The span mask in the block layout: (B * h * nx, gy, w * c * w or 1, K * Wc) for the flash kernel, or None.
 
     Each query sees, of its block's K x Wc keys, only its own segment's K x K span, with `window_mask`'s values
-    (broadcastable to (B, h, num_segments, w^2, K^2)); -inf elsewhere. The queries of the segments that pad the last
-    x block see every key (0), so that no row is all -inf; their outputs are dropped and their gradients are zero.
+    (broadcastable to (B, h, num_segments, w^2, K^2)); `mask_value` elsewhere. The queries of the segments that pad the
+    last x block see every key (0), so that no row is all masked; their outputs are dropped and their gradients are
+    zero.
     """
     ws, c = window_size, segments_per_block
     pad, span = window_span(ws, span_pad)
@@ -155,9 +157,10 @@ def _block_mask(window_mask: Optional[torch.Tensor], B: int, h: int, spatial: Li
     qb = ws if c > 1 or qw > 1 else 1
     m = m.expand(Bm * hm, nx, gy, qb, c, qb, span, span)
     # segment t's span keys are the columns t * w + [0, K) of its block rows of Wc: with each segment's K columns
-    # padded with -inf to Wc + w and the c segments laid end to end, column j of segment t lands at t * (Wc + w) + j =
-    # t * Wc + (t * w + j), so cutting that line into rows of Wc places every band (one pad and one cut for any c)
-    rows = F.pad(m.permute(0, 1, 2, 3, 5, 6, 4, 7), (0, Wc + ws - span), value=float('-inf'))  # (.., c, Wc + w)
+    # padded with the mask value to Wc + w and the c segments laid end to end, column j of segment t lands at
+    # t * (Wc + w) + j = t * Wc + (t * w + j), so cutting that line into rows of Wc places every band (one pad and one
+    # cut for any c)
+    rows = F.pad(m.permute(0, 1, 2, 3, 5, 6, 4, 7), (0, Wc + ws - span), value=mask_value(dtype))  # (.., c, Wc + w)
     rows = rows.reshape(rows.shape[:6] + (c * (Wc + ws),))[..., :c * Wc].reshape(rows.shape[:6] + (c, Wc))
     out = rows.permute(0, 1, 2, 3, 6, 4, 5, 7)  # (M, nx, gy, qy, c, qx, K, Wc)
     if nx * c != gx:

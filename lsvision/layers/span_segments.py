@@ -13,6 +13,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .softmax import mask_value
+
 __all__ = ['window_span', 'span_window_key_mask']
 
 
@@ -30,7 +32,7 @@ def span_window_key_mask(
         dtype: torch.dtype,
         device: torch.device,
 ) -> torch.Tensor:
-    """Additive mask of the span keys of every segment: -inf on keys outside the map, 0 elsewhere.
+    """Additive mask of the span keys of every segment: `mask_value` on keys outside the map, 0 elsewhere.
 
     Args:
         spatial: Map size per axis ([n] or [H, W]).
@@ -51,7 +53,7 @@ def span_window_key_mask(
     for g in grid:
         num_segments *= g
     valid = valid.reshape(num_segments, -1)
-    return torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill(~valid, float('-inf'))
+    return torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill(~valid, mask_value(dtype))
 
 
 def _grid(spatial: List[int], window_size: int) -> List[int]:

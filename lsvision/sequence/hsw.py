@@ -28,20 +28,16 @@ from timm.layers import DropPath, Mlp, trunc_normal_
 from timm.models.vision_transformer import Block
 
 from lsvision.layers import LinearDynamicProjection, dynamic_projection, span_attention
+from lsvision.layers.softmax import mask_value
 
 from ._registry import register_model
 
 __all__ = ['HSW', 'FlatEncoder', 'BagOfTokens', 'WindowAttention1d', 'HSWBlock', 'PatchMerging1d', 'HSWStage']
 
-# Pairs across the wrap-around. Swin uses -100 (exp(-100) is ~4e-44, not 0); -inf makes the receptive field exact.
-# No row is all -inf: a query always sees itself (a padded query sees its padded keys, which are finite).
+# Pairs across the wrap-around. Swin uses -100 (exp(-100) is ~4e-44, not 0); -inf makes the receptive field exact,
+# and keeps it so in a padded query's row, whose keys are all padded (`mask_value`, finite): the one mask of the layers
+# that is not `mask_value` (lsvision.layers.softmax). No row is all -inf: a query always sees itself.
 _SHIFT_MASK_VALUE = float('-inf')
-
-
-def _pad_fill(dtype: torch.dtype) -> float:
-    """Additive score of a padded key: exp() of it is exactly 0 beside any real key, yet a row of only padded keys
-    (a padded query) stays finite. Half the dtype's minimum, so adding the bias and the shift mask cannot overflow."""
-    return torch.finfo(dtype).min / 2
 
 
 def shift_window_ids(seq_len: int, window_size: int, shift_size: int, device=None) -> torch.Tensor:
@@ -145,7 +141,7 @@ class WindowAttention1d(nn.Module):
             valid = F.pad(valid, (0, padded_len - seq_len), value=False)
             if shift:
                 valid = valid.roll(-shift, dims=1)
-            key_mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill(~valid, _pad_fill(dtype))
+            key_mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill(~valid, mask_value(dtype))
             mask = mask + key_mask.reshape(-1, 1, num_windows, 1, window)
         return mask
 
@@ -634,7 +630,7 @@ class FlatEncoder(nn.Module):
         attn_mask = None
         if valid is not None:
             attn_mask = torch.zeros(valid.shape, dtype=x.dtype, device=x.device)
-            attn_mask = attn_mask.masked_fill(~valid, _pad_fill(x.dtype))[:, None, None]
+            attn_mask = attn_mask.masked_fill(~valid, mask_value(x.dtype))[:, None, None]
         for blk in self.blocks:
             x = blk(x, attn_mask=attn_mask)
         return self.norm(x), valid
