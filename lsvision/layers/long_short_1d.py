@@ -34,6 +34,7 @@ from .long_short import local_norm_projection, project_keys_values, projection_w
 from .matmul_attention import scaled_dot_product_attention
 from .softmax import mask_value, softmax_fp32
 from .span_attention import span_attention, span_attention_local_norm, window_span
+from .tuning import CAUSAL_CHECKPOINT_MIN_SCORES
 
 __all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_frequencies',
            'sinusoid_positions']
@@ -389,7 +390,7 @@ class CausalLongShortAttention(nn.Module):
                 segments its queries may see. None: one chunk, every query scores every segment (official design).
             checkpoint_chunks: Recompute each chunk in the backward pass instead of storing its scores (bounded
                 memory at the price of one more chunk forward). None: only when the scores of all chunks together
-                would exceed 2^24 elements (64 MB in fp32).
+                would exceed `tuning.CAUSAL_CHECKPOINT_MIN_SCORES` (2^24 elements, 64 MB in fp32).
             attn_drop: Dropout on the attention weights.
             proj_drop: Dropout after the output projection.
             pos_drop: Dropout on the window sinusoids (official: the model's embedding dropout).
@@ -568,7 +569,7 @@ class CausalLongShortAttention(nn.Module):
         dropout_p = self.attn_drop if self.training else 0.
         ckpt = self.checkpoint_chunks
         if ckpt is None:
-            ckpt = B * h * Lp * (n_cv + 2 * W) > 2 ** 24
+            ckpt = B * h * Lp * (n_cv + 2 * W) > CAUSAL_CHECKPOINT_MIN_SCORES
         use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
         # split (not slice) the input: one backward concatenation instead of a full-size zero gradient per chunk;
         # the W window tokens before a chunk come from the previous piece (or the cache)

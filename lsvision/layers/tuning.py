@@ -1,7 +1,7 @@
 """Every size threshold that picks a kernel or a layout in lsvision's layers and models, with what chose it.
 
 Each switches between paths that compute the same values (the tests compare every path with a dense reference): only
-speed or memory changes. All were measured on a 2-core AMD EPYC CPU shared with other work (lsvision's development
+speed or memory changes. The timings were taken on a 2-core AMD EPYC CPU shared with other work (lsvision's development
 machine); none was tuned on a GPU, where the layers take the fused or block-diagonal path (one launch instead of many)
 whatever the size. The measurement that chose each value is the comment above it.
 
@@ -13,12 +13,13 @@ whatever the size. The measurement that chose each value is the comment above it
 | `BLOCK_DIAGONAL_MAX_MACS` | 2 ** 21 | `long_short._block_diagonal_heads` (CPU) | all heads at once | a matmul a head |
 | `GRC_MATMUL_MAX_SCORES` | 64 * 64 | `grc.GrcMemoryAttention.attend` (CPU) | batched matmuls | SDPA |
 | `FUSE_CONVS_MAX_POSITIONS` | 1024 | `models.cvt.FusedConvProjections` | one conv of 4 filter sets | a conv per set |
+| `CAUSAL_CHECKPOINT_MIN_SCORES` | 2 ** 24 | `CausalLongShortAttention` chunks (default) | scores kept | recomputed |
 
 Written for lsvision, Apache-2.0.
 """
 
 __all__ = ['SPAN_BLOCK_COST_PAIRS', 'SPAN_MATMUL_MAX_QUERIES', 'SPAN_1D_MATMUL_MAX_WINDOW', 'BLOCK_DIAGONAL_MAX_MACS',
-           'GRC_MATMUL_MAX_SCORES', 'FUSE_CONVS_MAX_POSITIONS']
+           'GRC_MATMUL_MAX_SCORES', 'FUSE_CONVS_MAX_POSITIONS', 'CAUSAL_CHECKPOINT_MIN_SCORES']
 
 # The fixed cost of one kernel block of 2D span attention on the fused kernels, in query-key pairs of work (head dim
 # 64): the CPU flash kernels' forward + backward spend ~20 us a block on 2 cores, the time of ~720 pairs. Fit to
@@ -54,3 +55,9 @@ GRC_MATMUL_MAX_SCORES = 64 * 64
 # W): in cvt_ls_13 on 2 CPU cores, 2.5-3.3 % faster at batch 1 (stages 2 and 3); fused at batch 8 as well, stage 3
 # (1568 positions) was no faster and stage 1 slower.
 FUSE_CONVS_MAX_POSITIONS = 1024
+
+# The causal long-short layer recomputes each query chunk in the backward pass (`checkpoint_chunks=None`) where the
+# scores of all chunks together would exceed this many elements (64 MB in fp32): a memory bound, not a timing. Chosen
+# with the 128-query chunks of `80d3817` (16k tokens forward + backward ~0.34x the time of causal SDPA on 2 cores);
+# below it, keeping the scores saves the chunk's second forward.
+CAUSAL_CHECKPOINT_MIN_SCORES = 2 ** 24
