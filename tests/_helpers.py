@@ -1,19 +1,25 @@
-"""Helpers shared by the test modules: tool loading, weight perturbation, one tiny config per model family.
+"""Helpers shared by the test modules: tool loading, weight perturbation, tiny model configs (one per model family,
+and of the few other models tests build), an image folder for training runs, a free port for process groups.
 
 Test modules import them by name (``from _helpers import load_tool``): ``conftest.py`` puts ``tests/`` on sys.path.
 """
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
+from PIL import Image
+from safetensors.torch import save_file
 
 import timm
 
 import lsvision  # noqa: F401  (registers the models)
+from lsvision.layers import GatedRecurrentCache
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / 'tools'
@@ -30,6 +36,20 @@ TINY_FAMILIES: Dict[str, Dict[str, Any]] = {
     'swin_tiny_patch4_window7_224_grc': dict(img_size=64, embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4)),
     'vit_small_patch16_224_grc': dict(img_size=64, embed_dim=64, depth=3, num_heads=2),  # timm's tests want 3 taps
 }
+# tiny configs of the other models that tests build by name: a plain baseline and a variant of a family, each in
+# its family's tiny sizes (not in TINY_FAMILIES: the per-family tests run one model a family)
+TINY_VARIANTS: Dict[str, Dict[str, Any]] = {
+    'pvt_tiny': dict(TINY_FAMILIES['pvt_tiny_grc']),  # PVT v1 without GRC
+    'pvt_v2_b2_li_grc': dict(TINY_FAMILIES['pvt_tiny_grc']),  # PVT v2 with linear spatial-reduction attention
+}
+TINY_CONFIGS: Dict[str, Dict[str, Any]] = {**TINY_FAMILIES, **TINY_VARIANTS}
+# a two-stage ViL-LS at 32 px (maps 8 / 4): a long-short stage with a cls token, then a full-attention one, head
+# dims of 16 (the CUDA memory-efficient kernel's alignment); no BatchNorm anywhere
+TINY_VIL_LS_TWO_STAGES: Dict[str, Any] = dict(
+    img_size=32, embed_dims=(16, 32), depths=(1, 1), num_heads=(1, 2), patch_sizes=(4, 2),
+    attn_types=('long_short', 'full'), num_cls_tokens=(1, 0), window_sizes=(2, 2), dp_ranks=(2, 2))
+# the cvt_ls_13 of the evaluation tools' tests: one block and one head a stage, the default windows
+EVAL_CVT_LS: Dict[str, Any] = dict(embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
 
 
 def load_tool(name: str) -> ModuleType:
@@ -44,6 +64,13 @@ def load_tool(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def save_eval_checkpoint(path: Path) -> Path:
+    """:data:`EVAL_CVT_LS` (seed 0) saved as a safetensors file at ``path``, for the evaluation tools; returns it."""
+    torch.manual_seed(0)
+    save_file(timm.create_model('cvt_ls_13', **EVAL_CVT_LS).state_dict(), str(path))
+    return path
 
 
 def perturb(module: nn.Module, std: float = 0.1, generator: Optional[torch.Generator] = None) -> nn.Module:
@@ -62,6 +89,43 @@ def perturb(module: nn.Module, std: float = 0.1, generator: Optional[torch.Gener
 
 
 def tiny_model(name: str, seed: int = 0, **kwargs: Any) -> nn.Module:
-    """``timm.create_model`` of :data:`TINY_FAMILIES`' config of ``name``, seeded; ``kwargs`` override it."""
+    """``timm.create_model`` of :data:`TINY_CONFIGS`' config of ``name``, seeded; ``kwargs`` override it."""
     torch.manual_seed(seed)
-    return timm.create_model(name, **{**TINY_FAMILIES[name], **kwargs})
+    return timm.create_model(name, **{**TINY_CONFIGS[name], **kwargs})
+
+
+def grc_modules(model: nn.Module) -> List[GatedRecurrentCache]:
+    """Every GRC layer of ``model`` (image and sequence ones), in module order."""
+    return [m for m in model.modules() if isinstance(m, GatedRecurrentCache)]
+
+
+def grc_caches(model: nn.Module) -> List[torch.Tensor]:
+    """A copy of every GRC layer's cache, in module order."""
+    return [m.cache.clone() for m in grc_modules(model)]
+
+
+def model_kwargs_args(kwargs: Dict[str, Any]) -> List[str]:
+    """The words of ``--model-kwargs`` that give ``kwargs`` to the tools (``key=<Python literal>`` each, which they
+    read back with ``ast.literal_eval``)."""
+    return [f'{key}={value!r}' for key, value in kwargs.items()]
+
+
+def write_two_class_images(root: Path, per_class: int = 12, size: int = 16) -> None:
+    """An image folder of two classes that differ in where a bright square is, plus noise: ``root/train`` with
+    ``per_class`` PNGs a class, ``root/val`` with 4; the same pixels on every call."""
+    rng = np.random.RandomState(0)
+    for split, n in (('train', per_class), ('val', 4)):
+        for c in range(2):
+            d = root / split / f'class{c}'
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                img = rng.randint(0, 60, (size, size, 3)).astype(np.uint8)
+                img[2:8, (2 if c == 0 else 8):(8 if c == 0 else 14)] = 230
+                Image.fromarray(img).save(d / f'{i:03d}.png')
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]

@@ -9,18 +9,15 @@ first cache sync to `$SYNC_EVENTS.<rank>.caches`.
     torchrun --nproc_per_node=2 tests/count_host_syncs.py <tools/train.py arguments>
 """
 import contextlib
-import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-ROOT = Path(__file__).resolve().parents[1]
 events = []
 state = {'phase': 'setup', 'no_sync': False}
 
@@ -91,10 +88,8 @@ engine.validate, engine._check_ranks_agree = phase_validate, phase_end
 engine.all_reduce_grc_caches = recorded_cache_sync
 
 if __name__ == '__main__':
-    spec = importlib.util.spec_from_file_location('train_tool', ROOT / 'tools' / 'train.py')
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    code = tool.main(sys.argv[1:])
+    from _helpers import load_tool  # imports lsvision: after the patches too
+    code = load_tool('train').main(sys.argv[1:])
     out = f'{os.environ["SYNC_EVENTS"]}.{os.environ.get("RANK", "0")}'
     with open(f'{out}.json', 'w') as f:
         json.dump(events, f)

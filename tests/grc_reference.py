@@ -98,6 +98,32 @@ def memory_attention(mem: torch.nn.Module, x_slice: torch.Tensor, cache: torch.T
     return _linear(_attention(q, k, v, mem.num_heads, bias), mem.proj)
 
 
+def per_sample_update(grc: torch.nn.Module, cache: torch.Tensor, S: torch.Tensor, training: bool) -> torch.Tensor:
+    """Spec §1.2 steps 3-5: each sample's updated cache C_t (B, T_m, D_m) from the cache (1, T_m, D_m), broadcast
+    over the batch, and the summary S (B, T_m, D_m); in eval without `eval_update` the cache itself."""
+    # 3. gates on [cache, summary]
+    P = cache.expand(S.shape[0], -1, -1)
+    g_r = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_reset))
+    g_u = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_update))
+    # 4. candidate LN(GELU(W_c [g_r * P, S]))
+    cand = layer_norm(F.gelu(_linear(torch.cat([g_r * P, S], dim=-1), grc.linear_candidate)), grc.norm_candidate)
+    # 5. update, per sample
+    if not training and not grc.eval_update:
+        return P  # the paper's "used directly" option
+    return g_u * cand + (1 - g_u) * P
+
+
+def mixed_output(grc: torch.nn.Module, x: torch.Tensor, o_self: torch.Tensor, C_t: torch.Tensor) -> torch.Tensor:
+    """Spec §1.2 steps 7-8: the memory branch (queries from the first D_m channels of x, keys and values from each
+    sample's C_t), right-padded with zeros to D/H a head, mixed per head with o_self (B, T, D) by sigmoid(lambda)."""
+    B, T, D = x.shape
+    dm, H = grc.cache_dim, grc.num_heads
+    o_mem = memory_attention(grc.mem_attn, x[..., :dm], C_t)
+    w = torch.sigmoid(grc.lam).view(1, 1, H, 1)
+    o_mem = torch.cat([o_mem.view(B, T, H, dm // H), o_mem.new_zeros(B, T, H, (D - dm) // H)], dim=-1)
+    return (w * o_mem + (1 - w) * o_self.view(B, T, H, D // H)).reshape(B, T, D)
+
+
 def grc_reference(
         grc: torch.nn.Module,
         x: torch.Tensor,
@@ -110,30 +136,18 @@ def grc_reference(
     (1, T_m, D_m). Returns the block output O (B, T, D) and the cache after the call: the detached batch mean of
     the per-sample update in training, `cache` itself in eval (steps 3-5 still run per sample, nothing is stored)."""
     B, T, D = x.shape
-    dm, H, p, T_m = grc.cache_dim, grc.num_heads, grc.num_prefix_tokens, grc.cache_len
+    dm, p, T_m = grc.cache_dim, grc.num_prefix_tokens, grc.cache_len
     # 2. summary: the first D_m channels of the self-attention output, 1-D nearest resize over the sequence to T_m
     S = (o_self if grc.summary_src == 'self' else x)[..., :dm]
     if T != T_m:
         assert grc.interp_mode == 'nearest1d'
         S = F.interpolate(S.transpose(1, 2), size=T_m, mode='nearest').transpose(1, 2)
-    # 3. gates on [cache, summary], the cache broadcast over the batch
-    P = cache.expand(B, -1, -1)
-    g_r = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_reset))
-    g_u = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_update))
-    # 4. candidate LN(GELU(W_c [g_r * P, S]))
-    cand = layer_norm(F.gelu(_linear(torch.cat([g_r * P, S], dim=-1), grc.linear_candidate)), grc.norm_candidate)
-    # 5. update, per sample
-    C_t = g_u * cand + (1 - g_u) * P
-    if not training and not grc.eval_update:
-        C_t = P  # the paper's "used directly" option
+    # 3-5. gates, candidate, per-sample update
+    C_t = per_sample_update(grc, cache, S, training)
     # 6. store the batch mean, detached, in training only
     new_cache = C_t.detach().mean(0, keepdim=True) if training else cache
-    # 7. memory branch: queries from the input slice, keys/values from the per-sample C_t
-    o_mem = memory_attention(grc.mem_attn, x[..., :dm], C_t)
-    # 8. per-head mix: o_mem right-padded with zeros to D/H per head
-    w = torch.sigmoid(grc.lam).view(1, 1, H, 1)
-    o_mem = torch.cat([o_mem.view(B, T, H, dm // H), o_mem.new_zeros(B, T, H, (D - dm) // H)], dim=-1)
-    out = (w * o_mem + (1 - w) * o_self.view(B, T, H, D // H)).reshape(B, T, D)
+    # 7-8. memory branch and per-head mix
+    out = mixed_output(grc, x, o_self, C_t)
     # 9. PE: grouped 3x3 conv (groups = D_m) on the patch tokens of X; prefix tokens get none
     grid = x[:, p:].transpose(1, 2).reshape(B, D, feat_size[0], feat_size[1])
     pe = F.conv2d(grid, grc.pe.weight, grc.pe.bias, padding=1, groups=dm).flatten(2).transpose(1, 2)
@@ -188,25 +202,15 @@ def grc_sequence_reference(
     the pad tokens zeroed. x, o_self: (B, prefix + n, D); mask (B, n), True on real tokens; cache (1, prefix + T_m,
     D_m). Returns the output (B, prefix + n, D) and the cache after the call."""
     B, T, D = x.shape
-    dm, H, p = grc.cache_dim, grc.num_heads, grc.num_prefix_tokens
+    dm, p = grc.cache_dim, grc.num_prefix_tokens
     valid = torch.ones(B, T - p, dtype=torch.bool) if mask is None else mask.bool()
     has_tokens = valid.any(1)
     S = sequence_summary((o_self if grc.summary_src == 'self' else x)[..., :dm], valid, p, grc.seq_len)
-    P = cache.expand(B, -1, -1)
-    g_r = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_reset))
-    g_u = torch.sigmoid(_linear(torch.cat([P, S], dim=-1), grc.linear_update))
-    cand = layer_norm(F.gelu(_linear(torch.cat([g_r * P, S], dim=-1), grc.linear_candidate)), grc.norm_candidate)
-    C_t = g_u * cand + (1 - g_u) * P
-    if not training and not grc.eval_update:
-        C_t = P
-    C_t = torch.where(has_tokens[:, None, None], C_t, P)
+    C_t = torch.where(has_tokens[:, None, None], per_sample_update(grc, cache, S, training), cache)
     new_cache = cache
     if training and has_tokens.any():
         new_cache = C_t.detach()[has_tokens].mean(0, keepdim=True)
-    o_mem = memory_attention(grc.mem_attn, x[..., :dm], C_t)
-    w = torch.sigmoid(grc.lam).view(1, 1, H, 1)
-    o_mem = torch.cat([o_mem.view(B, T, H, dm // H), o_mem.new_zeros(B, T, H, (D - dm) // H)], dim=-1)
-    out = (w * o_mem + (1 - w) * o_self.view(B, T, H, D // H)).reshape(B, T, D)
+    out = mixed_output(grc, x, o_self, C_t)
     seq = (x[:, p:] * valid[..., None]).transpose(1, 2)
     pe = F.conv1d(seq, grc.pe.weight, grc.pe.bias, padding=1, groups=dm).transpose(1, 2)
     return torch.cat([out[:, :p], out[:, p:] + pe], dim=1), new_cache

@@ -21,6 +21,7 @@ from typing import Dict, Sequence, Tuple
 import numpy as np
 import torch
 import torch.nn as nn
+from _helpers import perturb
 
 import timm
 from timm.layers import QuickGELU
@@ -46,9 +47,8 @@ def transformers_cvt(arch: str, seed: int = 0, num_labels: int = 1000, quick_gel
     torch.manual_seed(seed)
     model = CvtForImageClassification(config)
     g = torch.Generator().manual_seed(seed + 1)
+    perturb(model, 0.05, g)
     with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
         for m in model.modules():
             if isinstance(m, nn.BatchNorm2d):
                 m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.2)

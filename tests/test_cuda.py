@@ -9,6 +9,7 @@ from typing import Tuple
 
 import pytest
 import torch
+from _helpers import perturb
 from reference_attention import (
     dense_causal_long_short_attention,
     dense_long_short_attention_1d,
@@ -19,7 +20,6 @@ from test_span_attention import (
     LAYERS,
     _assert_grads_equal,
     _grads,
-    _perturb,
     assert_layer_trains_under_bf16_autocast,
 )
 from torch.profiler import ProfilerActivity, profile
@@ -47,7 +47,7 @@ def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, laye
     torch.manual_seed(0)
     C = heads * 8
     attn = LongShortAttention2d(C, heads, w, r, rel_pos_bias=rpe, **LAYERS[layer])
-    attn = _perturb(attn).double().to(DEVICE).train()
+    attn = perturb(attn, 0.3).double().to(DEVICE).train()
     x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64, device=DEVICE)
     weight = torch.randn_like(x)
     fast = _grads(attn, x, lambda t: attn(t, feat_size), weight)
@@ -102,7 +102,7 @@ def test_2d_float32_gradients_on_fused_kernels_match_dense_reference(feat_size, 
     torch.manual_seed(0)
     C = heads * 8
     attn = LongShortAttention2d(C, heads, w, r, **LAYERS[layer])
-    attn = _perturb(attn).double().to(DEVICE).train()
+    attn = perturb(attn, 0.3).double().to(DEVICE).train()
     x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64, device=DEVICE)
     weight = torch.randn_like(x)
     allow_tf32 = torch.backends.cudnn.allow_tf32
@@ -119,7 +119,7 @@ def test_2d_float32_gradients_on_fused_kernels_match_dense_reference(feat_size, 
 def test_1d_float32_gradients_on_fused_kernels_match_dense_reference():
     torch.manual_seed(0)
     n, pads = 50, 7
-    attn = _perturb(LongShortAttention1d(32, 2, 20, 3), 0.1).double().to(DEVICE).train()
+    attn = perturb(LongShortAttention1d(32, 2, 20, 3)).double().to(DEVICE).train()
     x = torch.randn(3, n, 32, dtype=torch.float64, device=DEVICE)
     mask = torch.ones(3, n, dtype=torch.bool, device=DEVICE)
     mask[0, n - pads:] = False
@@ -134,7 +134,7 @@ def test_1d_float32_gradients_on_fused_kernels_match_dense_reference():
 @pytest.mark.parametrize('n,w,r,pads,with_cls', [(37, 3, 2, 4, True), (50, 20, 3, 7, True)])
 def test_1d_bidirectional_gradients_match_dense_reference_fp64(n, w, r, pads, with_cls):
     torch.manual_seed(0)
-    attn = _perturb(LongShortAttention1d(32, 2, w, r), 0.1).double().to(DEVICE).train()
+    attn = perturb(LongShortAttention1d(32, 2, w, r)).double().to(DEVICE).train()
     x = torch.randn(3, n, 32, dtype=torch.float64, device=DEVICE)
     mask = torch.ones(3, n, dtype=torch.bool, device=DEVICE)
     mask[0, n - pads:] = False
@@ -149,7 +149,7 @@ def test_1d_bidirectional_gradients_match_dense_reference_fp64(n, w, r, pads, wi
 def test_causal_gradients_match_dense_reference_fp64(chunk):
     torch.manual_seed(0)
     attn = CausalLongShortAttention(32, 2, 8, 4, 2, query_chunk_size=chunk)
-    attn = _perturb(attn, 0.1).double().to(DEVICE).train()
+    attn = perturb(attn).double().to(DEVICE).train()
     x = torch.randn(2, 32, 32, dtype=torch.float64, device=DEVICE)
     cache = torch.randn(2, 16, 32, dtype=torch.float64, device=DEVICE)
     weight = torch.randn_like(x)

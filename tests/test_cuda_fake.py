@@ -12,6 +12,7 @@ from typing import Callable, Dict, Optional
 import pytest
 import torch
 import torch.nn as nn
+from _helpers import TINY_FAMILIES, TINY_VIL_LS_TWO_STAGES
 from fake_cuda import (
     FAKE_CUDA,
     KernelCounter,
@@ -33,20 +34,9 @@ EFFICIENT_BACKWARD = '_scaled_dot_product_efficient_attention_backward.default'
 CPU_KERNELS = '_scaled_dot_product_flash_attention_for_cpu'
 PRECISIONS = {'fp32': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
-# one tiny model per family (head dims of 8 or 16: the efficient kernel's alignment)
-FAMILIES: Dict[str, Dict] = {
-    'cvt_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2)),
-    'cvt_ls_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2), window_sizes=(4, 2, 2),
-                      dp_ranks=(4, 2, 2)),
-    'vil_ls_medium': dict(img_size=32, embed_dims=(16, 32), depths=(1, 1), num_heads=(1, 2), patch_sizes=(4, 2),
-                          attn_types=('long_short', 'full'), num_cls_tokens=(1, 0), window_sizes=(2, 2),
-                          dp_ranks=(2, 2)),
-    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
-    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1, 1, 1)),
-    'swin_tiny_patch4_window7_224_grc': dict(img_size=64, embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4)),
-    'vit_small_patch16_224_grc': dict(img_size=64, embed_dim=64, depth=2, num_heads=2),
-}
-IMAGE_SIZE = {'vil_ls_medium': 32}
+# one tiny model per family (head dims of 8 or 16: the efficient kernel's alignment); ViL-LS in two stages, a
+# long-short and a full-attention one
+FAMILIES: Dict[str, Dict] = {**TINY_FAMILIES, 'vil_ls_medium': TINY_VIL_LS_TWO_STAGES}
 
 
 def _family_cases():
@@ -97,7 +87,7 @@ def test_fake_cuda_family_trains_and_evaluates_on_cuda_kernels(name, precision):
     torch.manual_seed(0)
     model = timm.create_model(name, num_classes=5, **FAMILIES[name])
     dtype = PRECISIONS[precision]
-    size = IMAGE_SIZE.get(name, 64)
+    size = FAMILIES[name].get('img_size', 64)
     with fake_cuda():
         model = model.to(FAKE_CUDA)
         ops, sdpa = _run(model, lambda: (torch.randn(2, 3, size, size, device=FAKE_CUDA),), True, dtype)

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import TINY_VIL_LS_TWO_STAGES, model_kwargs_args, write_two_class_images
 from PIL import Image
-from test_train import _write_images
 
 import timm
 
@@ -45,13 +45,11 @@ LR = 0.1
 MOMENTUM = 0.9
 EPOCHS = 2
 PER_CLASS = 10  # 20 training images: 5 batches of 4, 5 micro-batches of 2 per rank
-# a two-stage ViL-LS without BatchNorm: 16x16 input -> maps 4 (long-short, cls token) / 2 (full attention)
-VIL_KWARGS = dict(img_size=16, embed_dims=(8, 16), depths=(1, 1), num_heads=(1, 2), patch_sizes=(4, 2),
-                  attn_types=('long_short', 'full'), num_cls_tokens=(1, 0), window_sizes=(2, 2), dp_ranks=(2, 2))
+# the two-stage ViL-LS without BatchNorm, smaller: 16x16 input -> maps 4 (long-short, cls token) / 2 (full attention)
+VIL_KWARGS = dict(TINY_VIL_LS_TWO_STAGES, img_size=16, embed_dims=(8, 16))
 TINY_VIL = [
-    '--model', 'vil_ls_medium', '--num-classes', '2', '--input-size', '3', '16', '16', '--model-kwargs',
-    'img_size=16', 'embed_dims=(8,16)', 'depths=(1,1)', 'num_heads=(1,2)', 'patch_sizes=(4,2)',
-    "attn_types=('long_short','full')", 'num_cls_tokens=(1,0)', 'window_sizes=(2,2)', 'dp_ranks=(2,2)',
+    '--model', 'vil_ls_medium', '--num-classes', '2', '--input-size', '3', '16', '16',
+    '--model-kwargs', *model_kwargs_args(VIL_KWARGS),
     '--mean', '0.5', '0.5', '0.5', '--std', '0.5', '0.5', '0.5', '--crop-pct', '1.0', '--threads', '1',
     '--seed', str(SEED), '--epochs', str(EPOCHS), '-j', '0', '--progress', 'log', '--no-amp',
     # plain SGD at a constant lr
@@ -65,17 +63,10 @@ TINY_VIL = [
 ATOL = RTOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    threads = torch.get_num_threads()  # run(--threads 1) sets them for the process; later tests get theirs back
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope='module')
 def image_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp('images')
-    _write_images(root, per_class=PER_CLASS)
+    write_two_class_images(root, per_class=PER_CLASS)
     return root
 
 

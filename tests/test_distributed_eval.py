@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-import torch
-from _helpers import load_tool
+from _helpers import EVAL_CVT_LS, free_port, load_tool, model_kwargs_args, save_eval_checkpoint
 from eval_fixtures import (
     add_mac_junk,
     make_imagenet,
@@ -31,15 +30,12 @@ from eval_fixtures import (
     make_v2,
     truncate,
 )
-from safetensors.torch import save_file
-
-import timm
 
 import lsvision  # noqa: F401  (registers cvt_ls_13)
 from lsvision.eval.distributed import shard_range
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ['embed_dims=[16,32,64]', 'num_heads=[1,1,1]', 'depths=[1,1,1]']
+TINY = model_kwargs_args(EVAL_CVT_LS)
 CORRUPTIONS = ('gaussian_noise', 'contrast', 'speckle_noise')
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1')
 
@@ -47,9 +43,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1')
 @pytest.fixture(scope='module')
 def trees(tmp_path_factory) -> Dict[str, Any]:
     root = tmp_path_factory.mktemp('dist_eval')
-    torch.manual_seed(0)
-    model = timm.create_model('cvt_ls_13', embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
-    save_file(model.state_dict(), str(root / 'tiny.safetensors'))
+    save_eval_checkpoint(root / 'tiny.safetensors')
     imagenet = make_imagenet(root / 'imagenet')
     truncate(next((root / 'imagenet' / 'val').rglob('ILSVRC2012_val_00000004.JPEG')))
     c = make_imagenet_c(root / 'c', CORRUPTIONS)
@@ -81,19 +75,13 @@ def _robustness_args(trees: Dict[str, Any]) -> List[str]:
             '--corrupt-on-the-fly', str(trees['imagenet']), *_model_args(trees)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*args: str) -> List[str]:
     return [sys.executable, '-m', 'torch.distributed.run', *args]
 
 
 def _two_nodes(script: str, node_args: List[List[str]], timeout: int = 240) -> List[subprocess.CompletedProcess]:
     """Two torchrun agents on this machine as two one-process "nodes" (static rendezvous on a free port)."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(
         _torchrun('--nnodes', '2', '--nproc-per-node', '1', '--node-rank', str(node), '--master-addr', '127.0.0.1',
                   '--master-port', str(port), str(ROOT / 'tools' / script), *args),

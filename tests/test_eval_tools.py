@@ -15,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from _helpers import load_tool
+from _helpers import EVAL_CVT_LS, load_tool, model_kwargs_args, save_eval_checkpoint
 from eval_fixtures import (
     ColourOracle,
     make_imagenet,
@@ -26,7 +25,6 @@ from eval_fixtures import (
     make_v2,
     truncate,
 )
-from safetensors.torch import save_file
 
 import timm
 
@@ -35,7 +33,7 @@ from lsvision.eval import ALEXNET_ERRORS, CORRUPTIONS, EvalSettings, LayoutWarni
 from lsvision.eval.cli import resolve_model_names
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ['embed_dims=[16,32,64]', 'num_heads=[1,1,1]', 'depths=[1,1,1]']
+TINY = model_kwargs_args(EVAL_CVT_LS)
 # one torch thread: with 2 threads on 2 busy cores, OpenMP synchronisation made the all-suites run 25x slower (140 s)
 ONE_THREAD = ['--threads', '1']
 
@@ -43,12 +41,8 @@ ONE_THREAD = ['--threads', '1']
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp('eval_tools')
-    torch.manual_seed(0)
-    model = timm.create_model('cvt_ls_13', embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
-    ckpt = root / 'tiny.safetensors'
-    save_file(model.state_dict(), str(ckpt))
     return dict(
-        ckpt=ckpt,
+        ckpt=save_eval_checkpoint(root / 'tiny.safetensors'),
         imagenet=make_imagenet(root / 'imagenet'),
         v2=make_v2(root / 'v2'),
         c=make_imagenet_c(root / 'imagenet-c'),

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import torch
 import yaml
-from test_folder_eval import CLASSES, independent_top1, write_folder
+from test_folder_eval import CLASSES, TINY, independent_top1, write_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ['--model-kwargs', 'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=(1,1,1)']
 SMALL_RUN = ['-b', '6', '-j', '0', '--progress', 'log', *TINY]
 
 

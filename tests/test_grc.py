@@ -6,13 +6,13 @@ parameter counts (meta device) and the FLOP overheads (224 px, four small models
 """
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
+from _helpers import TINY_CONFIGS, free_port, grc_caches, grc_modules, tiny_model
 from grc_reference import grc_reference, pvt_self_attention, swin_self_attention, vit_self_attention
 
 import timm
@@ -53,29 +53,14 @@ SPEC_M = {
     VIT_S: 26.58, 'deit_small_patch16_224_grc': 26.58,
 }
 
-TINY = {
-    # name -> kwargs of a tiny config (T_m follows img_size)
-    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
-    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1, 1, 1)),
-    'pvt_v2_b2_li_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
-    SWIN_T: dict(img_size=64, embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4)),
-    VIT_S: dict(img_size=64, embed_dim=64, depth=2, num_heads=2),
-}
+# name -> kwargs of a tiny config of each GRC model the tests build (T_m follows img_size)
+TINY = {name: kwargs for name, kwargs in TINY_CONFIGS.items() if name.endswith('_grc')}
 FIRST_CACHE_LEN = {'pvt_tiny_grc': 256, 'pvt_v2_b0_grc': 256, 'pvt_v2_b2_li_grc': 256, SWIN_T: 49, VIT_S: 17}
 PVT_TINY = [n for n in TINY if n.startswith('pvt')]
 
 
 def _tiny(name, **kwargs):
-    torch.manual_seed(0)
-    return timm.create_model(name, **dict(TINY[name], num_classes=10, **kwargs))
-
-
-def _grcs(model):
-    return [m for m in model.modules() if isinstance(m, GatedRecurrentCache)]
-
-
-def _caches(model):
-    return [m.cache.clone() for m in _grcs(model)]
+    return tiny_model(name, num_classes=10, **kwargs)
 
 
 def _nparams(model):
@@ -94,7 +79,7 @@ def test_param_count(name):
     ('pvt_tiny_grc', 8), ('pvt_v2_b2_grc', 16), ('pvt_v2_b0_grc', 8), (SWIN_T, 12), (VIT_S, 12)])
 def test_one_grc_per_block(name, count):
     model = timm.create_model(name, device='meta')
-    assert len(_grcs(model)) == count
+    assert len(grc_modules(model)) == count
     assert all(isinstance(m.attn.grc, GatedRecurrentCache) for m in model.modules() if hasattr(m, 'attn'))
 
 
@@ -103,12 +88,12 @@ def test_overhead_band(base):
     torch.manual_seed(0)
     plain = timm.create_model(base).eval()
     grc = timm.create_model(base + '_grc').eval()
-    caches = _caches(grc)
+    caches = grc_caches(grc)
     dp = _nparams(grc) / _nparams(plain) - 1
     df = count_flops(grc, (3, 224, 224)).total / count_flops(plain, (3, 224, 224)).total - 1
     assert 0.12 <= dp <= 0.25, dp
     assert 0.12 <= df <= 0.25, df
-    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(grc))), 'FLOP counting in eval changed a cache'
+    assert all(torch.equal(a, b) for a, b in zip(caches, grc_caches(grc))), 'FLOP counting in eval changed a cache'
 
 
 @pytest.mark.parametrize('name', list(TINY))
@@ -126,7 +111,7 @@ def test_cache_buffers_and_lambda(name):
     # the cache follows the training resolution (stage grids at 64 px, a window, prefix + patches)
     assert next(iter(grcs.values())).cache_len == FIRST_CACHE_LEN[name]
     lam = _tiny(name, grc_lam_init=-1.0)
-    assert all(torch.allclose(m.lam, torch.full_like(m.lam, -1.0)) for m in _grcs(lam))
+    assert all(torch.allclose(m.lam, torch.full_like(m.lam, -1.0)) for m in grc_modules(lam))
 
 
 @pytest.mark.parametrize('name', PVT_TINY)
@@ -146,15 +131,15 @@ def test_train_steps(name):
     model = _tiny(name, drop_path_rate=0.1).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(2, 3, 64, 64)
-    before = _caches(model)
+    before = grc_caches(model)
     model(x).logsumexp(-1).mean().backward()
-    after = _caches(model)
+    after = grc_caches(model)
     assert all(not torch.equal(a, b) for a, b in zip(before, after)), 'a cache did not change in train mode'
     opt.step()  # keep the grads: two steps accumulate
     model(torch.randn(2, 3, 64, 64)).logsumexp(-1).mean().backward()  # no graph kept across steps
     for n, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), n
-        if '.grc.' in n and not (name == VIT_S and n.startswith('blocks.1.attn.grc.pe')):
+        if '.grc.' in n and not (name == VIT_S and n.startswith(f'blocks.{len(model.blocks) - 1}.attn.grc.pe')):
             # ViT's last-block PE only feeds patch outputs that the token head never uses
             assert p.grad.abs().sum() > 0, f'zero gradient for {n}'
     # stateful: same input twice in train mode gives different outputs
@@ -185,7 +170,7 @@ def test_eval_batch_independent_and_frozen(name):
     with torch.no_grad():
         model(torch.randn(4, 3, 64, 64))  # non-zero caches
     model.eval()
-    caches = _caches(model)
+    caches = grc_caches(model)
     x = torch.randn(4, 3, 64, 64)
     with torch.no_grad():
         full = model(x)
@@ -198,11 +183,11 @@ def test_eval_batch_independent_and_frozen(name):
     torch.testing.assert_close(permuted, full[perm], atol=1e-5, rtol=0)
     torch.testing.assert_close(mixed, full[:2], atol=1e-5, rtol=0)
     assert torch.equal(again, full)
-    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(model))), 'eval changed a cache'
+    assert all(torch.equal(a, b) for a, b in zip(caches, grc_caches(model))), 'eval changed a cache'
     model.train()  # train resumes updates
     with torch.no_grad():
         model(x)
-    assert all(not torch.equal(a, b) for a, b in zip(caches, _caches(model)))
+    assert all(not torch.equal(a, b) for a, b in zip(caches, grc_caches(model)))
 
 
 @pytest.mark.parametrize('name', list(TINY))
@@ -383,12 +368,12 @@ def test_baseline_weights_load(tmp_path):
     sd = model.state_dict()
     for k, v in base.state_dict().items():
         assert torch.equal(sd[k], v), k
-    assert all(not m.cache.any() for m in _grcs(model))
+    assert all(not m.cache.any() for m in grc_modules(model))
     missing, unexpected = timm.create_model('pvt_v2_b0_grc').load_state_dict(
         base.state_dict(), strict=False)
     assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
     # PVT v1: plain -> GRC
-    v1 = timm.create_model('pvt_tiny', **TINY['pvt_tiny_grc'])
+    v1 = timm.create_model('pvt_tiny', **TINY_CONFIGS['pvt_tiny'])
     missing, unexpected = timm.create_model('pvt_tiny_grc', **TINY['pvt_tiny_grc']).load_state_dict(
         v1.state_dict(), strict=False)
     assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
@@ -414,7 +399,7 @@ def test_swin_set_input_size():
     with torch.no_grad():
         model(torch.randn(2, 3, 64, 64))
     model.set_input_size(img_size=(96, 96), window_size=8)
-    grc = _grcs(model)[0]
+    grc = grc_modules(model)[0]
     assert grc.cache.shape == (1, 64, 16) and grc.cache.any()
     assert grc.mem_attn.relative_position_bias_table.shape == (15 * 15, 2)
     assert model(torch.randn(2, 3, 96, 96)).shape == (2, 10)
@@ -435,7 +420,7 @@ def test_official_pvt_v1_names_map():
     import re
 
     from lsvision.models.pvt import checkpoint_filter_fn
-    model = timm.create_model('pvt_tiny', **TINY['pvt_tiny_grc'])
+    model = timm.create_model('pvt_tiny', **TINY_CONFIGS['pvt_tiny'])
     sd = model.state_dict()
 
     def official(k):  # whai362/PVT names
@@ -452,7 +437,7 @@ def test_grad_checkpointing_raises():
     for name in TINY:
         with pytest.raises(RuntimeError, match='gradient checkpointing'):
             _tiny(name).set_grad_checkpointing(True)
-    timm.create_model('pvt_tiny', **TINY['pvt_tiny_grc']).set_grad_checkpointing(True)  # plain PVT supports it
+    timm.create_model('pvt_tiny', **TINY_CONFIGS['pvt_tiny']).set_grad_checkpointing(True)  # plain PVT supports it
 
 
 def test_bad_inputs():
@@ -491,32 +476,26 @@ def test_options_frozen_eval_input_summary_2d():
     with torch.no_grad():
         model(torch.randn(2, 3, 96, 64))  # 2-d resize of the summary to the cache grid
     model.eval()
-    caches = _caches(model)
+    caches = grc_caches(model)
     x = torch.randn(3, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(torch.cat([model(x[i:i + 1]) for i in range(3)]), model(x), atol=1e-5, rtol=0)
-    assert all(torch.equal(a, b) for a, b in zip(caches, _caches(model)))
+    assert all(torch.equal(a, b) for a, b in zip(caches, grc_caches(model)))
 
 
 def test_resize_cache_and_autocast():
     model = _tiny('pvt_v2_b0_grc').train()
     with torch.autocast('cpu', dtype=torch.bfloat16):
         model(torch.randn(2, 3, 64, 64))
-    assert all(c.dtype == torch.float32 and c.any() for c in _caches(model))
+    assert all(c.dtype == torch.float32 and c.any() for c in grc_caches(model))
     model.resize_cache(96)
-    assert _grcs(model)[0].cache.shape == (1, 24 * 24, 16)
+    assert grc_modules(model)[0].cache.shape == (1, 24 * 24, 16)
     assert model(torch.randn(2, 3, 96, 96)).shape == (2, 10)
 
 
 def test_pvt_v1_token_pool():
     model = timm.create_model('pvt_tiny_grc', global_pool='token', num_classes=10, **TINY['pvt_tiny_grc']).eval()
     assert model(torch.randn(2, 3, 64, 64)).shape == (2, 10)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def _ddp_worker(rank, world, port, path, x):
@@ -532,7 +511,7 @@ def _ddp_worker(rank, world, port, path, x):
             ddp(xs).mean().backward()
             opt.step()
             opt.zero_grad()
-        torch.save(_caches(model), os.path.join(path, f'rank{rank}.pth'))
+        torch.save(grc_caches(model), os.path.join(path, f'rank{rank}.pth'))
     finally:
         dist.destroy_process_group()
 
@@ -540,12 +519,12 @@ def _ddp_worker(rank, world, port, path, x):
 def test_ddp_sync_cache_equals_global_batch(tmp_path):
     torch.manual_seed(1)
     x = torch.randn(2, 4, 3, 32, 32)
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), x), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path), x), nprocs=2, join=True)
     model = _tiny('pvt_v2_b0_grc', grc_sync_cache=True).train()
     with torch.no_grad():
         for step in range(2):
             model(x[step])
-    single = _caches(model)
+    single = grc_caches(model)
     r0 = torch.load(tmp_path / 'rank0.pth')
     r1 = torch.load(tmp_path / 'rank1.pth')
     for a, b, c in zip(r0, r1, single):
@@ -597,7 +576,7 @@ def test_documented_cache_sync_keyword_works(doc):
     text = (Path(__file__).resolve().parents[1] / doc).read_text()
     (keyword,) = re.findall(r'With DDP, `(\w+)=True`', text)
     for name in ('pvt_v2_b0_grc', SWIN_T, VIT_S, 'pvt_tiny_grc'):
-        grcs = _grcs(_tiny(name, **{keyword: True}))
+        grcs = grc_modules(_tiny(name, **{keyword: True}))
         assert grcs and all(m.sync_cache for m in grcs)
 
 
@@ -612,7 +591,7 @@ def test_grc_config_object_equals_grc_keyword_arguments(name):
     by_config = _tiny(name, grc_config=GrcConfig(**options))
     assert by_keywords.state_dict().keys() == by_config.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(by_keywords.state_dict().values(), by_config.state_dict().values()))
-    for m in _grcs(by_config):
+    for m in grc_modules(by_config):
         assert m.cache_dim == int(options['ratio'] * m.dim)
         assert (m.summary_src, m.eval_update, m.interp_mode, m.sync_cache) == ('input', False, '2d', True)
         assert torch.equal(m.lam, torch.full_like(m.lam, -1.0))
@@ -630,7 +609,7 @@ def test_grc_keeps_the_options_of_the_base_attention(tmp_path):
     missing, unexpected = model.load_state_dict(base.state_dict(), strict=False)
     assert missing and all('.attn.grc.' in k for k in missing) and not unexpected
     with torch.no_grad():
-        for m in _grcs(model):
+        for m in grc_modules(model):
             m.lam.fill_(float('-inf'))
             m.pe.weight.zero_()
             m.pe.bias.zero_()

@@ -5,37 +5,22 @@ encoder's logits, stored caches and gradients. Behaviour: padding never reaches 
 eval is per sample and leaves the cache frozen, the cache agrees across 2 gloo processes.
 """
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+from _helpers import free_port, grc_caches, grc_modules, perturb
 from grc_reference import full_attention_1d, grc_sequence_reference
 from reference_attention import dense_long_short_attention_1d, layer_norm
 
 import lsvision.sequence as seq
-from lsvision.layers import GatedRecurrentCache, GatedRecurrentCache1d, GrcConfig, LongShortAttention1d
+from lsvision.layers import GatedRecurrentCache1d, GrcConfig, LongShortAttention1d
 from lsvision.sequence.grc_lra import FullGrcAttention1d, LongShortGrcAttention1d
 from lsvision.train.engine import all_reduce_grc_caches
 
 TINY = dict(max_len=24, dim=32, num_heads=2, mlp_hidden=48, vocab_size=16)
-
-
-def _perturb(module: nn.Module, std: float = 0.1) -> nn.Module:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * std)
-    return module
-
-
-def _grcs(model: nn.Module):
-    return [m for m in model.modules() if isinstance(m, GatedRecurrentCache)]
-
-
-def _caches(model: nn.Module):
-    return [m.cache.clone() for m in _grcs(model)]
 
 
 def _tiny(name: str, **kw) -> nn.Module:
@@ -65,7 +50,7 @@ def test_layer_matches_reference_fp64(prefix, seq_len, n, lengths, summary_src, 
     B, D = 3, 32
     grc = GatedRecurrentCache1d(D, 2, seq_len, num_prefix_tokens=prefix,
                                 config=GrcConfig(summary_src=summary_src, eval_update=eval_update)).double()
-    _perturb(grc).train(training)
+    perturb(grc).train(training)
     with torch.no_grad():
         grc.cache.copy_(torch.randn_like(grc.cache))  # a filled cache
     start = grc.cache.clone()
@@ -87,7 +72,7 @@ def test_layer_defaults_and_pad_values_never_matter():
     torch.manual_seed(0)
     grc = GatedRecurrentCache1d(32, 2, 16)
     assert grc.cache_dim == 16 and torch.equal(grc.lam, torch.zeros(2)) and not grc.cache.any()
-    _perturb(grc).train()
+    perturb(grc).train()
     x, o_self = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
     mask = torch.arange(16)[None] < torch.tensor([[11], [16]])
     out = grc(x, o_self, mask)
@@ -138,16 +123,16 @@ def test_encoder_logits_caches_and_gradients_match_dense_reference(name, pool):
     """Train mode from filled caches: logits, the stored caches and every parameter's gradient of the model (its fast
     long-short attention, with the recomputing LN backward) against the dense masked references, fp64."""
     torch.manual_seed(0)
-    model = _perturb(_tiny(name, pool=pool).double()).train()
+    model = perturb(_tiny(name, pool=pool).double()).train()
     with torch.no_grad():
         model(_ids([20, 13, 24], 24, seed=1))  # fill the caches
-    start = [c.double() for c in _caches(model)]
+    start = [c.double() for c in grc_caches(model)]
     ids = _ids([17, 24, 5], 24, seed=2)
     weight = torch.randn(3, 10, dtype=torch.float64)
     params = [p for p in model.parameters()]
     logits = model(ids)
     grads = torch.autograd.grad((logits * weight).sum(), params)
-    stored = _caches(model)
+    stored = grc_caches(model)
 
     feats, ref_caches = _encoder_reference(model.encoder, ids, start, training=True)
     ref_logits = model.head(feats)
@@ -170,7 +155,7 @@ def test_padding_never_reaches_cache_or_outputs(name, pool):
     """The same real tokens with 0, 3 or 11 pads after them: the same stored caches (train) and logits (train and
     eval), and the eval caches stay as they were."""
     torch.manual_seed(0)
-    model = _perturb(_tiny(name, pool=pool, max_len=32).double())
+    model = perturb(_tiny(name, pool=pool, max_len=32).double())
     real = _ids([9, 13, 5], 13, seed=3)
     results = []
     for extra in (0, 3, 11):
@@ -178,11 +163,11 @@ def test_padding_never_reaches_cache_or_outputs(name, pool):
         ids = torch.cat([real, torch.zeros(3, extra, dtype=torch.long)], dim=1)
         model.train()
         train_logits = model(ids)
-        caches = _caches(model)
+        caches = grc_caches(model)
         model.eval()
         with torch.no_grad():
             eval_logits = model(ids)
-        assert all(torch.equal(a, b) for a, b in zip(caches, _caches(model)))  # frozen in eval
+        assert all(torch.equal(a, b) for a, b in zip(caches, grc_caches(model)))  # frozen in eval
         results.append((train_logits.detach(), caches, eval_logits))
     for logits, caches, eval_logits in results[1:]:
         torch.testing.assert_close(logits, results[0][0], rtol=0, atol=1e-12)
@@ -194,24 +179,24 @@ def test_padding_never_reaches_cache_or_outputs(name, pool):
 @pytest.mark.parametrize('name', ['grc_lra_listops', 'ls_grc_lra_listops'])
 def test_eval_is_per_sample_and_cache_frozen_updated_in_train(name):
     torch.manual_seed(0)
-    model = _perturb(_tiny(name)).train()
-    assert all(not c.any() for c in _caches(model))  # zero initial cache
+    model = perturb(_tiny(name)).train()
+    assert all(not c.any() for c in grc_caches(model))  # zero initial cache
     ids = _ids([20, 7, 24, 12], 24, seed=4)
     with torch.no_grad():  # the update is stored in train mode also without a graph (as in vision)
         model(ids)
-    trained = _caches(model)
+    trained = grc_caches(model)
     assert all(c.any() for c in trained)
     model(ids[:2]).sum().backward()
-    assert all(not torch.equal(a, b) for a, b in zip(trained, _caches(model)))  # every train forward updates
+    assert all(not torch.equal(a, b) for a, b in zip(trained, grc_caches(model)))  # every train forward updates
     model.eval()
-    frozen = _caches(model)
+    frozen = grc_caches(model)
     with torch.no_grad():
         batch = model(ids)
         alone = torch.cat([model(ids[b:b + 1, :int((ids[b] != 0).sum())]) for b in range(4)])
         permuted = model(ids.flip(0)).flip(0)
     torch.testing.assert_close(alone, batch, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(permuted, batch, rtol=1e-5, atol=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(frozen, _caches(model)))
+    assert all(torch.equal(a, b) for a, b in zip(frozen, grc_caches(model)))
 
 
 def test_bad_input_names_both_lengths():
@@ -236,7 +221,7 @@ def test_bad_input_names_both_lengths():
 
 def test_grc_options_reach_every_layer():
     model = _tiny('grc_lra_listops', grc_ratio=0.25, grc_lam_init=-1.0, grc_sync_cache=True)
-    grcs = _grcs(model)
+    grcs = grc_modules(model)
     assert len(grcs) == 2 and all(g.cache_dim == 8 and g.sync_cache and torch.equal(g.lam, -torch.ones(2))
                                   for g in grcs)
     assert [g.cache.shape for g in grcs] == [(1, 24, 8), (1, 25, 8)]  # the last layer has the cls slot
@@ -244,12 +229,6 @@ def test_grc_options_reach_every_layer():
     assert type(_tiny('ls_grc_lra_listops').encoder.blocks[0].attn) is LongShortGrcAttention1d
     with pytest.raises(TypeError, match='grc_nope'):
         _tiny('grc_lra_listops', grc_nope=1)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
 
 
 def _ddp_worker(rank, world, port, path, batches):
@@ -268,8 +247,8 @@ def _ddp_worker(rank, world, port, path, batches):
                 opt.step()
                 opt.zero_grad()
                 if mode == 'engine_sync':
-                    all_reduce_grc_caches(_grcs(model))  # what the training loop does once per optimizer step
-            torch.save(_caches(model), os.path.join(path, f'{mode}{rank}.pth'))
+                    all_reduce_grc_caches(grc_modules(model))  # what the training loop does once per optimizer step
+            torch.save(grc_caches(model), os.path.join(path, f'{mode}{rank}.pth'))
     finally:
         dist.destroy_process_group()
 
@@ -279,13 +258,13 @@ def test_ddp_gloo_caches_agree_and_equal_the_global_batch(tmp_path):
     loop's all-reduce after each step both leave identical caches on both ranks, equal to one process on the
     global batch (the ranks hold the same number of samples)."""
     batches = [_ids([24, 10, 17, 3], 24, seed=5), _ids([8, 24, 21, 15], 24, seed=6)]
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path), batches), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path), batches), nprocs=2, join=True)
     torch.manual_seed(0)
     model = _tiny('ls_grc_lra_listops', pool='mean_real').train()
     with torch.no_grad():
         for ids in batches:
             model(ids)
-    single = _caches(model)
+    single = grc_caches(model)
     for mode in ('layer_sync', 'engine_sync'):
         r0 = torch.load(tmp_path / f'{mode}0.pth', weights_only=True)
         r1 = torch.load(tmp_path / f'{mode}1.pth', weights_only=True)
@@ -299,12 +278,13 @@ def test_reparameterized_model_gives_the_same_eval_outputs():
     stays as it is)."""
     from timm.models import reparameterize_model
     torch.manual_seed(0)
-    model = _perturb(_tiny('ls_grc_lra_listops')).train()
+    model = perturb(_tiny('ls_grc_lra_listops')).train()
     with torch.no_grad():
         model(_ids([20, 11], 24, seed=7))
     model.eval()
     folded = reparameterize_model(model)
-    assert all(g.reparameterized and g.linear_reset is None and isinstance(g.pe, nn.Conv1d) for g in _grcs(folded))
+    assert all(g.reparameterized and g.linear_reset is None and isinstance(g.pe, nn.Conv1d)
+               for g in grc_modules(folded))
     ids = _ids([24, 9, 15], 24, seed=8)
     with torch.no_grad():
         torch.testing.assert_close(folded(ids), model(ids), rtol=1e-5, atol=1e-6)

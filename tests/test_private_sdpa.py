@@ -4,8 +4,9 @@ import warnings
 
 import pytest
 import torch
+from _helpers import load_tool, perturb
 from fake_cuda import FAKE_CUDA, KernelCounter, fake_cuda
-from test_span_attention import LAYERS, _perturb
+from test_span_attention import LAYERS
 
 from lsvision.layers import LongShortAttention2d
 from lsvision.layers import _private_sdpa as private_sdpa
@@ -47,7 +48,7 @@ def test_schema_mismatch_falls_back_to_the_public_path_with_the_same_numbers(mon
     the op and the torch version, once per process."""
     torch.manual_seed(0)
     feat_size = (9, 11)
-    attn = _perturb(LongShortAttention2d(32, 2, 4, 3, **LAYERS['conv'])).double().train()
+    attn = perturb(LongShortAttention2d(32, 2, 4, 3, **LAYERS['conv']), 0.3).double().train()
     x = torch.randn(2, 1 + 9 * 11, 32, dtype=torch.float64)
     monkeypatch.setattr(private_sdpa, '_schema_ok', {})
     private, ops = _train_step(attn, x, feat_size)
@@ -125,10 +126,7 @@ def test_fake_cuda_fused_attention_refuses_what_the_meta_kernel_would_take():
 
 
 def test_gpu_check_dry_run_lists_the_tests_and_every_benchmark(tmp_path, capsys):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location('gpu_check', 'tools/gpu_check.py')
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool('gpu_check')
     assert tool.main(['--dry-run']) == 0
     out = capsys.readouterr().out
     assert 'tests/test_cuda.py' in out and 'vil_ls_medium_384, full attention' in out

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import TINY_CONFIGS, load_tool, model_kwargs_args, tiny_model
 
 import timm
 from timm.models import reparameterize_model
@@ -17,19 +18,8 @@ from lsvision.layers import GatedRecurrentCache, GrcMemoryAttention, LongShortAt
 from lsvision.models.cvt import ConvDynamicProjection, FusedConvProjections, SepConvQkv
 
 SWIN_T = 'swin_tiny_patch4_window7_224_grc'
-# a tiny config of every vision model family (name -> kwargs); inputs are 64 x 64
-TINY = {
-    'cvt_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2)),
-    'cvt_ls_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2), window_sizes=(4, 2, 2),
-                      dp_ranks=(4, 2, 2)),
-    'vil_ls_medium': dict(embed_dims=(8, 16, 32, 64), num_heads=(1, 2, 4, 8), depths=(1, 2, 2, 1)),
-    'pvt_tiny': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
-    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
-    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1, 1, 1)),
-    'pvt_v2_b2_li_grc': dict(img_size=64, depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64)),
-    SWIN_T: dict(img_size=64, embed_dim=32, depths=(2, 1, 1, 1), num_heads=(2, 2, 4, 4)),
-    'vit_small_patch16_224_grc': dict(img_size=64, embed_dim=64, depth=2, num_heads=2),
-}
+# a tiny config of every vision model family and of the plain and variant models (name -> kwargs); inputs are 64 x 64
+TINY = TINY_CONFIGS
 # the models whose layers used to keep eval caches (issue 17): CvT-LS, ViL-LS and every GRC family
 STATEFUL_BEFORE = [n for n in TINY if n not in ('cvt_13', 'pvt_tiny')]
 # families with nothing to fold (ViL-LS: linear projections, no BatchNorm; CvT and PVT: timm/plain layers)
@@ -53,8 +43,7 @@ def _randomize_state(model: torch.nn.Module, seed: int) -> None:
 
 
 def _tiny(name: str, seed: int = 0, **kwargs) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = timm.create_model(name, **{**TINY[name], 'num_classes': 10, **kwargs}).eval()
+    model = tiny_model(name, seed, **{'num_classes': 10, **kwargs}).eval()
     _randomize_state(model, seed)
     return model
 
@@ -262,7 +251,6 @@ def test_patch_reduction_as_matmul_equals_the_conv():
 def test_validate_tool_reparam_flag(tmp_path):
     # tools/validate.py (and robustness.py, same CLI code) --reparam evaluates the folded model: same metrics, and the
     # results say it was folded
-    from _helpers import load_tool
     from eval_fixtures import make_imagenet
     from safetensors.torch import save_file
 
@@ -271,19 +259,14 @@ def test_validate_tool_reparam_flag(tmp_path):
     model = _tiny('cvt_ls_13', num_classes=1000)
     ckpt = tmp_path / 'tiny.safetensors'
     save_file(model.state_dict(), str(ckpt))
-    kwargs = ['embed_dims=[16,32,64]', 'num_heads=[1,2,4]', 'depths=[1,1,2]', 'window_sizes=[4,2,2]',
-              'dp_ranks=[4,2,2]']
+    kwargs = model_kwargs_args(TINY['cvt_ls_13'])
     results = {}
-    threads = torch.get_num_threads()
-    try:
-        for flags in ([], ['--reparam']):
-            out = tmp_path / ('reparam' if flags else 'plain')
-            assert validate.main(['--models', 'cvt_ls_13', '--checkpoint', str(ckpt), '--model-kwargs', *kwargs,
-                                  '--imagenet', str(imagenet['root']), '--workers', '0', '--threads', '1',
-                                  '--device', 'cpu', '--no-progress', '--out-dir', str(out), *flags]) == 0
-            results[bool(flags)] = json.loads((out / 'results.json').read_text())
-    finally:
-        torch.set_num_threads(threads)
+    for flags in ([], ['--reparam']):  # --threads 1 holds for this test only (conftest restores the count)
+        out = tmp_path / ('reparam' if flags else 'plain')
+        assert validate.main(['--models', 'cvt_ls_13', '--checkpoint', str(ckpt), '--model-kwargs', *kwargs,
+                              '--imagenet', str(imagenet['root']), '--workers', '0', '--threads', '1',
+                              '--device', 'cpu', '--no-progress', '--out-dir', str(out), *flags]) == 0
+        results[bool(flags)] = json.loads((out / 'results.json').read_text())
     plain, folded = results[False], results[True]
     assert folded['settings']['reparam'] and folded['models'][0]['reparam']
     assert not plain['settings']['reparam'] and 'reparam' not in plain['models'][0]

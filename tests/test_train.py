@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from _helpers import load_tool, write_two_class_images
 from PIL import Image
 
 import lsvision
@@ -43,30 +44,10 @@ TINY_MODEL = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _keep_torch_threads():
-    threads = torch.get_num_threads()  # run(--threads 1) sets them for the process; later tests get theirs back
-    yield
-    torch.set_num_threads(threads)
-
-
-def _write_images(root: Path, per_class: int = 12, size: int = 16) -> None:
-    """Two classes that differ in where the bright square is, plus noise (train and val splits)."""
-    rng = np.random.RandomState(0)
-    for split, n in (('train', per_class), ('val', 4)):
-        for c in range(2):
-            d = root / split / f'class{c}'
-            d.mkdir(parents=True, exist_ok=True)
-            for i in range(n):
-                img = rng.randint(0, 60, (size, size, 3)).astype(np.uint8)
-                img[2:8, (2 if c == 0 else 8):(8 if c == 0 else 14)] = 230
-                Image.fromarray(img).save(d / f'{i:03d}.png')
-
-
 @pytest.fixture(scope='module')
 def image_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp('images')
-    _write_images(root)
+    write_two_class_images(root)
     return root
 
 
@@ -114,10 +95,7 @@ def test_bad_config_is_a_clear_error(tmp_path, cfg, message):
     if 'batch_sise' in cfg:
         assert 'did you mean batch_size' in str(e.value)
         # the tool prints it as one line and exits 2, before any training starts
-        spec = importlib.util.spec_from_file_location('train_tool', TRAIN)
-        tool = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(tool)
-        assert tool.main(['-c', str(path)]) == 2
+        assert load_tool('train').main(['-c', str(path)]) == 2
 
 
 def _train_args(image_root: Path, out: Path, *extra: str):
@@ -261,13 +239,6 @@ def test_time_budget_stops_evaluates_and_leaves_a_resumable_checkpoint(image_roo
     assert resumed['num_updates'] == 12 and not resumed['stopped_by_time_budget']
 
 
-def _load_train_tool():
-    spec = importlib.util.spec_from_file_location('train_tool', TRAIN)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
-
-
 @pytest.fixture(scope='module')
 def one_epoch_run(image_root, tmp_path_factory) -> Path:
     """A finished 1-epoch run of the tiny CvT-LS (24 images, batch 4: 6 updates); returns its run directory."""
@@ -302,7 +273,7 @@ def test_resume_with_another_model_is_refused_naming_both(one_epoch_run, capsys)
     last = str(one_epoch_run / 'last.pth.tar')
     with pytest.raises(ConfigError, match='that run trains cvt_ls_13, not --model cvt_13'):
         parse_args(['--resume', last, '--model', 'cvt_13'])
-    assert _load_train_tool().main(['--resume', last, '--model', 'cvt_13']) == 2
+    assert load_tool('train').main(['--resume', last, '--model', 'cvt_13']) == 2
     assert 'cvt_ls_13' in capsys.readouterr().err
 
 
@@ -325,7 +296,7 @@ def test_checkpoint_of_another_model_is_a_short_error_naming_both(one_epoch_run,
     for flags in (['--initial-checkpoint', last], ['--pretrained', '--pretrained-path', last]):
         caplog.clear()
         with caplog.at_level(logging.ERROR):
-            assert _load_train_tool().main(args + flags) == 2
+            assert load_tool('train').main(args + flags) == 2
         (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
         assert 'does not fit cvt_ls_13 (it holds cvt_ls_13 weights of another configuration' in error
         assert 'other shape' in error and len(error) < 1000
@@ -488,7 +459,7 @@ def test_missing_data_folder_is_named(tmp_path, caplog):
     with pytest.raises(TrainSetupError, match=f'data folder {missing} does not exist. Give the dataset root'):
         run(parse_args([str(missing), '--model', 'cvt_ls_13', '--output', str(tmp_path)]))
     with caplog.at_level(logging.ERROR):
-        assert _load_train_tool().main(['--data-dir', str(missing), '--model', 'cvt_13']) == 2
+        assert load_tool('train').main(['--data-dir', str(missing), '--model', 'cvt_13']) == 2
     assert f'data folder {missing} does not exist' in caplog.text
 
 
@@ -566,9 +537,7 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeyp
 
 @pytest.mark.parametrize('tool', ['validate.py', 'robustness.py'])
 def test_tool_help_shows_its_examples_as_written(tool, capsys):
-    spec = importlib.util.spec_from_file_location(tool[:-3], ROOT / 'tools' / tool)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool(tool[:-3])
     with pytest.raises(SystemExit) as e:
         module.parse_args(['--help'])
     assert e.value.code == 0
@@ -698,7 +667,7 @@ def test_img_size_and_no_amp_flags_beat_the_config_in_a_run_and_in_args_yaml(ima
 def test_epochs_are_counted_from_0_in_the_log_files_and_result(image_root, tmp_path, caplog, capsys):
     args = _train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0', '--log-interval', '3')
     with caplog.at_level(logging.INFO):
-        assert _load_train_tool().main(args) == 0
+        assert load_tool('train').main(args) == 0
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('epoch ')]
     progress = [line.split(' [')[0] for line in lines if ' [' in line]  # at batches 3 and 6 of 6
     assert progress == ['epoch 0 (1 of 2)'] * 2 + ['epoch 1 (2 of 2)'] * 2
