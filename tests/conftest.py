@@ -1,8 +1,9 @@
 """Shared pytest fixtures. Golden outputs of the authors' code live in the repository, under `tests/golden/`.
 
 Shared helpers that are not fixtures live in `tests/_helpers.py` (importable as `_helpers`, since `tests/` is put on
-sys.path here): `load_tool` (a tools/ script as a module), `perturb` (weights off their init), `TINY_FAMILIES` and
-`tiny_model` (one tiny config per model family).
+sys.path here): `load_tool` (a tools/ script as a module), `perturb` (weights off their init), `TINY_FAMILIES`,
+`TINY_CONFIGS` and `tiny_model` (one tiny config per model family, and of the other models tests build), and a few
+more (an image folder to train on, a free port, the GRC layers of a model, the evaluation tools' checkpoint).
 """
 import os
 import sys
