@@ -30,4 +30,4 @@ from .long_short_1d import (
     sinusoid_positions,
 )
 from .matmul_attention import matmul_attention, scaled_dot_product_attention
-from .span_attention import span_attention
+from .span_attention import span_attention, span_attention_reference
