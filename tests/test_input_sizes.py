@@ -1,21 +1,37 @@
-"""Input sizes as timm users set them: `img_size=` at creation and `set_input_size` afterwards, for every family."""
+"""Input sizes as timm users set them: `img_size=` at creation and `set_input_size` afterwards, for every family;
+inputs a model cannot take are explained."""
 import pytest
 import torch
+from _helpers import TINY_CONFIGS, TINY_FAMILIES, tiny_model
 
 import timm
 
 import lsvision  # noqa: F401  (registers the models)
 
-TINY_CVT_LS = dict(
-    embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 2), window_sizes=(4, 2, 2), dp_ranks=(4, 2, 2))
-TINY_PVT = dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 40, 64))
+# the smallest input of each family built on lsvision's own stem and input check, in its tiny config (Swin- and
+# ViT-GRC take timm's, which check the size only against img_size)
+SMALLEST_INPUT = {'cvt_13': 16, 'cvt_ls_13': 16, 'vil_ls_medium': 32, 'pvt_tiny_grc': 32, 'pvt_v2_b0_grc': 32}
+
+
+@pytest.mark.parametrize('name', list(SMALLEST_INPUT))
+def test_wrong_input_is_explained(name):
+    model = tiny_model(name).eval()
+    with pytest.raises(AssertionError, match='expected 3 input channels, got 1; create the model with in_chans=1'):
+        model(torch.randn(1, 1, 64, 64))
+    smallest = SMALLEST_INPUT[name]
+    with pytest.raises(AssertionError, match=f'input {smallest - 1}x64 is smaller than the smallest this model '
+                                             f'takes \\({smallest}x{smallest}\\)'):
+        model(torch.randn(1, 3, smallest - 1, 64))
+    with pytest.raises(AssertionError, match=r'expected an image batch \(B, 3, H, W\), got a tensor of 3 dims'):
+        model(torch.randn(3, 64, 64))
+    with torch.no_grad():
+        assert model(torch.randn(1, 3, smallest, smallest)).isfinite().all()  # the smallest itself runs
 
 
 @pytest.mark.parametrize('name,native', [('cvt_13', 224), ('cvt_ls_13', 224), ('cvt_13_384', 384),
                                          ('cvt_ls_13_384', 384)])
 def test_cvt_takes_img_size_and_set_input_size(name, native):
-    kwargs = dict(TINY_CVT_LS) if name.startswith('cvt_ls') else dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4),
-                                                                       depths=(1, 1, 2))
+    kwargs = TINY_FAMILIES['cvt_ls_13' if name.startswith('cvt_ls') else 'cvt_13']
     assert timm.create_model(name, **kwargs).img_size == (native, native)
     model = timm.create_model(name, img_size=96, **kwargs).eval()
     assert model.img_size == (96, 96)
@@ -32,7 +48,8 @@ def test_cvt_takes_img_size_and_set_input_size(name, native):
 @pytest.mark.parametrize('grc', [False, True])
 def test_pvt_set_input_size_resamples_pos_embed_and_caches(grc):
     torch.manual_seed(0)
-    model = timm.create_model('pvt_tiny_grc' if grc else 'pvt_tiny', img_size=64, num_classes=10, **TINY_PVT).eval()
+    name = 'pvt_tiny_grc' if grc else 'pvt_tiny'
+    model = timm.create_model(name, **{**TINY_CONFIGS[name], 'num_classes': 10}).eval()
     for stage in model.stages:
         torch.nn.init.normal_(stage.pos_embed)
     x = torch.randn(2, 3, 96, 64)
@@ -59,7 +76,7 @@ def test_pvt_set_input_size_resamples_pos_embed_and_caches(grc):
 
 
 def test_pvt_v2_grc_set_input_size_resizes_caches():
-    model = timm.create_model('pvt_v2_b0_grc', img_size=64, depths=(1, 1, 1, 1), num_classes=10).eval()
+    model = timm.create_model('pvt_v2_b0_grc', **{**TINY_FAMILIES['pvt_v2_b0_grc'], 'num_classes': 10}).eval()
     model.set_input_size(96)
     grids = [(24, 24), (12, 12), (6, 6), (3, 3)]
     for stage, grid in zip(model.stages, grids):
@@ -72,7 +89,7 @@ def test_pvt_v2_grc_set_input_size_resizes_caches():
 @pytest.mark.parametrize('name', ['vit_small_patch16_224_grc', 'deit_small_patch16_224_grc'])
 def test_vit_grc_takes_non_square_grids_with_dynamic_img_size(name):
     torch.manual_seed(0)
-    kwargs = dict(img_size=64, embed_dim=64, depth=2, num_heads=2, num_classes=10)
+    kwargs = {**TINY_FAMILIES['vit_small_patch16_224_grc'], 'num_classes': 10}
     dynamic = timm.create_model(name, dynamic_img_size=True, **kwargs).eval()
     fixed = timm.create_model(name, **kwargs).eval()
     fixed.load_state_dict(dynamic.state_dict())
