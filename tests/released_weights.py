@@ -22,11 +22,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 from _helpers import perturb
+from official_layouts import official_vil
 
 import timm
 from timm.layers import QuickGELU
-
-from lsvision.models.vil_ls import official_key_to_lsvision
 
 GOLDEN_VIL = Path(__file__).resolve().parent / 'golden' / 'vil_ls_official'
 
@@ -81,18 +80,15 @@ def put_in_hub_cache(cache: Path, repo_id: str, file: Path, filename: str = 'pyt
 
 def official_vil_shapes(name: str) -> Dict[str, Tuple[int, ...]]:
     """The official state_dict key shapes of a released ViL-LS: the authors' model's (``full_key_shapes.json``) for
-    Medium and Base at 224; for Medium at 384 the same keys with the table sizes of the 384 model (w = 8, 24x24 and
-    12x12 maps)."""
+    Medium and Base at 224; for Medium at 384 the authors' layout of the 384 model (w = 8, 24x24 and 12x12 maps),
+    written with the test's own names (``official_layouts.official_vil``), which are the 224 file's keys."""
     shapes = json.loads((GOLDEN_VIL / 'full_key_shapes.json').read_text())
     if name in ('vil_ls_medium', 'vil_ls_base'):
         return {k: tuple(v) for k, v in shapes[f'{name}_224'].items()}
-    model = timm.create_model(name, device='meta')
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    out = {}
-    for k, v in shapes['vil_ls_medium_224'].items():
-        lsvision_key = official_key_to_lsvision(k)
-        out[k] = ours[lsvision_key] if lsvision_key is not None else tuple(v)
-    return out
+    net = official_vil(timm.create_model(name, device='meta'))['net']
+    ours = {k[len('module.'):]: tuple(v.shape) for k, v in net.items()}
+    assert ours.keys() == shapes['vil_ls_medium_224'].keys(), f"{name}: not the keys of the authors' Medium"
+    return {k: ours[k] for k in shapes['vil_ls_medium_224']}  # in the authors' order
 
 
 def official_vil_checkpoint(shapes: Dict[str, Tuple[int, ...]], seed: int) -> Dict:
