@@ -9,7 +9,7 @@ from typing import Tuple
 
 import pytest
 import torch
-from _helpers import perturb
+from _helpers import perturb, tiny_model
 from reference_attention import (
     dense_causal_long_short_attention,
     dense_long_short_attention_1d,
@@ -210,10 +210,7 @@ def test_window_attention_launches_as_many_kernels_for_any_batch_and_map(w, r, h
 @pytest.mark.skipif(DEVICE.type != 'cuda', reason='inductor on the CPU needs a C++ compiler; CPU compile is '
                     'tested with aot_eager in test_span_attention')
 def test_torch_compile_inductor_fullgraph_forward_and_backward_equal_eager():
-    torch.manual_seed(0)
-    tiny = dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1), window_sizes=(4, 2, 2),
-                dp_ranks=(4, 2, 2))
-    model = timm.create_model('cvt_ls_13', img_size=64, num_classes=5, **tiny).to(DEVICE).train()
+    model = tiny_model('cvt_ls_13', img_size=64, num_classes=5, depths=(1, 1, 1)).to(DEVICE).train()
     x = torch.randn(2, 3, 64, 72, device=DEVICE)
     allow_tf32 = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False  # eager and compiled convs in the same precision

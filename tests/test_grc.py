@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
-from _helpers import TINY_CONFIGS, free_port, grc_caches, grc_modules, tiny_model
+from _helpers import TINY_CONFIGS, free_port, grc_caches, grc_modules, perturb, tiny_model
 from grc_reference import grc_reference, pvt_self_attention, swin_self_attention, vit_self_attention
 
 import timm
@@ -245,9 +245,8 @@ def test_grc_matches_spec_reference_fp64(case):
     attn, run, self_ref, train_steps, eval_calls = _reference_case(case)
     grc = attn.grc
     attn = attn.double().train()
+    perturb(attn, 0.2)  # off the init, so that every term matters
     with torch.no_grad():
-        for p in attn.parameters():  # off the init, so that every term matters
-            p.add_(torch.randn_like(p) * 0.2)
         grc.lam.normal_()  # sigmoid(lam) away from 0 and 1: both branches count
         grc.cache.normal_()
     params = dict(attn.named_parameters())

@@ -2,8 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-
-import timm
+from _helpers import tiny_model
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.flops import count_flops
@@ -33,21 +32,15 @@ def test_matmul_attention_bf16_softmax_in_fp32():
 def test_swin_window_memory_attention_is_independent_of_threads():
     # Swin's window memory attention runs as batched matmuls on CPU whatever the thread count (one kernel per device:
     # the rounding must not change with the threads); outputs and FLOP counts agree on 1 and 2 threads
-    model = timm.create_model(
-        'swin_tiny_patch4_window7_224_grc', img_size=64, embed_dim=32, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4),
-        num_classes=10).eval()
+    model = tiny_model('swin_tiny_patch4_window7_224_grc', depths=(1, 1, 1, 1), num_classes=10).eval()
     x = torch.randn(2, 3, 64, 64)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        with torch.no_grad():
-            one = model(x)
-        flops_one = count_flops(model, (3, 64, 64)).total
-        torch.set_num_threads(2)
-        with torch.no_grad():
-            two = model(x)
-        flops_two = count_flops(model, (3, 64, 64)).total
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(1)  # conftest gives the next test its thread count back
+    with torch.no_grad():
+        one = model(x)
+    flops_one = count_flops(model, (3, 64, 64)).total
+    torch.set_num_threads(2)
+    with torch.no_grad():
+        two = model(x)
+    flops_two = count_flops(model, (3, 64, 64)).total
     torch.testing.assert_close(one, two, atol=1e-6, rtol=1e-5)
     assert flops_one == flops_two > 0

@@ -219,14 +219,10 @@ def test_window_memory_attention_kernel_follows_the_device_only(threads):
     x, cache = torch.randn(3, 49, 32), torch.randn(3, 49, 32)
     q, k, v = (torch.randn(3, 2, 49, 16) for _ in range(3))
     bias = mem._gather_rel_pos_bias(49, q.dtype)
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            out = mem.attend(q, k, v, bias)
-            full = mem(x, cache)
-    finally:
-        torch.set_num_threads(saved)
+    torch.set_num_threads(threads)  # conftest gives the next test its thread count back
+    with torch.no_grad():
+        out = mem.attend(q, k, v, bias)
+        full = mem(x, cache)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=mem.scale),
                                atol=1e-6, rtol=1e-5)
     folded = copy.deepcopy(mem)

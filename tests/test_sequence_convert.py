@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from _helpers import perturb
 from conftest import golden_path
 from official_layouts import fairseq, official_char_lm, official_inv_freq
 from safetensors.torch import load_file, save_file
@@ -47,10 +48,7 @@ def _official_lra(model, dual=False):
 @pytest.mark.parametrize('name', ['ls_lra_listops', 'ls_lra_retrieval'])
 def test_lra_round_trip_through_official_names(name, tmp_path):
     torch.manual_seed(0)
-    src = seq.create_model(name, max_len=64)
-    with torch.no_grad():
-        for p in src.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    src = perturb(seq.create_model(name, max_len=64))
     path = tmp_path / 'official.pth'
     torch.save(_official_lra(src), path)
     dst = seq.create_model(name, max_len=64)
@@ -82,10 +80,7 @@ def test_char_lm_round_trip_through_official_layout(wrapped, tmp_path):
     torch.manual_seed(0)
     cfg = dict(vocab_size=32, dim=32, depth=2, num_heads=2, mlp_hidden=64, window_size=8, segment_size=4,
                mem_len=8, cache_mode='official')
-    src = seq.CharLM(**cfg).eval()
-    with torch.no_grad():
-        for p in src.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
+    src = perturb(seq.CharLM(**cfg).eval())
     official = official_char_lm(src)
     path = tmp_path / 'checkpoint_best.pt'
     torch.save(fairseq(official) if wrapped else official, path)

@@ -1,6 +1,7 @@
 """LRA and char-LM sequence models: parameter counts, shapes, causality through the model (spec sequence.md §6)."""
 import pytest
 import torch
+from _helpers import perturb
 
 import lsvision.sequence as seq
 from lsvision.flops import parameter_count
@@ -71,10 +72,7 @@ def test_lra_shapes_and_full_counterparts():
 
 def test_lra_cls_only_in_last_layer_and_padding_invariance():
     torch.manual_seed(0)
-    model = seq.create_model('ls_lra_listops', max_len=128).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    model = perturb(seq.create_model('ls_lra_listops', max_len=128), 0.05).eval()
     seen = []
     for blk in model.encoder.blocks:
         blk.attn.register_forward_hook(lambda m, a, o: seen.append(o.shape[1]))

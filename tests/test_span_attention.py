@@ -2,14 +2,12 @@
 shared span core, its saved tensors, and torch.compile."""
 import pytest
 import torch
-from _helpers import perturb
+from _helpers import perturb, tiny_model
 from reference_attention import (
     dense_causal_long_short_attention,
     dense_long_short_attention_1d,
     dense_long_short_attention_2d,
 )
-
-import timm
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
@@ -360,10 +358,7 @@ def test_torch_compile_fullgraph_forward_and_backward_equal_eager(amp):
     """torch.compile(fullgraph=True) of a tiny cvt_ls model, forward and backward, equals eager; also under bf16
     autocast (a memory-format query in a custom backward once broke the graph there and left autocast's state
     changed)."""
-    torch.manual_seed(0)
-    tiny = dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1), window_sizes=(4, 2, 2),
-                dp_ranks=(4, 2, 2))
-    model = timm.create_model('cvt_ls_13', img_size=64, num_classes=5, **tiny).train()
+    model = tiny_model('cvt_ls_13', img_size=64, num_classes=5, depths=(1, 1, 1)).train()  # one block a stage
     x = torch.randn(2, 3, 64, 72)
     compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
 
