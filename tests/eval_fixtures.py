@@ -151,6 +151,19 @@ def make_imagenet_9(root: Path, variants: Sequence[str] = ('original', 'mixed_sa
     return root, expected
 
 
+def make_suite_trees(root: Path) -> Dict[str, object]:
+    """Every suite's tree under ``root``, as its ``make_*`` returns it: imagenet, v2, c (all corruptions), a, r,
+    in9 (the root and the expected accuracies)."""
+    return dict(
+        imagenet=make_imagenet(root / 'imagenet'),
+        v2=make_v2(root / 'v2'),
+        c=make_imagenet_c(root / 'imagenet-c'),
+        a=make_imagenet_ar(root / 'a', 'a'),
+        r=make_imagenet_ar(root / 'r', 'r'),
+        in9=make_imagenet_9(root / 'bg'),
+    )
+
+
 def list_files(root: Path) -> List[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
 

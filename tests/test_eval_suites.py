@@ -12,11 +12,7 @@ from eval_fixtures import (
     ColourOracle,
     colour,
     imagenet_c_profile,
-    make_imagenet,
-    make_imagenet_9,
-    make_imagenet_ar,
-    make_imagenet_c,
-    make_v2,
+    make_suite_trees,
     save_image,
 )
 
@@ -55,15 +51,7 @@ def oracle():
 
 @pytest.fixture(scope='module')
 def trees(tmp_path_factory):
-    root = tmp_path_factory.mktemp('suites')
-    return dict(
-        imagenet=make_imagenet(root / 'imagenet'),
-        v2=make_v2(root / 'v2'),
-        c=make_imagenet_c(root / 'imagenet-c'),
-        a=make_imagenet_ar(root / 'a', 'a'),
-        r=make_imagenet_ar(root / 'r', 'r'),
-        in9=make_imagenet_9(root / 'bg'),
-    )
+    return make_suite_trees(tmp_path_factory.mktemp('suites'))
 
 
 def test_colour_oracle_decodes_every_class_after_jpeg_and_eval_transform(tmp_path):

@@ -18,11 +18,7 @@ import pytest
 from _helpers import EVAL_CVT_LS, load_tool, model_kwargs_args, save_eval_checkpoint
 from eval_fixtures import (
     ColourOracle,
-    make_imagenet,
-    make_imagenet_9,
-    make_imagenet_ar,
-    make_imagenet_c,
-    make_v2,
+    make_suite_trees,
     truncate,
 )
 
@@ -41,15 +37,10 @@ ONE_THREAD = ['--threads', '1']
 @pytest.fixture(scope='module')
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp('eval_tools')
-    return dict(
-        ckpt=save_eval_checkpoint(root / 'tiny.safetensors'),
-        imagenet=make_imagenet(root / 'imagenet'),
-        v2=make_v2(root / 'v2'),
-        c=make_imagenet_c(root / 'imagenet-c'),
-        a=make_imagenet_ar(root / 'a', 'a')['root'],
-        r=make_imagenet_ar(root / 'r', 'r')['root'],
-        in9=make_imagenet_9(root / 'bg')[0],
-    )
+    trees = make_suite_trees(root)
+    # the tools take the folders of ImageNet-A, -R and -9
+    return dict(trees, ckpt=save_eval_checkpoint(root / 'tiny.safetensors'), a=trees['a']['root'],
+                r=trees['r']['root'], in9=trees['in9'][0])
 
 
 def test_validate_tool_subprocess(data, tmp_path):
