@@ -65,6 +65,9 @@ PVT_BLOCK = {'norm1': 'norm1', 'norm2': 'norm2', 'mlp.fc1': 'mlp.fc1', 'mlp.fc2'
 PVT_TOP = {'norm': 'norm', 'head': 'head'}
 
 
+_STAGE_KEY = re.compile(r'^stages\.(\d+)\.(?:blocks\.(\d+)\.)?(.+)$')  # lsvision: stage, block (or None), rest
+
+
 def _official_name(name: str, table: Mapping[str, str], family: str) -> str:
     """The authors' name of `name` (relative to its block or stage): the name itself, or its module, in the table."""
     if name in table:
@@ -79,7 +82,7 @@ def _official_name(name: str, table: Mapping[str, str], family: str) -> str:
 # ---- Microsoft CvT ----
 
 def _cvt_key(key: str) -> str:
-    m = re.match(r'^stages\.(\d+)\.(?:blocks\.(\d+)\.)?(.+)$', key)
+    m = _STAGE_KEY.match(key)
     if m is None:
         return _official_name(key, CVT_TOP, 'CvT')
     stage, block, rest = m.groups()
@@ -96,7 +99,7 @@ def microsoft_cvt(model: nn.Module) -> StateDict:
 # ---- ViL-LS (MsViT) ----
 
 def _vil_key(key: str) -> str:
-    m = re.match(r'^stages\.(\d+)\.(?:blocks\.(\d+)\.)?(.+)$', key)
+    m = _STAGE_KEY.match(key)
     if m is None:
         return _official_name(key, VIL_TOP, 'ViL-LS')
     layer, block, rest = f'layer{int(m.group(1)) + 1}', m.group(2), m.group(3)
@@ -142,7 +145,7 @@ def official_vil(model: nn.Module) -> Dict:
 # ---- PVT v1 ----
 
 def _pvt_key(key: str, last_stage: int) -> str:
-    m = re.match(r'^stages\.(\d+)\.(?:blocks\.(\d+)\.)?(.+)$', key)
+    m = _STAGE_KEY.match(key)
     if m is None:
         return _official_name(key, PVT_TOP, 'PVT')
     stage, block, rest = int(m.group(1)), m.group(2), m.group(3)
