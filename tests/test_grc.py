@@ -416,20 +416,16 @@ def test_vit_dynamic_img_size():
 
 
 def test_official_pvt_v1_names_map():
-    import re
+    from official_layouts import official_pvt  # whai362/PVT names, from the test's own tables
 
     from lsvision.models.pvt import checkpoint_filter_fn
     model = timm.create_model('pvt_tiny', **TINY_CONFIGS['pvt_tiny'])
     sd = model.state_dict()
-
-    def official(k):  # whai362/PVT names
-        k = re.sub(r'^stages\.3\.cls_token$', 'cls_token', k)
-        k = re.sub(r'^stages\.(\d)\.blocks\.', lambda m: f'block{int(m.group(1)) + 1}.', k)
-        return re.sub(r'^stages\.(\d)\.(patch_embed|pos_embed)', lambda m: f'{m.group(2)}{int(m.group(1)) + 1}', k)
-
-    sd_official = {official(k): v for k, v in sd.items()}
+    sd_official = official_pvt(model)
     assert 'patch_embed1.proj.weight' in sd_official and 'block4.0.attn.q.weight' in sd_official
-    assert checkpoint_filter_fn(sd_official, model).keys() == sd.keys()
+    filtered = checkpoint_filter_fn(sd_official, model)
+    assert filtered.keys() == sd.keys()
+    assert all(torch.equal(filtered[k], sd[k]) for k in sd)
 
 
 def test_grad_checkpointing_raises():
