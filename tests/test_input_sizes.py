@@ -28,6 +28,18 @@ def test_wrong_input_is_explained(name):
         assert model(torch.randn(1, 3, smallest, smallest)).isfinite().all()  # the smallest itself runs
 
 
+@pytest.mark.parametrize('name', ['swin_tiny_patch4_window7_224_grc', 'vit_small_patch16_224_grc'])
+def test_wrong_input_is_explained_on_timm_stems(name):
+    """Swin- and ViT-GRC run timm's stems: lsvision's check explains channels and dims, timm's a wrong size."""
+    model = tiny_model(name).eval()
+    with pytest.raises(AssertionError, match='expected 3 input channels, got 1; create the model with in_chans=1'):
+        model(torch.randn(1, 1, 64, 64))
+    with pytest.raises(AssertionError, match=r'expected an image batch \(B, 3, H, W\), got a tensor of 3 dims'):
+        model(torch.randn(3, 64, 64))
+    with pytest.raises(AssertionError, match=r"Input height \(32\) doesn't match model \(64\)"):
+        model(torch.randn(1, 3, 32, 64))
+
+
 @pytest.mark.parametrize('name,native', [('cvt_13', 224), ('cvt_ls_13', 224), ('cvt_13_384', 384),
                                          ('cvt_ls_13_384', 384)])
 def test_cvt_takes_img_size_and_set_input_size(name, native):

@@ -34,8 +34,11 @@ from lsvision.layers import (
     wrap_attention_with_grc,
 )
 
-from ._helpers import GrcModelMixin, init_linear_trunc_normal, require_non_grc_keys
+from ._helpers import GrcModelMixin, check_image_input, init_linear_trunc_normal, require_non_grc_keys
 from ._pretrained import build_model
+
+# the input check is a leaf of torch.fx graphs here too (timm's forward, whose globals fx patches, is in timm)
+torch.fx.wrap('check_image_input')
 
 __all__ = ['SwinGrcWindowAttention', 'SwinTransformerGrc']
 
@@ -97,6 +100,12 @@ class SwinTransformerGrc(GrcModelMixin, SwinTransformer):
                     config=grc_config,
                     mem_attn_kwargs=dict(qkv_bias=attn.qkv.bias is not None, window_size=attn.window_size),
                     init_fn=init_linear_trunc_normal)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """timm's (restated: TorchScript has no super()), after lsvision's input check (a wrong channel count or a
+        non-image tensor is explained; timm's patch embedding explains a wrong size)."""
+        check_image_input(x, self.patch_embed.proj.in_channels, self.patch_embed.patch_size[0])
+        return self.norm(self.layers(self.patch_embed(x)))
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module) -> Dict[str, torch.Tensor]:

@@ -31,8 +31,11 @@ from timm.models.vision_transformer import checkpoint_filter_fn as _vit_filter_f
 from lsvision.layers import GrcConfig, self_attention_of, wrap_attention_with_grc
 from lsvision.layers.export import refuse_legacy_onnx_export
 
-from ._helpers import GrcModelMixin, init_linear_trunc_normal, require_non_grc_keys
+from ._helpers import GrcModelMixin, check_image_input, init_linear_trunc_normal, require_non_grc_keys
 from ._pretrained import build_model
+
+# the input check is a leaf of torch.fx graphs here too (timm's forward, whose globals fx patches, is in timm)
+torch.fx.wrap('check_image_input')
 
 __all__ = ['VitGrcAttention', 'VisionTransformerGrc']
 
@@ -87,7 +90,9 @@ class VisionTransformerGrc(GrcModelMixin, VisionTransformer):
         """timm's `VisionTransformer.forward_features`, with the patch grid passed to every GRC attention, so that
         non-square grids (`dynamic_img_size=True`) work: the PE conv needs the grid, which the token count does not
         give. timm's `Block.forward` has no argument that could carry it, so its two residual steps are restated
-        here (the one restated piece of timm in the GRC models)."""
+        here (the one restated piece of timm in the GRC models). Inputs are checked first (a wrong channel count or a
+        non-image tensor is explained; timm's patch embedding explains a wrong size)."""
+        check_image_input(x, self.patch_embed.proj.in_channels, self.patch_embed.patch_size[0])
         x = self.patch_embed(x)
         if self.dynamic_img_size:
             feat_size = [x.shape[1], x.shape[2]]  # (B, H, W, C) with a dynamic size
