@@ -1,8 +1,8 @@
 """FLOPs through fvcore as timm's benchmark.py calls it: ``FlopCountAnalysis(model, input)`` on the eval-mode model,
 grad enabled, fvcore's own handles only.
 
-Under torch.jit.trace the layers take their plain path (`lsvision.layers.export.captures_graph`: no custom autograd
-Function, which fvcore would see as an opaque ``prim::PythonOp``) and write attention out as torch.matmul
+Under torch.jit.trace the layers take their plain path (`lsvision.layers.export.training_paths_enabled`: no custom
+autograd Function, which fvcore would see as an opaque ``prim::PythonOp``) and write attention out as torch.matmul
 (`lsvision.layers.scaled_dot_product_attention`: fvcore has no SDPA handle). Before, fvcore counted cvt_ls_13 at
 4.654 GFLOPs (4.825 under no_grad) against the tool's 4.953.
 """

@@ -4,7 +4,7 @@ Written for lsvision, Apache-2.0.
 """
 import torch
 
-__all__ = ['refuse_legacy_onnx_export', 'captures_graph']
+__all__ = ['refuse_legacy_onnx_export', 'training_paths_enabled']
 
 
 @torch.jit.unused
@@ -13,9 +13,11 @@ def _in_legacy_onnx_export() -> bool:
     return torch.onnx.is_in_onnx_export() and torch.jit.is_tracing()
 
 
-def captures_graph() -> bool:
-    """Whether torch.export (the dynamo ONNX exporter's front end) or torch.jit.trace (fvcore's FlopCountAnalysis,
-    which timm's benchmark.py runs with grad enabled) is recording a graph: the layers then take their plain path.
+def training_paths_enabled() -> bool:
+    """Whether the layers may take their training paths (custom autograd Functions that recompute in backward, the
+    memory-saving product forms): autograd records this forward (grad enabled), and neither TorchScript nor a graph
+    capture runs. Under torch.export (the dynamo ONNX exporter's front end) or torch.jit.trace (fvcore's
+    FlopCountAnalysis, which timm's benchmark.py runs with grad enabled) the layers take their plain path.
 
     An exported graph is for inference (the training paths' custom autograd Functions read overlapping strided views,
     which ONNX does not express), and a traced one records a custom Function as an opaque ``prim::PythonOp``, whose
@@ -24,7 +26,7 @@ def captures_graph() -> bool:
     """
     if torch.jit.is_scripting():
         return False
-    return torch.jit.is_tracing() or _is_exporting()
+    return torch.is_grad_enabled() and not (torch.jit.is_tracing() or _is_exporting())
 
 
 @torch.jit.unused

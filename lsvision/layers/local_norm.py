@@ -17,18 +17,16 @@ import torch
 import torch.nn.functional as F
 
 from .autocast import autocast_off
-from .export import captures_graph
+from .export import training_paths_enabled
 
 __all__ = ['recompute_local_norm', 'local_norm_tokens']
 
 
 def recompute_local_norm(projected: torch.Tensor, norm_weight: Optional[torch.Tensor]) -> bool:
     """Whether a long-short layer takes its training path, LN_L applied inside the consumers: gradients are wanted
-    (of `projected`, an output of the q, k, v projection, or of LN_L's weight), and neither TorchScript nor a graph
-    capture (`captures_graph`: torch.export, torch.jit.trace) is running."""
-    if torch.jit.is_scripting():
-        return False
-    return torch.is_grad_enabled() and not captures_graph() and (
+    (of `projected`, an output of the q, k, v projection, or of LN_L's weight) and the training paths are enabled
+    (`training_paths_enabled`: grad on, neither TorchScript nor torch.export / torch.jit.trace running)."""
+    return training_paths_enabled() and (
         projected.requires_grad or (norm_weight is not None and norm_weight.requires_grad))
 
 

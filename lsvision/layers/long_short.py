@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from timm.layers import register_notrace_module, trunc_normal_
 
 from .autocast import autocast_dtype, autocast_off
-from .export import captures_graph, refuse_legacy_onnx_export
+from .export import refuse_legacy_onnx_export, training_paths_enabled
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .reparam import FoldableModule
 from .softmax import mask_value, softmax_fp32
@@ -464,9 +464,9 @@ class LongShortAttention2d(FoldableModule):
 
         In training the patch outputs serve as keys and values as they lie, (B, Np, C) tokens, so that autograd keeps
         no per-head copy of them: the prefix queries go in block-diagonal over the heads, (B, g * h, C), and one matmul
-        per product covers every head (h times the multiply-adds of g query rows, which are few). Without gradients,
-        or in a captured graph (`captures_graph`), the products run per head, on a heads-first view of the outputs
-        (and FLOP counts see the attention's own multiply-adds).
+        per product covers every head (h times the multiply-adds of g query rows, which are few). Otherwise (no
+        gradients, or a captured graph: `training_paths_enabled`) the products run per head, on a heads-first view of
+        the outputs (and FLOP counts see the attention's own multiply-adds).
 
         Args:
             q_prefix: Prefix queries (B, g, C).
@@ -480,7 +480,7 @@ class LongShortAttention2d(FoldableModule):
         h, d = self.num_heads, self.head_dim
         q_heads = q_prefix.reshape(B, g, h, d).transpose(1, 2) * d ** -0.5  # (B, h, g, d)
         scores_prefix = torch.matmul(q_heads, kv_prefix[0].transpose(-1, -2))  # (B, h, g, g)
-        block_diagonal = not torch.jit.is_scripting() and torch.is_grad_enabled() and not captures_graph()
+        block_diagonal = training_paths_enabled()
         if block_diagonal:
             eye = torch.eye(h, dtype=q_heads.dtype, device=q_heads.device)
             q_block = (q_heads.transpose(1, 2)[:, :, :, None] * eye[:, :, None]).reshape(B, g * h, C)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .autocast import autocast_dtype, autocast_off
-from .export import captures_graph
+from .export import training_paths_enabled
 from .local_norm import local_norm_tokens
 from .matmul_attention import scaled_dot_product_attention
 from .softmax import softmax_dtype
@@ -378,8 +378,8 @@ def span_attention(
     """
     if torch.jit.is_scripting():
         return _span_forward(q, kv, kv_shared, window_mask, window_size, scale, dropout_p, span_pad)[0]
-    # a captured graph (torch.export, torch.jit.trace as fvcore runs it) takes the plain forward (`captures_graph`)
-    needs_grad = torch.is_grad_enabled() and not captures_graph() and (
+    # a captured graph (torch.export, torch.jit.trace as fvcore runs it) takes the plain forward
+    needs_grad = training_paths_enabled() and (
         q.requires_grad or kv.requires_grad or kv_shared.requires_grad
         or (window_mask is not None and window_mask.requires_grad))
     if not needs_grad:

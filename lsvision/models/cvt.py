@@ -39,7 +39,7 @@ from timm.models import generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d, scaled_dot_product_attention
 from lsvision.layers.autocast import autocast_dtype, autocast_off
-from lsvision.layers.export import captures_graph
+from lsvision.layers.export import training_paths_enabled
 from lsvision.layers.reparam import FoldableModule
 from lsvision.layers.tuning import FUSE_CONVS_MAX_POSITIONS
 
@@ -111,7 +111,7 @@ class SepConv2d(FoldableModule):
         """(B, C, H, W) map, channels-last memory (dense, or a `_map_view` of tokens), in; (B, H*W, C) tokens out."""
         if not torch.jit.is_scripting():
             bn = self.bn
-            if (torch.is_grad_enabled() and not captures_graph() and isinstance(bn, nn.BatchNorm2d) and bn.training
+            if (training_paths_enabled() and isinstance(bn, nn.BatchNorm2d) and bn.training
                     and bn.track_running_stats and bn.momentum is not None):
                 # training: keep only the input map for backward (conv and BatchNorm outputs are recomputed there)
                 bn.num_batches_tracked.add_(1)
@@ -274,7 +274,7 @@ class ConvDynamicProjection(FoldableModule):
         feat_map = _map_view(x, feat_size)  # kept as a view in training (see `_SepConvRecompute`)
         if not torch.jit.is_scripting():
             dw = self.dw
-            if torch.is_grad_enabled() and not captures_graph() and isinstance(dw, StdConv2d):
+            if training_paths_enabled() and isinstance(dw, StdConv2d):
                 # training: keep only the input map for backward (the conv output is recomputed there); the
                 # standardized weight as StdConv2d computes it
                 weight = F.batch_norm(dw.weight.reshape(1, dw.out_channels, -1), None, None, training=True,
