@@ -204,6 +204,15 @@ def size_series(rows: Sequence[Dict[str, Any]]) -> Dict[str, List[Tuple[float, A
     return series
 
 
+def label_series(rows: Sequence[Dict[str, Any]], x: str, time: str, memory: str
+                 ) -> Dict[str, List[Tuple[float, Any, Any]]]:
+    """Plot series of token rows: per label, (row[x], row[time], row[memory])."""
+    series: Dict[str, List[Tuple[float, Any, Any]]] = {}
+    for r in rows:
+        series.setdefault(r['label'], []).append((r[x], r[time], r[memory]))
+    return series
+
+
 def write_suite(name: str, args: argparse.Namespace, rows: List[Dict[str, Any]], title: str, body: str,
                 series: Dict[str, List[Tuple[float, Any, Any]]], command: str, **plot_kwargs: Any) -> None:
     stem = (args.out or OUT) / name
@@ -272,9 +281,7 @@ def run_sequence(args: argparse.Namespace, command: str) -> int:
     body = '\n'.join([f'Each long-short configuration against its full-attention counterpart. {bench.RATIOS_EXPLAINED}',
                       '', bench.benchmark_table(measured), ''] + [
         f"- {r['kind']}: {r['name']} at {r['n']} tokens: skipped ({r['skipped']})" for r in rows if 'skipped' in r])
-    series: Dict[str, List[Tuple[float, Any, Any]]] = {}
-    for r in measured:
-        series.setdefault(r['label'], []).append((r['n'], r['train_step_ms'], r['train_memory_mib']))
+    series = label_series(measured, 'n', 'train_step_ms', 'train_memory_mib')
     write_suite('sequence', args, rows, '1D long-short attention vs SDPA (training steps)', body, series, command,
                 xlabel='sequence length (tokens)', ylabels=('training step (ms)', 'activation memory (MiB)'))
     return 0
@@ -315,9 +322,7 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
     body = (f'{bench.benchmark_table(rows)}\n\nThe flat encoder above --flat-full-max tokens: 1 of its 8 blocks timed, '
             f'x 8. {bench.RATIOS_EXPLAINED}\n\n'
             + bench.markdown_table(['tokens', 'flat / HSW', 'target', 'HSW-LS / HSW', 'target'], summary))
-    series: Dict[str, List[Tuple[float, Any, Any]]] = {}
-    for r in rows:
-        series.setdefault(r['label'], []).append((r['tokens'], r['latency_ms'], r['peak_mib']))
+    series = label_series(rows, 'tokens', 'latency_ms', 'peak_mib')
     write_suite('hsw', args, rows, 'HSW vs flat full attention (inference, batch 1)', body, series, command,
                 xlabel='tokens', ylabels=('forward time, ms (batch 1)', 'peak memory of a forward, MiB'))
     return 0
