@@ -12,7 +12,7 @@ CONTRACT_MODELS ?=
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,eval,corrupt,onnx]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,eval,corrupt,onnx,detect,text]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
