@@ -6,3 +6,4 @@ from ._registry import create_model, is_model, list_models, register_model
 from .char_lm import CharLM, LMState
 from .hsw import HSW, FlatEncoder
 from .lra import LraClassifier, LraDualClassifier, LraEncoder
+from .translation import DecoderState, EncoderOut, TranslationTransformer
