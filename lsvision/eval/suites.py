@@ -8,7 +8,9 @@ that differ from the real dataset's and files that are not images give a ``Layou
 legitimate, but never unnoticed). Hidden files (names starting with '.': AppleDouble ``._x.JPEG``, ``.DS_Store``) are
 never images. The scan's file list is the one the loader reads.
 
-Facts (counts, folder names, AlexNet normalisers, the IN-9 mapping) are from ``shared/specs/robustness.md``.
+Facts (counts, folder names, AlexNet normalisers, the IN-9 mapping) are from the datasets' own repositories:
+hendrycks/robustness (ImageNet-C), hendrycks/natural-adv-examples (-A), hendrycks/imagenet-r (-R),
+MadryLab/backgrounds_challenge (-9), google-research/reassessed-imagenet (ReaL), modestyachts/ImageNetV2 (V2).
 """
 import os
 import pkgutil
