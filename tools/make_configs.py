@@ -4,8 +4,9 @@
 
 Recipes are per-process batch sizes with lr_base given at the papers' reference batch (lr_base_size), so
 `lr = lr_base * global_batch / lr_base_size` reproduces the paper's lr at the paper's global batch on any number
-of GPUs. Sources: ../shared/specs/long_short.md (ViL-LS section 2, CvT-LS App. E, Microsoft CvT yaml) and the
-base models' papers for the GRC models (grc.md: a GRC model trains with its base model's recipe).
+of GPUs. Sources: NVIDIA/transformer-ls `imagenet/launch/*` (ViL-LS), the Transformer-LS paper's App. E (CvT-LS),
+microsoft/CvT `experiments/imagenet/cvt/*.yaml` (CvT), and the base models' papers for the GRC models (a GRC model
+trains with its base model's recipe).
 """
 import argparse
 import os

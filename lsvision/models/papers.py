@@ -1,22 +1,22 @@
 """What the papers report for each registered model, where from, how to cite them, and what each model family's
-card says: the data of the model cards (``lsvision.zoo`` renders them). A number the specs do not give is "not
-reported".
+card says: the data of the model cards (``lsvision.zoo`` renders them). A number the papers do not give is "not
+reported". Each source names the paper's section or table, or the authors' public repository, to check it against.
 """
 import fnmatch
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 SOURCES: Dict[str, str] = {
-    'ls': 'Transformer-LS paper (arXiv:2107.02192), as given in specs/long_short.md §2 and §5',
-    'ls_official': 'ImageNet-1k accuracy of the official NVIDIA/transformer-ls checkpoints (specs/long_short.md §2)',
-    'ls_app_e': 'Transformer-LS paper, App. E (the DualLN ablation: 81.9 with DualLN; specs/long_short.md §3.4)',
-    'ls_table5_cvt': ('Transformer-LS paper, Table 5, measured there on the rishikksh20 CvT re-implementation, not on '
-                      "Microsoft's CvT that this model follows (specs/long_short.md §3.1, P1)"),
-    'ls_table6': ('Transformer-LS paper, Table 6 (mCE, lower is better), rows "LS-13" / "LS-21" as reconstructed in '
-                  'specs/robustness.md §10 from mCE x 0.789'),
+    'ls': 'Transformer-LS paper (arXiv:2107.02192), §4.3, Table 5',
+    'ls_official': ('ImageNet-1k top-1 of the official checkpoints as the authors logged it in NVIDIA/transformer-ls, '
+                    '`imagenet/launch/eval/eval_{medium_224,base_224,medium_384}.sh` (its README rounds it to 0.1)'),
+    'ls_app_e': 'Transformer-LS paper, App. E (the DualLN ablation: 81.9 with DualLN, 81.3 without)',
+    'ls_table5_cvt': ('Transformer-LS paper, Table 5, measured there on the rishikksh20/convolution-vision-'
+                      "transformers re-implementation of CvT (App. E), not on Microsoft's CvT that this model follows"),
+    'ls_table6': 'Transformer-LS paper, Table 6 (ImageNet-C mCE, lower is better), rows "LS-13" / "LS-21"',
     'cvt_table2': 'CvT paper (arXiv:2103.15808), Table 2',
-    'grc': 'Cached Transformers (GRC) paper (arXiv:2312.12742), as given in specs/grc.md §3',
-    'grc_table9': 'Cached Transformers (GRC) paper, Table 9 (specs/grc.md §3)',
+    'grc': 'Cached Transformers (GRC) paper (arXiv:2312.12742), its ImageNet-1k classification results',
+    'grc_table9': 'Cached Transformers (GRC) paper, Table 9',
 }
 """Where the numbers of :data:`PAPER_RESULTS` come from, by key."""
 
@@ -78,9 +78,12 @@ PAPER_RESULTS: Dict[str, Dict[str, Reported]] = {
 
 PAPER_NOTES: Dict[str, str] = {
     'cvt_ls_21s': ("The paper's 30.1M is inconsistent with its own Table 12 and with CvT-LS-17's 23.7M; the "
-                   'consistent count is about 30.8M (specs/long_short.md P2).'),
+                   'consistent count is about 30.8M: by Table 12, 21S is CvT-LS-17 plus four stage-3 blocks of at '
+                   'least 1.77M each, and the FLOPs difference to CvT-LS-17 (1.5G) confirms those four blocks.'),
     'cvt_w24_384': 'The 87.7 is of CvT-W24 pre-trained on ImageNet-22k and fine-tuned on ImageNet-1k at 384.',
-    'cvt_ls_21_448': "lsvision measures 34.83 GFLOPs against the paper's 34.2 (1.8% more; specs/long_short.md P3).",
+    'cvt_ls_21_448': ("lsvision measures 34.83 GFLOPs against the paper's 34.2 (1.8% more). One dynamic-projection "
+                      'rank shared by all heads, instead of one per head, would give 34.26 here but misses the '
+                      "paper's parameters and FLOPs of CvT-LS-17 and CvT-LS-21."),
     'deit_small_patch16_224_grc': 'DeiT-S and ViT-S are the same architecture; the GRC paper reports it as ViT-S.',
 }
 """Remarks on a model's paper numbers, printed under them on its card."""

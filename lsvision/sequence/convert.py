@@ -8,7 +8,7 @@
   An r = 0 layer keeps an empty `dconv_fc` (0 rows): it is dropped, as the lsvision r = 0 layer has none.
   A `module.` prefix (DataParallel) and a `{'model_state_dict': ...}` / `{'model': ...}` wrapper are accepted.
 * Char-LM: the authors' `TransformerLSModel` (`autoregressive/model_lib/model.py`), exactly its names
-  (`../shared/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.{weight,bias}` (weight tied to
+  (`tests/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.{weight,bias}` (weight tied to
   `in_emb`), the `pos_emb.inv_freq` buffer (checked against lsvision's sinusoid frequencies within the rounding of
   its dtype, and kept as every layer's `pos_freq_offset`: fairseq `--fp16` saves it rounded to fp16), and per
   layer `layers.{i}.attn.{proj_query,proj_key,proj_val,proj_out,dconv_1,r_net,r_net_chunk,dual_ln_win,
@@ -192,7 +192,7 @@ def _inv_freq_offset(inv_freq: torch.Tensor, dim: int) -> torch.Tensor:
 def convert_char_lm_state_dict(state: Dict) -> StateDict:
     """Official char-LM (`TransformerLSModel`) state_dict or fairseq checkpoint -> `CharLM` keys.
 
-    The official names (`../shared/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.weight` (tied to
+    The official names (`tests/golden/char_lm_official/keys.json`): `in_emb.weight`, `out_emb.weight` (tied to
     `in_emb.weight`: it must be equal), `out_emb.bias`, `pos_emb.inv_freq` (checked within the rounding of its
     dtype; what rounding moved goes into every layer's `attn.pos_freq_offset`), and per layer the modules of
     `_LM_LAYER` and the biases of `_LM_BIASES`. Tensors keep the file's dtype (fp16 for fairseq `--fp16`).

@@ -1,8 +1,8 @@
 """HSW: a hierarchical shifted-window encoder for long documents, with an optional long-short attention.
 
 Paper: `Hierarchical Shifted Window transformer for long documents` (HSW), which brings Swin's windows, shifted
-windows and patch merging to 4096-token text. The paper gives no code; this is the architecture of the lsvision
-sequence spec (§4), Swin in 1D:
+windows and patch merging to 4096-token text. The paper gives no code; this is the architecture its text fixes
+(embedding width 96, windows of 64, three 4x merges to 64 x 768, window / shifted-window pairs), Swin in 1D:
 
   * token embedding -> LayerNorm,
   * 4 stages of (window attention, shifted-window attention) block pairs with a relative position bias per block,
@@ -41,7 +41,7 @@ _SHIFT_MASK_VALUE = float('-inf')
 
 
 def shift_window_ids(seq_len: int, window_size: int, shift_size: int, device=None) -> torch.Tensor:
-    """Region ids of the rolled positions of a shifted block (spec §4): 0 for p < N - w, 1 for N - w <= p < N - s,
+    """Region ids of the rolled positions of a shifted block: 0 for p < N - w, 1 for N - w <= p < N - s,
     2 for p >= N - s. Only the last window holds two regions: the last s tokens and the first s (wrapped around)."""
     ids = torch.zeros(seq_len, dtype=torch.long, device=device)
     ids[seq_len - window_size:] = 1
