@@ -53,8 +53,19 @@ __all__ = [
 ]
 
 
-def grc_dims(dim: int, num_heads: int, ratio: float) -> int:
-    """Cache width D_m = int(ratio * dim); raises unless D_m % num_heads == 0 and dim % D_m == 0."""
+def grc_dims(dim: int, num_heads: int, ratio: float, pe: bool = True) -> int:
+    """Cache width D_m = int(ratio * dim); raises unless D_m % num_heads == 0 and dim % D_m == 0.
+
+    Without the PE conv (`pe=False`: its groups = D_m are what needs dim % D_m == 0) D_m is the largest multiple of
+    num_heads not above ratio * dim (the same D_m wherever int(ratio * dim) is such a multiple), so each memory head
+    has int(ratio * dim / num_heads) channels, e.g. Transformer-XL base (D 410, 10 heads, r 0.5): D_m = 200.
+    """
+    if not pe:
+        cache_dim = num_heads * int(ratio * dim / num_heads)
+        if cache_dim <= 0 or cache_dim > dim:
+            raise ValueError(f'GRC cache width {cache_dim} (ratio {ratio}, dim {dim}, num_heads {num_heads}: '
+                             f'ratio * dim / num_heads channels per head) must be in [1, dim]; pick another grc_ratio')
+        return cache_dim
     cache_dim = int(ratio * dim)
     if cache_dim <= 0 or cache_dim % num_heads or dim % cache_dim:
         raise ValueError(
@@ -348,6 +359,7 @@ class GatedRecurrentCache(FoldableModule):
             mem_attn_layer: Optional[Callable[..., nn.Module]] = None,
             mem_attn_kwargs: Optional[dict] = None,
             norm_eps: float = 1e-5,
+            pe: bool = True,
             device=None,
             dtype=None,
     ):
@@ -363,11 +375,13 @@ class GatedRecurrentCache(FoldableModule):
             mem_attn_layer: Memory attention class (default GrcMemoryAttention), built with width D_m.
             mem_attn_kwargs: Extra kwargs for the memory attention (qkv_bias, sr_ratio, linear_attn, window_size...).
             norm_eps: Epsilon of the candidate LayerNorm.
+            pe: Add the PE conv's output (step 9); False leaves it out (a layer without PE, e.g. in a causal model,
+                where a conv over neighbours would see the next token).
         """
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
         config = config or GrcConfig()
-        cache_dim = grc_dims(dim, num_heads, config.ratio)
+        cache_dim = grc_dims(dim, num_heads, config.ratio, pe)
         if cache_hw is not None and num_prefix_tokens + cache_hw[0] * cache_hw[1] != cache_len:
             raise ValueError(f'cache_len {cache_len} != num_prefix_tokens {num_prefix_tokens} + grid {cache_hw}')
         if config.interp_mode == '2d' and cache_hw is None:
@@ -399,7 +413,7 @@ class GatedRecurrentCache(FoldableModule):
             **dd,
         )
         self.lam = nn.Parameter(torch.full((num_heads,), float(config.lam_init), **dd))
-        self.pe = self._build_pe(dim, cache_dim, device, dtype)
+        self.pe = self._build_pe(dim, cache_dim, device, dtype) if pe else None
         self.register_buffer('cache', torch.zeros(1, cache_len, cache_dim, device=device, dtype=torch.float32))
         # set by `reparameterize` (see there); None in a layer that trains
         for name in ('gate_weight', 'gate_bias', 'candidate_cache_weight', 'mix_weight', 'pe_weight_own',
@@ -609,7 +623,8 @@ class GatedRecurrentCache(FoldableModule):
 
         cache = self._updated_cache(summary, B)
         o_mem = self.mem_attn(x[..., :dm], cache)
-        return self._mix(o_self, o_mem, self._pe(x[:, p:], feat_size))
+        pe = None if self.pe is None and self.pe_weight_own is None else self._pe(x[:, p:], feat_size)
+        return self._mix(o_self, o_mem, pe)
 
     def _updated_cache(self, summary: torch.Tensor, batch_size: int,
                        keep: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -628,9 +643,9 @@ class GatedRecurrentCache(FoldableModule):
             return new
         return cache.expand(batch_size, -1, -1)
 
-    def _mix(self, o_self: torch.Tensor, o_mem: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    def _mix(self, o_self: torch.Tensor, o_mem: torch.Tensor, pe: Optional[torch.Tensor]) -> torch.Tensor:
         """Step 8-9: O = sigmoid(lam) [o_mem, 0] + (1 - sigmoid(lam)) o_self per head, + `pe` (B, T - prefix, D) on
-        the tokens after the prefix."""
+        the tokens after the prefix (None: a layer without PE)."""
         B, T, D = o_self.shape
         p = self.num_prefix_tokens
         dm = self.cache_dim
@@ -641,7 +656,9 @@ class GatedRecurrentCache(FoldableModule):
             w = self.mix_weight.to(o_self.dtype)
         w_self = 1. - w
         # O = w * [o_mem, 0] + (1 - w) * o_self per head (without the zero-padded copy of o_mem), + PE on the patches
-        if p == 0 and pe.is_contiguous():
+        if pe is None:
+            out = o_self.reshape(B, T, H, D // H) * w_self
+        elif p == 0 and pe.is_contiguous():
             # accumulate into the fresh PE tensor: one pass and no new tensor for (1 - w) * o_self
             out = pe.view(B, T, H, D // H).addcmul_(o_self.reshape(B, T, H, D // H), w_self)
         else:
@@ -712,6 +729,7 @@ class GatedRecurrentCache1d(GatedRecurrentCache):
             config: Optional[GrcConfig] = None,
             mem_attn_kwargs: Optional[dict] = None,
             norm_eps: float = 1e-5,
+            pe: bool = True,
             device=None,
             dtype=None,
     ):
@@ -724,6 +742,8 @@ class GatedRecurrentCache1d(GatedRecurrentCache):
             config: The GRC options (`GrcConfig`); `interp_mode` must be 'nearest1d'.
             mem_attn_kwargs: Extra kwargs of the memory attention (`GrcMemoryAttention`: qkv_bias, attn_drop...).
             norm_eps: Epsilon of the candidate LayerNorm.
+            pe: Add the 1D PE conv; False for causal models (the conv sees the next token), and then D_m is a
+                multiple of num_heads only (see `grc_dims`).
         """
         config = config or GrcConfig()
         if config.interp_mode != 'nearest1d':
@@ -732,7 +752,7 @@ class GatedRecurrentCache1d(GatedRecurrentCache):
         if seq_len < 1:
             raise ValueError(f'GRC cache length must be >= 1, got {seq_len}')
         super().__init__(dim, num_heads, num_prefix_tokens + seq_len, num_prefix_tokens=num_prefix_tokens,
-                         config=config, mem_attn_kwargs=mem_attn_kwargs, norm_eps=norm_eps, device=device,
+                         config=config, mem_attn_kwargs=mem_attn_kwargs, norm_eps=norm_eps, pe=pe, device=device,
                          dtype=dtype)
         self.seq_len = seq_len
 
@@ -816,12 +836,66 @@ class GatedRecurrentCache1d(GatedRecurrentCache):
         src = o_self if self.summary_src == 'self' else x
         summary, keep = self._sequence_summary(src[..., :dm], valid)
         cache = self._updated_cache(summary, B, keep)
-        o_mem = self.mem_attn(x[..., :dm], cache)
-        seq = x[:, p:]
+        return self._read(x, o_self, cache, valid)
+
+    def _read(self, x: torch.Tensor, o_self: torch.Tensor, cache: torch.Tensor,
+              valid: Optional[torch.Tensor]) -> torch.Tensor:
+        """Memory branch over `cache` (B or 1, T_m, D_m), the per-head mix and the PE (if any)."""
+        o_mem = self.mem_attn(x[..., :self.cache_dim], cache)
+        if self.pe is None:
+            return self._mix(o_self, o_mem, None)
+        seq = x[:, self.num_prefix_tokens:]
         if valid is not None:
             seq = seq * valid[..., None].to(seq.dtype)  # pad tokens enter the PE as zeros
         pe = self.pe(seq.transpose(1, 2)).transpose(1, 2)
         return self._mix(o_self, o_mem, pe)
+
+    # The cache as an explicit state (a stream carried from segment to segment, e.g. a causal LM): the caller keeps
+    # the cache, these three steps read and update it, and the layer's buffer is neither read nor written.
+
+    def sequence_summary(self, x: torch.Tensor, o_self: torch.Tensor,
+                         mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """What a sequence writes into a cache: its summary (B, T_m, D_m) (prefix slots, then the real tokens of
+        `summary_src` resized to T_m, as `forward`) and which samples have real tokens ((B,) bool)."""
+        B, T, _ = x.shape
+        valid = None if mask is None else mask.to(torch.bool)
+        if valid is not None and valid.shape != (B, T - self.num_prefix_tokens):
+            raise ValueError(f'mask {tuple(valid.shape)} must be (batch, sequence tokens) = '
+                             f'({B}, {T - self.num_prefix_tokens})')
+        src = o_self if self.summary_src == 'self' else x
+        summary, keep = self._sequence_summary(src[..., :self.cache_dim], valid)
+        if keep is None:
+            keep = torch.ones(B, dtype=torch.bool, device=x.device)
+        return summary, keep
+
+    def _check_state(self, cache: torch.Tensor, batch_size: int) -> None:
+        if cache.ndim != 3 or cache.shape[0] not in (1, batch_size) or cache.shape[1:] != (self.cache_len,
+                                                                                          self.cache_dim):
+            raise ValueError(f'GRC cache state {tuple(cache.shape)} must be (batch {batch_size} or 1, T_m '
+                             f"{self.cache_len}, D_m {self.cache_dim}): start a stream from the layer's `cache` "
+                             'buffer (expanded to the batch) and pass what `update_state` returned')
+
+    def update_state(self, cache: torch.Tensor, summary: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The per-sample update C_t = GRC(C_{t-1}, S) of an explicit cache (B or 1, T_m, D_m) by a summary
+        (B, T_m, D_m) of `sequence_summary`; samples whose `keep` is False keep their cache. Nothing is stored:
+        the caller carries the result. Gradients flow into both inputs and the gate weights (detach to truncate)."""
+        self._check_state(cache, summary.shape[0])
+        if self.gate_weight is not None:
+            raise RuntimeError('update_state: this GRC layer was reparameterized (its gate terms hold the frozen '
+                               'buffer); carry explicit caches with the layer as built')
+        cache = cache.to(summary.dtype)
+        return torch.where(keep.view(-1, 1, 1), self.update(cache, summary), cache)
+
+    def read_state(self, x: torch.Tensor, o_self: torch.Tensor, cache: torch.Tensor,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The GRC-Attention output with the memory branch over an explicit cache (B or 1, T_m, D_m) as it is (no
+        update first): o_mem = MemAttn(x[..., :D_m], cache), the per-head mix with `o_self`, and the PE if the
+        layer has one. A causal model reads the cache of the segments before and updates it afterwards."""
+        self._check_state(cache, x.shape[0])
+        if o_self.shape != x.shape:
+            raise ValueError(f'self-attention output {o_self.shape} must match its input {x.shape}')
+        valid = None if mask is None else mask.to(torch.bool)
+        return self._read(x, o_self, cache.to(x.dtype), valid)
 
 
 def self_attention_of(attn_cls: type) -> Callable[..., torch.Tensor]:
