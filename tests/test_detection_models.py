@@ -1,0 +1,220 @@
+"""lsvision.detection's detectors: torchvision's Mask R-CNN (and Faster R-CNN, RetinaNet) on every hierarchical
+family's timm features, at sizes the detector's transform does not round to the backbone's strides; backbone weights
+from files, and the errors for files and weights that cannot load."""
+import pytest
+import torch
+from _helpers import TINY_CONFIGS, grc_caches, grc_modules
+from safetensors.torch import save_file
+from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP6P7
+
+import timm
+
+from lsvision import detection
+from lsvision.models._helpers import CheckpointMismatchError
+from lsvision.models._pretrained import NoPretrainedWeightsError
+from lsvision.train import save_atomic
+
+# one tiny config per hierarchical family, with and without GRC where both exist (timm's own PVT v2 in the tiny
+# sizes of lsvision's PVT v2 GRC config)
+FAMILIES = {
+    name: TINY_CONFIGS[name] for name in (
+        'cvt_13', 'cvt_ls_13', 'vil_ls_medium', 'pvt_tiny', 'pvt_tiny_grc', 'pvt_v2_b0_grc',
+        'swin_tiny_patch4_window7_224_grc')
+}
+FAMILIES['pvt_v2_b0'] = dict(depths=(1, 1, 1, 1))
+FPN = 16  # FPN channels of the tiny detectors
+NUM_CLASSES = 3  # two object classes and the background
+
+# backbone tensors that no detection loss reaches on these inputs, with the reason:
+# - ViL-LS: the global-to-global bias of the last block before a stage ends only acts on the cls query, whose output
+#   the stage drops (the next stage starts from the patch map);
+# - GRC: the reset gate's weights on the first step: the cache starts at zero, so g_r * C = 0 (Cached Transformers,
+#   Eq. 3)
+NO_GRADIENT = ('attn.rel_pos_g2g', 'attn.grc.linear_reset.')
+
+
+def tiny_mask_rcnn(name: str, **kwargs) -> MaskRCNN:
+    """Mask R-CNN on the tiny config of `name` with small heads and few proposals (min_size 96)."""
+    torch.manual_seed(0)
+    return detection.mask_rcnn(
+        name, num_classes=None, model_kwargs=FAMILIES[name], fpn_channels=FPN, min_size=96, max_size=160,
+        rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32, rpn_pre_nms_top_n_test=64,
+        rpn_post_nms_top_n_test=32, rpn_batch_size_per_image=32, box_batch_size_per_image=16,
+        box_detections_per_img=8, box_head=TwoMLPHead(FPN * 7 * 7, 32),
+        box_predictor=FastRCNNPredictor(32, NUM_CLASSES), mask_head=MaskRCNNHeads(FPN, [FPN, FPN], 1),
+        mask_predictor=MaskRCNNPredictor(FPN, FPN, NUM_CLASSES), **kwargs)
+
+
+def images_and_targets():
+    """Two images whose resized sizes (96 x 141 and 129 x 96) are no multiple of 32, with a box and an exact mask
+    for each of two objects."""
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, 75, 110, generator=g), torch.rand(3, 94, 70, generator=g)]
+    targets = []
+    for img in images:
+        h, w = img.shape[1:]
+        boxes = torch.tensor([[5., 6., 40., 50.], [20., 15., 60., 70.]])
+        masks = torch.zeros(2, h, w, dtype=torch.uint8)
+        for m, (x0, y0, x1, y1) in zip(masks, boxes.int().tolist()):
+            m[y0:y1, x0:x1] = 1
+        targets.append(dict(boxes=boxes, labels=torch.tensor([1, 2]), masks=masks))
+    return images, targets
+
+
+@pytest.mark.parametrize('name', list(FAMILIES))
+def test_mask_rcnn_trains_and_detects(name):
+    model = tiny_mask_rcnn(name)
+    assert isinstance(model, MaskRCNN)
+    images, targets = images_and_targets()
+    model.train()
+    losses = model(images, targets)
+    assert set(losses) == {'loss_classifier', 'loss_box_reg', 'loss_mask', 'loss_objectness', 'loss_rpn_box_reg'}
+    assert all(v.isfinite() for v in losses.values())
+    sum(losses.values()).backward()
+    body = dict(model.backbone.body.named_parameters())
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in body.values())
+    zero = [k for k, p in body.items() if not p.grad.any()]
+    assert [k for k in zero if not any(s in k for s in NO_GRADIENT)] == []
+    assert len(zero) < len(body) // 4
+
+    model.eval()
+    with torch.no_grad():
+        detections = model(images)
+    for det, img in zip(detections, images):
+        n = det['boxes'].shape[0]
+        assert det['boxes'].shape == (n, 4) and det['labels'].shape == det['scores'].shape == (n,)
+        assert det['masks'].shape == (n, 1, *img.shape[1:])
+        if n:
+            assert det['boxes'][:, 2].max() <= img.shape[2] and det['boxes'][:, 3].max() <= img.shape[1]
+
+
+@pytest.mark.parametrize('name', ['cvt_ls_13', 'swin_tiny_patch4_window7_224_grc'])
+def test_fpn_levels_at_any_size(name):
+    """Five levels at strides 4-64 (R-CNN) and 8-128 (RetinaNet) on an input no stride divides; a three-stage
+    backbone (CvT-LS) gets its two coarsest levels by subsampling."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 100, 150)
+    rcnn = detection.backbone_with_fpn(name, model_kwargs=FAMILIES[name], out_channels=FPN).eval()
+    retina = detection.backbone_with_fpn(name, model_kwargs=FAMILIES[name], out_channels=FPN,
+                                         levels='retinanet').eval()
+    with torch.no_grad():
+        for backbone, names in ((rcnn, ['0', '1', '2', '3', 'pool']), (retina, ['p3', 'p4', 'p5', 'p6', 'p7'])):
+            levels = backbone(x)
+            assert list(levels) == names and backbone.out_channels == FPN
+            shapes = [tuple(v.shape[2:]) for v in levels.values()]
+            s = backbone.strides[0]
+            assert shapes[0][0] in (100 // s, -(-100 // s)) and shapes[0][1] in (150 // s, -(-150 // s))
+            for (h, w), (h2, w2) in zip(shapes, shapes[1:]):  # each level halves (rounding up) the one before
+                assert (h2, w2) == ((h + 1) // 2, (w + 1) // 2)
+    assert rcnn.strides == [4, 8, 16, 32, 64] and retina.strides == [8, 16, 32, 64, 128]
+
+
+def test_extra_levels_are_torchvisions():
+    """ExtraLevels computes what torchvision's LastLevelMaxPool and LastLevelP6P7(C, C) compute."""
+    torch.manual_seed(0)
+    p = [torch.randn(1, 8, 13, 9)]
+    pooled, names = detection.ExtraLevels(['pool'], 'pool')(list(p), [], ['0'])
+    expected, expected_names = LastLevelMaxPool()(list(p), [], ['0'])
+    assert names == expected_names and torch.equal(pooled[-1], expected[-1])
+    ours, theirs = detection.ExtraLevels(['p6', 'p7'], 'conv', 8), LastLevelP6P7(8, 8)
+    ours.convs[0].load_state_dict(theirs.p6.state_dict())
+    ours.convs[1].load_state_dict(theirs.p7.state_dict())
+    out, names = ours(list(p), [], ['p5'])
+    expected, expected_names = theirs(list(p), list(p), ['p5'])
+    assert names == expected_names
+    assert all(torch.equal(a, b) for a, b in zip(out, expected))
+
+
+def test_faster_rcnn_and_retinanet_train():
+    images, targets = images_and_targets()
+    for build, cls in ((detection.faster_rcnn, FasterRCNN), (detection.retinanet, RetinaNet)):
+        torch.manual_seed(0)
+        model = build('cvt_ls_13', num_classes=NUM_CLASSES, model_kwargs=FAMILIES['cvt_ls_13'], fpn_channels=FPN,
+                      min_size=96, max_size=160)
+        assert isinstance(model, cls)
+        losses = model.train()(images, [{k: v for k, v in t.items() if k != 'masks'} for t in targets])
+        assert losses and all(v.isfinite() for v in losses.values())
+
+
+def _body_state(model: MaskRCNN):
+    """The backbone's tensors under the classification model's names (the feature wrapper's `model.` dropped)."""
+    return {k[len('model.'):]: v for k, v in model.backbone.body.state_dict().items()}
+
+
+@pytest.mark.parametrize('fmt', ['safetensors', 'train_checkpoint'])
+def test_backbone_weights_from_a_file(tmp_path, fmt):
+    """A classification model's weights (10 classes) load into the backbone; the head is left out."""
+    torch.manual_seed(1)
+    source = timm.create_model('cvt_ls_13', num_classes=10, **FAMILIES['cvt_ls_13'])
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.)  # away from any init
+    if fmt == 'safetensors':
+        path = tmp_path / 'weights.safetensors'
+        save_file(source.state_dict(), str(path))
+    else:  # as tools/train.py writes its checkpoints
+        path = tmp_path / 'last.pth.tar'
+        save_atomic({'arch': 'cvt_ls_13', 'epoch': 3, 'state_dict': source.state_dict()}, str(path))
+    model = tiny_mask_rcnn('cvt_ls_13', backbone_weights=str(path))
+    loaded, expected = _body_state(model), source.state_dict()
+    assert set(expected) - set(loaded) == {'head.weight', 'head.bias', 'norm.weight', 'norm.bias'}  # pruned
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.items())
+
+
+def test_grc_backbone_from_its_timm_base(tmp_path):
+    """A timm PVT v2 checkpoint loads into the GRC backbone; only the `.grc.` tensors start fresh (zero caches)."""
+    torch.manual_seed(1)
+    base = timm.create_model('pvt_v2_b0', depths=(1, 1, 1, 1))
+    path = tmp_path / 'pvt_v2_b0.pth'
+    torch.save(base.state_dict(), path)
+    model = tiny_mask_rcnn('pvt_v2_b0_grc', backbone_weights=str(path))
+    loaded, expected = _body_state(model), base.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in loaded.items() if '.grc.' not in k)
+    assert {k for k in loaded if k not in expected} == {k for k in loaded if '.grc.' in k}
+    assert all(not c.any() for c in grc_caches(model))
+
+
+def test_mismatched_file_is_explained(tmp_path):
+    path = tmp_path / 'cvt_13.pth.tar'
+    save_atomic({'arch': 'cvt_13', 'state_dict': timm.create_model('cvt_13', **FAMILIES['cvt_13']).state_dict()},
+                str(path))
+    with pytest.raises(CheckpointMismatchError, match=r'does not fit cvt_ls_13.*missing'):
+        tiny_mask_rcnn('cvt_ls_13', backbone_weights=str(path))
+    with pytest.raises(FileNotFoundError, match="backbone_weights '.*nothing.pth' is not a file"):
+        tiny_mask_rcnn('cvt_ls_13', backbone_weights=str(tmp_path / 'nothing.pth'))
+
+
+def test_pretrained_without_released_weights_is_explained(tmp_path):
+    with pytest.raises(NoPretrainedWeightsError, match=r'cvt_ls_13 has no released weights \(its model card, '
+                                                       r'model_cards/cvt_ls_13.md.*backbone_weights=None'):
+        tiny_mask_rcnn('cvt_ls_13', backbone_weights='pretrained')
+    # following the hint: random weights, or a file of the model's weights
+    path = tmp_path / 'cvt_ls_13.safetensors'
+    save_file(timm.create_model('cvt_ls_13', **FAMILIES['cvt_ls_13']).state_dict(), str(path))
+    for weights in (None, str(path)):
+        assert isinstance(tiny_mask_rcnn('cvt_ls_13', backbone_weights=weights), MaskRCNN)
+
+
+def test_grc_caches_in_detection():
+    """Training forwards store the batch's cache update (the next forward sees it); evaluation neither reads
+    other images into the cache nor changes it, so detections are a function of weights, caches and images."""
+    model = tiny_mask_rcnn('pvt_tiny_grc')
+    layers = detection.grc_layers(model)
+    assert layers == grc_modules(model.backbone.body) and len(layers) == 4
+    images, targets = images_and_targets()
+    before = grc_caches(model)
+    model.train()(images, targets)
+    after = grc_caches(model)
+    assert all(not torch.equal(a, b) for a, b in zip(before, after))
+    model.eval()
+    with torch.no_grad():
+        first = model(images)
+        second = model(images)
+    assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
+    for a, b in zip(first, second):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    detection.all_reduce_grc_caches(layers)  # no process group: a no-op
+    assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
