@@ -1,0 +1,66 @@
+"""tools/train_mt.py end to end on a tiny generated task: checkpoints, averaging, report, exact resume, errors."""
+import json
+
+import pytest
+import torch
+from _helpers import load_tool
+
+from lsvision.data.parallel_text import write_demo_task
+from lsvision.train.translation import load_translation_checkpoint, translate
+
+train_mt = load_tool('train_mt')
+
+TINY = ['--model', 'grc_transformer_iwslt_de_en_prenorm', '--model-kwargs', 'dim=16', 'encoder_depth=1',
+        'decoder_depth=1', 'num_heads=2', 'ffn_dim=24', 'drop=0.1', 'grc_cache_len=8', '--vocab-size', '80',
+        '--max-tokens', '800', '--warmup-updates', '3', '--lr', '3e-3', '--save-interval-updates', '2',
+        '--average-last', '2', '--beam', '2', '--max-len-a', '1', '--max-len-b', '2', '--eval-max-sentences', '3',
+        '--threads', '1', '--log-interval', '0']
+
+
+@pytest.fixture(scope='module')
+def data_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp('mt') / 'data'
+    write_demo_task(str(path), dict(train=60, valid=6, test=4), seed=0)
+    return path
+
+
+def test_train_average_report_and_exact_resume(data_dir, tmp_path):
+    full = tmp_path / 'full'
+    assert train_mt.main(['--data-dir', str(data_dir), '--output', str(full), '--max-updates', '8', *TINY]) == 0
+    result = json.loads((full / 'result.json').read_text())
+    assert result['updates'] == 8 and result['epochs'] >= 1  # the run crossed an epoch boundary
+    assert result['averaged_checkpoints'] == 2 and result['lr'] == 3e-3
+    assert sorted(p.name for p in full.glob('checkpoint_*.pt')) == ['checkpoint_6.pt', 'checkpoint_8.pt']
+    for key in ('last', 'averaged'):
+        assert 0. <= result[key]['bleu'] <= 100. and result[key]['valid_ppl'] > 1.
+    assert 'test BLEU' in (full / 'result.md').read_text()
+    model, vocab = load_translation_checkpoint(str(full / 'averaged.pt'))
+    averaged = {k: (torch.load(full / 'checkpoint_6.pt', weights_only=True)['model'][k]
+                    + torch.load(full / 'checkpoint_8.pt', weights_only=True)['model'][k]) / 2
+                for k in model.state_dict()}
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, averaged[k].to(v.dtype))
+    assert len(translate(model, vocab, ['wir kaufen drei äpfel .'], beam=2, max_len_b=2)) == 1
+
+    # 3 updates, then resume to 8: the same weights, GRC caches and optimizer state as the run without a stop
+    part = tmp_path / 'part'
+    assert train_mt.main(['--data-dir', str(data_dir), '--output', str(part), '--max-updates', '3', *TINY]) == 0
+    assert train_mt.main(['--output', str(part), '--resume', 'auto', '--max-updates', '8', *TINY]) == 0
+    a = torch.load(full / 'last.pt', weights_only=True)
+    b = torch.load(part / 'last.pt', weights_only=True)
+    assert (a['updates'], a['epoch'], a['pos']) == (b['updates'], b['epoch'], b['pos'])
+    assert a['model'].keys() == b['model'].keys()
+    for k in a['model']:
+        assert torch.equal(a['model'][k], b['model'][k]), k
+    for sa, sb in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
+        assert torch.equal(sa['exp_avg_sq'], sb['exp_avg_sq'])
+
+
+def test_errors_name_the_fix(tmp_path, capsys):
+    out = ['--output', str(tmp_path / 'run')]
+    assert train_mt.main(['--data-dir', str(tmp_path / 'none'), '--max-updates', '1', *out]) == 2
+    assert '--data-dir' in capsys.readouterr().err
+    assert train_mt.main(['--data-dir', str(tmp_path), *out]) == 2
+    assert '--epochs, --max-updates or --time-budget' in capsys.readouterr().err
+    assert train_mt.main(['--model', 'transformer_wmt', '--max-updates', '1', *out]) == 2
+    assert 'grc_transformer_iwslt_de_en_prenorm' in capsys.readouterr().err
