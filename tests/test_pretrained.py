@@ -238,6 +238,42 @@ def test_hub_download_failure_names_the_repository_and_the_cache(caches):
     message = str(e.value)
     assert "'microsoft/cvt-21-384-22k'" in message and str(hub) in message
     assert 'https://huggingface.co/microsoft/cvt-21-384-22k/resolve/main/pytorch_model.bin' in message
+    assert 'HF_HUB_OFFLINE is set, so only the cache was read' in message
+
+
+@pytest.fixture
+def unreachable_hub(caches, monkeypatch):
+    """HF_HUB_OFFLINE unset and a Hub that does not answer: a closed port on this machine (no connection is made)."""
+    monkeypatch.delenv('HF_HUB_OFFLINE')
+    monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', False)
+    monkeypatch.setattr(hf_constants, 'ENDPOINT', 'http://127.0.0.1:9')
+    monkeypatch.setattr(hf_constants, 'HUGGINGFACE_CO_URL_TEMPLATE',
+                        'http://127.0.0.1:9/{repo_id}/resolve/{revision}/{filename}')
+    return caches
+
+
+def test_unreachable_hub_fails_without_retries_and_names_hf_hub_offline(unreachable_hub, caplog):
+    """Without the check huggingface_hub retries each of timm's two file names five times (about 23 s each)."""
+    with caplog.at_level(logging.INFO, logger='huggingface_hub'), pytest.raises(PretrainedDownloadError) as e:
+        timm.create_model('cvt_13', pretrained=True)
+    assert 'Retrying' not in caplog.text
+    message = str(e.value)
+    assert "'microsoft/cvt-13'" in message and 'ConnectError' in message
+    assert 'on a machine without network, HF_HUB_OFFLINE=1 reads only the cache' in message
+
+
+def test_cached_weights_load_while_the_hub_is_unreachable(unreachable_hub, tmp_path, caplog):
+    """Cached weights load at once: timm asks for model.safetensors first, which the cache does not have, and without
+    the check huggingface_hub would retry it for about 23 s before timm falls back to the cached pytorch_model.bin."""
+    hub, _ = unreachable_hub
+    file = _save_to_hub(hub, 'cvt_13', transformers_cvt(TINY_CVT, seed=5), tmp_path)
+    with caplog.at_level(logging.INFO):
+        model = timm.create_model('cvt_13', pretrained=True, **TINY_CVT_KWARGS)
+    assert 'Retrying' not in caplog.text
+    assert 'the Hugging Face Hub does not answer' in caplog.text
+    assert 'HF_HUB_OFFLINE=1 reads only the cache' in caplog.text
+    assert model.pretrained_cfg['hf_hub_id'] == 'microsoft/cvt-13'
+    assert_loaded_from(model, torch.load(file, weights_only=True))
 
 
 def test_url_download_failure_names_the_url_and_the_cache_file(caches):

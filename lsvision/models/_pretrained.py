@@ -8,7 +8,10 @@ module adds, around ``build_model_with_cfg``:
   ``pretrained_cfg_overlay=dict(file=...)`` line for a file of one's own (timm: "No pretrained weights exist");
 * a missing overlay file names its path (timm: a ``FileNotFoundError`` without a message);
 * a failed download (no network) raises :class:`PretrainedDownloadError`, naming the hub id or URL and where a file
-  downloaded by hand goes;
+  downloaded by hand goes; for Hub weights, one request without retries (huggingface_hub's own metadata call) first
+  checks that the Hub answers, so that a machine without network fails in about a second, or loads the weights it has
+  cached, instead of spending about 23 s per file name in huggingface_hub's retries (``HF_HUB_OFFLINE=1`` skips the
+  network altogether);
 * a file of another architecture keeps the family filter's mismatch message, prefixed with where the file came from;
 * :func:`load_checkpoint_file` and :func:`load_into_model` serve timm's ``custom_load`` hook (a family's
   ``load_pretrained``): authors' ``.pth`` files read with ``weights_only=True`` (numpy scalars allowed, nothing
@@ -25,7 +28,7 @@ from safetensors.torch import load_file as load_safetensors
 
 from timm.models import adapt_input_conv, build_model_with_cfg
 from timm.models._builder import resolve_pretrained_cfg
-from timm.models._hub import get_cache_dir
+from timm.models._hub import get_cache_dir, hf_split
 
 from ._helpers import CheckpointMismatchError
 
@@ -39,6 +42,7 @@ _logger = logging.getLogger(__name__)
 ModelT = TypeVar('ModelT', bound=nn.Module)
 
 HF_WEIGHTS_FILE = 'pytorch_model.bin'  # what timm fetches from a hub repo without model.safetensors
+HF_WEIGHTS_FILES = ('model.safetensors', HF_WEIGHTS_FILE)  # timm's order
 
 
 class NoPretrainedWeightsError(RuntimeError):
@@ -82,14 +86,47 @@ def _describe(kind: str, loc: Any) -> str:
     return f'{loc}' if kind == 'file' else 'the given state_dict'
 
 
+def _hub_unreachable(hub_id: str) -> Optional[BaseException]:
+    """Why the Hub does not answer for ``hub_id`` now, or None (it answered, or ``HF_HUB_OFFLINE`` is set).
+
+    One HEAD request through huggingface_hub's ``get_hf_file_metadata``, which does not retry (proxies, ``HF_ENDPOINT``
+    and tokens as the download would use them). An HTTP error is an answer (the download reports it); no answer at
+    all (no route, no DNS, a timeout after ``HF_HUB_ETAG_TIMEOUT`` seconds) is returned.
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError
+    if constants.HF_HUB_OFFLINE:
+        return None
+    repo, revision = hf_split(hub_id)
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, HF_WEIGHTS_FILE, revision=revision),
+                             timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    except HfHubHTTPError:
+        return None
+    except Exception as e:  # the HTTP client's connection errors have no public common base
+        return e
+    return None
+
+
+def _cached_hub_weights(hub_id: str) -> Optional[str]:
+    """The weights file of ``hub_id`` in the Hugging Face cache that timm would load (safetensors first), or None."""
+    from huggingface_hub import try_to_load_from_cache
+    repo, revision = hf_split(hub_id)
+    cached = (try_to_load_from_cache(repo, f, revision=revision) for f in HF_WEIGHTS_FILES)
+    return next((path for path in cached if isinstance(path, str)), None)
+
+
 def _download_help(name: str, kind: str, loc: Any, error: BaseException) -> str:
     """What failed, and where a file downloaded by hand goes."""
     if kind == 'hf-hub':
         from huggingface_hub import constants
         repo = str(loc).split('@')[0]
+        offline = ('HF_HUB_OFFLINE is set, so only the cache was read' if constants.HF_HUB_OFFLINE else
+                   'on a machine without network, HF_HUB_OFFLINE=1 reads only the cache and never waits for the Hub')
         return (
             f"could not fetch the weights of {name} from the Hugging Face Hub repository '{repo}' "
-            f'({type(error).__name__}: {error}). Where there is a network: `hf download {repo} {HF_WEIGHTS_FILE}` '
+            f'({type(error).__name__}: {error}; {offline}). Where there is a network: `hf download {repo} '
+            f'{HF_WEIGHTS_FILE}` '
             f'fills the cache this machine reads ({constants.HF_HUB_CACHE}; HF_HUB_CACHE moves it). Or download '
             f'https://huggingface.co/{repo}/resolve/main/{HF_WEIGHTS_FILE} yourself and load it with '
             + _own_file_line(name).replace('/path/to/weights.pth', f'/path/to/{HF_WEIGHTS_FILE}') + '.')
@@ -135,6 +172,14 @@ def build_model(
     if kind == 'file' and not Path(loc).is_file():
         raise FileNotFoundError(f'pretrained_cfg_overlay file {loc!r} for {name} does not exist (working directory '
                                 f'{os.getcwd()}); give the path of a checkpoint file.')
+    unreachable = _hub_unreachable(loc) if kind == 'hf-hub' else None
+    if unreachable is not None:  # what huggingface_hub would end with after its retries, without them
+        cached = _cached_hub_weights(loc)
+        if cached is None:
+            raise PretrainedDownloadError(_download_help(name, kind, loc, unreachable)) from unreachable
+        _logger.warning(f'the Hugging Face Hub does not answer ({unreachable}); {name} loads the weights cached at '
+                        f'{cached} (HF_HUB_OFFLINE=1 reads only the cache)')
+        kwargs['pretrained_cfg_overlay'] = dict(overlay or {}, file=cached)
     try:
         return build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
     except CheckpointMismatchError as e:
