@@ -32,6 +32,7 @@ import lsvision.sequence as seq
 from lsvision import bench
 from lsvision.flops import parameter_count
 from lsvision.models import list_models
+from lsvision.runs import unknown_model_message, unknown_name_message
 from lsvision.sequence.suites import HSW_LS_TARGET, HSW_MODELS, HSW_TARGETS, MEM, SEQUENCE_CONFIGS, D
 from lsvision.zoo import GENERATED_NOTE, render_outputs
 
@@ -497,6 +498,24 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def check_names(args: argparse.Namespace) -> None:
+    """A model name (without wildcards; ``NAME@suffix``: its NAME) or a ``--suite sequence`` configuration that does not
+    exist is a ValueError with the closest names, before anything is measured."""
+    patterns = list(getattr(args, 'models', None) or []) + ([args.baseline] if getattr(args, 'baseline', None) else [])
+    for pattern in patterns:
+        if any(ch in pattern for ch in '*?['):
+            continue  # a wildcard that matches nothing is bench.resolve_specs' error
+        suffix = next((s for s in bench.SUFFIXES if pattern.endswith(s)), '')
+        message = unknown_model_message(pattern[:len(pattern) - len(suffix)])
+        if message:
+            raise ValueError(message)
+    if getattr(args, 'suite', None) == 'sequence':
+        for name in args.names or []:
+            if name not in SEQUENCE_CONFIGS:
+                raise ValueError('--suite sequence --names: ' + unknown_name_message(name, list(SEQUENCE_CONFIGS),
+                                                                                     'configuration'))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the command line; bad input (a ValueError, raised before anything is measured or written) exits with 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -505,6 +524,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # the measuring processes' count, for the machine description
     try:
+        check_names(args)
         if args.command in ('sweep', 'cards'):
             return (run_sweep if args.command == 'sweep' else run_cards)(args, command)
         if args.suite in VISION_SUITES:

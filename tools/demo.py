@@ -15,6 +15,7 @@ import timm
 
 import lsvision
 from lsvision.flops import count_flops, parameter_count
+from lsvision.runs import close_names
 
 
 def main() -> int:
@@ -23,11 +24,15 @@ def main() -> int:
     parser.add_argument('--out', default='output/demo/models.json', help='JSON report path')
     args = parser.parse_args()
 
-    names = lsvision.models.list_models(args.models)
-    if not names:
-        print(f'no lsvision model matches {args.models}; known: {", ".join(lsvision.models.list_models())}',
-              file=sys.stderr)
+    known = lsvision.models.list_models()
+    unmatched = [p for p in args.models if not lsvision.models.list_models(p)]
+    if unmatched:  # a mistyped name is an error, even beside names that match
+        hints = ' '.join(f'Did you mean {", ".join(close)} for {p!r}?' for p in unmatched
+                         for close in [close_names(p, known)] if close)
+        print(f'no lsvision model matches {unmatched}; ' + (f'{hints} ' if hints else '')
+              + f'known: {", ".join(known)}', file=sys.stderr)
         return 2
+    names = lsvision.models.list_models(args.models)
     torch.manual_seed(0)
     rows = []
     for i, name in enumerate(names, 1):

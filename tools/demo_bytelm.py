@@ -19,6 +19,7 @@ import lsvision.sequence as seq
 from lsvision.bench import machine_description
 from lsvision.data import stdlib_bytes
 from lsvision.flops import parameter_count
+from lsvision.runs import name_choice
 from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
 
 
@@ -27,7 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--budget', type=float, default=170., help='training seconds per model (wall clock)')
     parser.add_argument('--threads', type=int, default=0,
                         help='torch threads (0: 2, or 1 when the machine is busy: contended threads only wait)')
-    parser.add_argument('--models', nargs='+', default=['ls', 'full'], choices=['ls', 'full'])
+    parser.add_argument('--models', nargs='+', default=['ls', 'full'], type=name_choice(['ls', 'full']),
+                        help='ls (causal long-short), full (causal full attention)')
     parser.add_argument('--block-len', type=int, default=256, help='bytes per training crop / eval window')
     parser.add_argument('--batch-size', type=int, default=16)
     parser.add_argument('--lr', type=float, default=2e-3)

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from lsvision.data.stdlib_docs import PAD_ID, VOCAB_SIZE, build_stdlib_docs
+from lsvision.runs import name_choice
 from lsvision.sequence.budget_train import (
     accuracy,
     auto_threads,
@@ -65,7 +66,8 @@ def log(msg: str) -> None:
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS)
+    parser.add_argument('--models', nargs='+', default=list(MODELS), type=name_choice(MODELS),
+                        help=f'of {", ".join(MODELS)}')
     parser.add_argument('--train-seconds', type=float, default=60., help='training budget per model')
     parser.add_argument('--eval-seconds', type=float, default=10., help='evaluation budget per model')
     parser.add_argument('--threads', type=int, default=None,

@@ -24,6 +24,7 @@ import lsvision.sequence as seq
 from lsvision.bench import machine_description
 from lsvision.data import LISTOPS_LRA, LISTOPS_MINI, generate_listops, listops_vocab
 from lsvision.flops import parameter_count
+from lsvision.runs import name_choice
 from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
 
 
@@ -32,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--budget', type=float, default=170., help='training seconds per model (wall clock)')
     parser.add_argument('--threads', type=int, default=0,
                         help='torch threads (0: 2, or 1 when the machine is busy: contended threads only wait)')
-    parser.add_argument('--models', nargs='+', default=list(MODELS), choices=list(MODELS),
+    parser.add_argument('--models', nargs='+', default=list(MODELS), type=name_choice(list(MODELS)),
                         help='full, grc (full + GRC cache), ls (long-short), ls_grc (long-short + GRC cache)')
     parser.add_argument('--full', action='store_true', help='full LRA ListOps lengths instead of ListOps-mini')
     parser.add_argument('--batch-size', type=int, default=64)

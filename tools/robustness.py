@@ -14,7 +14,9 @@ ImageNet-A/-R (``<root>/<wnid>/``): top-1/top-5 with the logits sliced to their 
 transform. ImageNet-9 (``<root>/<variant>/val/<NN_class>/``): accuracy per variant present (argmax over 1000, mapped
 to 9 classes, unmapped = wrong) and BG-gap = mixed_same - mixed_rand; no resize.
 ``--corrupt-on-the-fly`` corrupts any class-folder val set like ImageNet-C was made (needs ``lsvision[corrupt]``);
-those results are marked as such. Writes ``results.json``, ``results.md`` and ``imagenet_c.png`` to ``--out-dir``.
+those results are marked as such. A tools/train.py checkpoint is evaluated as its run validated it (input size,
+preprocessing, classes, precision): a run trained at another size than 224 sees ImageNet-C and -9 images resized to
+it, marked non-standard. Writes ``results.json``, ``results.md`` and ``imagenet_c.png`` to ``--out-dir``.
 """
 import argparse
 import sys
@@ -80,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.corrupt_on_the_fly:
             suites['imagenet_c_on_the_fly'] = evaluate_corrupt_on_the_fly(
                 model, args.corrupt_on_the_fly, settings, args.corruptions or CORRUPTIONS, args.severities,
-                clean_error, args.seed)
+                clean_error, args.seed, run.class_names if run is not None else None)
         for subset in ('a', 'r'):
             root = getattr(args, f'imagenet_{subset}')
             if root:

@@ -9,7 +9,9 @@ r"""Top-1/top-5 of one or several models on any image folder, ImageNet-1K (with 
 Layouts: ``--data-dir`` is any folder of class folders (``<dir>/<class>/<image>``), suite ``folder``: count, top-1,
 top-5 and per-class top-1 over the classes the model was trained on. A tools/train.py checkpoint brings its run
 (its recorded arguments, else the ``args.yaml`` beside it): the classes, num_classes, the input size and the other
-model arguments and eval preprocessing come from there, and the folder must hold exactly those classes.
+model arguments, the eval preprocessing, the precision (the run's amp autocast; ``--no-amp`` for float32) and the
+validation batch size come from there, so the top-1 is the run's last validation number; the folder must hold exactly
+those classes (``--allow-missing-classes``: some of them).
 ``--imagenet`` is ``val/<wnid>/ILSVRC2012_val_XXXXXXXX.JPEG`` (or its parent); ``--imagenet-v2`` holds the
 extracted ``imagenetv2-{matched-frequency,threshold0.7,top-images}-format-val/<0..999>/`` folders (or is one of
 them). ReaL uses the labels bundled with timm and needs the full 50,000 val images (``--real-labels`` for another
@@ -21,8 +23,9 @@ import sys
 from typing import Any, Dict, Optional, Sequence
 
 from lsvision.eval import V2_VARIANTS, EvalSettings, LayoutError, evaluate_folder, evaluate_imagenet, evaluate_v2
-from lsvision.eval.cli import TrainingRun, add_model_args, folder_classes, run_and_report
+from lsvision.eval.cli import add_model_args, folder_classes, run_and_report
 from lsvision.eval.distributed import close_eval_processes, error_prefix
+from lsvision.runs import TrainingRun
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -33,6 +36,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="any image folder of class folders (<dir>/<class>/<image>), e.g. a training run's val split")
     g.add_argument('--class-map', default=None,
                    help="the model's classes, one per line in logit order (default: the training run's)")
+    g.add_argument('--allow-missing-classes', action='store_true',
+                   help="score a --data-dir that holds only some of the model's classes (the others are listed as "
+                        'missing; labels still come from the class names)')
     g.add_argument('--imagenet', default=None, help='ImageNet-1K val folder (wnid class folders) or its parent')
     g.add_argument('--real-labels', default=None,
                    help="ReaL labels json (default: timm's bundled copy); giving one makes ReaL mandatory")
@@ -57,7 +63,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def evaluate(model: Any, settings: EvalSettings, run: Optional[TrainingRun]) -> Dict[str, Any]:
         suites: Dict[str, Any] = {}
         if args.data_dir:
-            suites['folder'] = evaluate_folder(model, args.data_dir, settings, folder_classes(args.class_map, run))
+            suites['folder'] = evaluate_folder(model, args.data_dir, settings, folder_classes(args.class_map, run),
+                                               args.allow_missing_classes)
         if args.imagenet:
             real = False if args.no_real else (True if args.real_labels else None)
             suites['imagenet'] = evaluate_imagenet(model, args.imagenet, settings, real=real,

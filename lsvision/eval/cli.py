@@ -3,8 +3,12 @@ the per-model run, and the three outputs (JSON, markdown, PNG).
 
 A checkpoint written by ``tools/train.py`` records its run (the ``args`` of the checkpoint, else the run folder's
 ``args.yaml``): the model is then built as the run built it (``num_classes``, ``in_chans``, global pool, model kwargs,
-a fixed input size), evaluated with the run's eval preprocessing (input size, crop, interpolation, mean/std), and the
-``folder`` suite takes the run's classes. ``--model-kwargs`` and the preprocessing flags beat the recorded values.
+a fixed input size), evaluated as the run's validation evaluated it: its eval preprocessing (input size, crop,
+interpolation, mean/std, normalisation on the device or in the loader), its precision (the run's ``amp`` /
+``amp_dtype`` autocast) and its validation batch size; the ``folder`` suite takes the run's classes.
+``--model-kwargs``, the preprocessing flags, ``--amp`` / ``--no-amp`` and ``--batch-size`` beat the recorded values.
+Reading the run is `lsvision.runs`' (which the training side shares); this module imports nothing of
+``lsvision.train``.
 """
 import argparse
 import ast
@@ -13,7 +17,6 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,21 +24,20 @@ import torch.nn as nn
 import yaml
 
 import timm
-from timm.data.readers.class_map import load_class_map
 from timm.models import reparameterize_model
 
+from ..runs import TrainingRun, class_names_from_file, training_run, unknown_model_message
 from .distributed import JobProgress, check_paths, init_eval_processes
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
 from .runner import EvalSettings, default_workers, file_sha256
-from .suites import LayoutWarning, visible_folders
+from .suites import LayoutWarning
 
 __all__ = [
     'add_model_args', 'resolve_model_names', 'load_model', 'settings_from_args', 'run_and_report', 'TrainingRun',
-    'training_run', 'folder_classes',
+    'training_run', 'folder_classes', 'precision_of',
 ]
 
-# the run arguments that set the eval preprocessing (timm's resolve_data_config reads them as given to train.py)
-_RUN_DATA_KEYS = ('input_size', 'img_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+DEFAULT_BATCH_SIZE = 64
 
 
 def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
@@ -52,16 +54,22 @@ def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
                    help='extra timm.create_model arguments, values parsed as YAML (e.g. depths=[1,1,1]); a '
                         "tools/train.py checkpoint's own run arguments are used without them")
     g = parser.add_argument_group('run')
-    g.add_argument('--batch-size', type=int, default=64)
+    g.add_argument('--batch-size', type=int, default=None,
+                   help=f"default: a tools/train.py run's validation batch size, else {DEFAULT_BATCH_SIZE}")
     g.add_argument('--workers', type=int, default=default_workers(),
                    help='data loader worker processes (0: load in the main one; default: 4, at most the usable cores)')
     g.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
-    g.add_argument('--amp', default=None, choices=['bfloat16', 'float16'], help='autocast dtype')
+    precision = g.add_mutually_exclusive_group()
+    precision.add_argument('--amp', default=None, choices=['bfloat16', 'float16'],
+                           help="autocast dtype (default: a tools/train.py run's own amp / amp_dtype, else float32)")
+    precision.add_argument('--no-amp', action='store_true',
+                           help='evaluate in float32, also a checkpoint whose run validated under autocast')
     g.add_argument('--threads', type=int, default=None, help='torch CPU threads')
     g.add_argument('--reparam', action='store_true',
                    help='evaluate the model folded for inference (timm.models.reparameterize_model)')
     g.add_argument('--img-size', type=int, default=None,
-                   help="override the model's eval input size (ImageNet/ReaL/V2/A/R; recorded as the protocol)")
+                   help="override the model's eval input size (every suite; ImageNet-C/-9 images are then resized "
+                        'to it, marked non-standard; recorded as the protocol)')
     g.add_argument('--crop-pct', type=float, default=None, help="override the model's eval crop_pct (same suites)")
     g.add_argument('--interpolation', default=None, help="override the model's eval interpolation (same suites)")
     g.add_argument('--strict', action='store_true',
@@ -75,7 +83,7 @@ def resolve_model_names(patterns: Sequence[str]) -> List[str]:
     """Model names from names or wildcards: lsvision's registered models first, then all of timm's.
 
     Raises:
-        ValueError: a name timm does not know or a wildcard that matches nothing.
+        ValueError: a name timm does not know (with the closest names) or a wildcard that matches nothing.
     """
     import lsvision.models  # registers the lsvision models with timm
     names: List[str] = []
@@ -87,7 +95,7 @@ def resolve_model_names(patterns: Sequence[str]) -> List[str]:
         elif timm.is_model(pattern):
             found = [pattern]
         else:
-            raise ValueError(f'unknown model {pattern!r}; lsvision models: {", ".join(lsvision.models.list_models())}')
+            raise ValueError(unknown_model_message(pattern))
         names += [n for n in found if n not in names]
     return names
 
@@ -105,87 +113,6 @@ def _parse_kwargs(items: Sequence[str]) -> Dict[str, Any]:
         except (ValueError, SyntaxError):
             kwargs[key] = yaml.safe_load(value)
     return kwargs
-
-
-@dataclass
-class TrainingRun:
-    """What a tools/train.py checkpoint records of the run that wrote it.
-
-    Attributes:
-        args: The run's arguments (timm's dest names), as the checkpoint or the run's args.yaml hold them.
-        source: Where they were read (the checkpoint, or the args.yaml path).
-        class_names: The classes in the order of the model's logits, when the run says (its ``class_names``, or
-            its class map file, or the sorted class folders of its training split); else None.
-    """
-    args: Dict[str, Any]
-    source: str
-    class_names: Optional[List[str]] = None
-
-    def model_kwargs(self, name: str) -> Dict[str, Any]:
-        """The create_model arguments the run built ``name`` with (none when the run trained another model)."""
-        from lsvision.train.engine import fixed_input_size_kwargs  # train.py's rule, at call time (heavy import)
-        a = self.args
-        if a.get('model') != name:
-            return {}
-        kwargs = dict(a.get('model_kwargs') or {})
-        for key, dest in (('num_classes', 'num_classes'), ('global_pool', 'gp')):
-            if a.get(dest) is not None:
-                kwargs.setdefault(key, a[dest])
-        in_chans = a['input_size'][0] if a.get('input_size') else a.get('in_chans')
-        if in_chans and in_chans != 3:
-            kwargs.setdefault('in_chans', in_chans)
-        fixed_input_size_kwargs(argparse.Namespace(model=name, input_size=a.get('input_size'),
-                                                   img_size=a.get('img_size')), kwargs)
-        return kwargs
-
-    def data_overrides(self) -> Dict[str, Any]:
-        """The run's eval preprocessing settings (input size, crop, interpolation, mean/std)."""
-        return {k: self.args[k] for k in _RUN_DATA_KEYS if self.args.get(k) is not None}
-
-
-def _class_names_from_file(path: str) -> List[str]:
-    """Class names in label order from a class map file (timm's format: a ``.txt`` of one name per line, or ``.pkl``),
-    read with timm's ``load_class_map``."""
-    class_to_idx = load_class_map(path)
-    return [name for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
-
-
-def _class_names_of_run(args: Dict[str, Any], run_folder: str) -> Optional[List[str]]:
-    """The run's classes: recorded (checkpoint, else the run folder's class_names.txt), else its class map file, else
-    its training folder's classes."""
-    if args.get('class_names'):
-        return list(args['class_names'])
-    for path in (os.path.join(run_folder, 'class_names.txt'), args.get('class_map')):
-        if path and os.path.isfile(path):
-            return _class_names_from_file(path)
-    data_dir = args.get('data_dir')
-    if data_dir and not args.get('dataset'):
-        for split in (args.get('train_split') or 'train', 'train'):
-            folder = os.path.join(data_dir, split)
-            if os.path.isdir(folder):
-                return visible_folders(folder)
-    return None
-
-
-def training_run(checkpoint: str) -> Optional[TrainingRun]:
-    """The run a tools/train.py checkpoint records (its ``args``, else ``args.yaml`` beside it); None for other
-    checkpoints (timm's, the authors', safetensors)."""
-    from lsvision.models import checkpoint_record
-    run_folder = os.path.dirname(os.path.abspath(checkpoint))
-    record = checkpoint_record(checkpoint)
-    recorded, source = record.get('args'), checkpoint
-    if isinstance(recorded, dict):
-        if record.get('class_names'):
-            recorded = dict(recorded, class_names=list(record['class_names']))
-    else:
-        source = os.path.join(run_folder, 'args.yaml')
-        if not os.path.isfile(source):
-            return None
-        with open(source) as f:
-            recorded = yaml.safe_load(f)
-        if not isinstance(recorded, dict) or 'model' not in recorded:
-            return None
-    return TrainingRun(args=recorded, source=source, class_names=_class_names_of_run(recorded, run_folder))
 
 
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False,
@@ -237,9 +164,10 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
 def settings_from_args(args: argparse.Namespace) -> EvalSettings:
     overrides = {k: v for k, v in dict(img_size=args.img_size, crop_pct=args.crop_pct,
                                        interpolation=args.interpolation).items() if v is not None}
-    return EvalSettings(batch_size=args.batch_size, workers=args.workers, device=torch.device(args.device),
-                        amp_dtype=getattr(torch, args.amp) if args.amp else None, strict=args.strict,
-                        progress=not args.no_progress, data_overrides=overrides)
+    """The command line's settings; `run_and_report` completes them per model (`precision_of`, the training run)."""
+    return EvalSettings(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, workers=args.workers,
+                        device=torch.device(args.device), amp_dtype=getattr(torch, args.amp) if args.amp else None,
+                        strict=args.strict, progress=not args.no_progress, data_overrides=overrides)
 
 
 def folder_classes(class_map: Optional[str], run: Optional[TrainingRun]) -> List[str]:
@@ -249,7 +177,7 @@ def folder_classes(class_map: Optional[str], run: Optional[TrainingRun]) -> List
         ValueError: neither gives them (a checkpoint not written by tools/train.py, and no --class-map).
     """
     if class_map:
-        return _class_names_from_file(class_map)
+        return class_names_from_file(class_map)
     if run is not None and run.class_names:
         return run.class_names
     raise ValueError('the folder suite needs the classes the model was trained on, in the order of its logits: '
@@ -257,14 +185,38 @@ def folder_classes(class_map: Optional[str], run: Optional[TrainingRun]) -> List
                      'name per line)')
 
 
-def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str) -> EvalSettings:
-    """``settings`` with the training run's eval preprocessing under the command line's overrides."""
-    if run is None or run.args.get('model') != name:
-        return settings
+def precision_of(args: argparse.Namespace, run: Optional[TrainingRun], name: str,
+                 device_type: str) -> Dict[str, Any]:
+    """The precision ``name`` is evaluated in, and why: ``--amp`` / ``--no-amp``, else the run's validation autocast
+    (``amp`` / ``amp_dtype``, see `TrainingRun.autocast_dtype`), else float32.
+
+    Returns:
+        ``autocast``: the autocast dtype name or None (float32); ``source``: where that came from.
+    """
+    if args.amp:
+        return dict(autocast=args.amp, source='--amp')
+    if getattr(args, 'no_amp', False):
+        return dict(autocast=None, source='--no-amp')
+    if run is not None and run.trained(name):
+        dtype = run.autocast_dtype(device_type)
+        return dict(autocast=dtype, source=f"the training run (amp: {bool(run.args.get('amp'))}"
+                                           + (f', amp_dtype: {dtype})' if dtype else ')'))
+    return dict(autocast=None, source='default')
+
+
+def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str, batch_size: Optional[int],
+                  precision: Dict[str, Any]) -> EvalSettings:
+    """``settings`` for ``name``: the training run's eval preprocessing under the command line's overrides, its
+    validation batch size unless ``batch_size`` is given, its loader normalisation, and ``precision``."""
+    amp_dtype = getattr(torch, precision['autocast']) if precision['autocast'] else None
+    if run is None or not run.trained(name):
+        return dataclasses.replace(settings, amp_dtype=amp_dtype)
     overrides = run.data_overrides()
     if 'img_size' in settings.data_overrides:
         overrides.pop('input_size', None)  # timm's resolve_data_config would prefer it to the flag's img_size
-    return dataclasses.replace(settings, data_overrides={**overrides, **settings.data_overrides})
+    return dataclasses.replace(settings, data_overrides={**overrides, **settings.data_overrides}, amp_dtype=amp_dtype,
+                               batch_size=batch_size or run.eval_batch_size() or settings.batch_size,
+                               prefetcher=run.prefetcher() if settings.prefetcher is None else settings.prefetcher)
 
 
 def run_and_report(
@@ -309,7 +261,8 @@ def run_and_report(
         tool=tool, command=list(argv if argv is not None else sys.argv[1:]), processes=processes.world_size,
         date=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()),
         versions=dict(lsvision=lsvision.__version__, timm=timm.__version__, torch=torch.__version__),
-        settings=dict(batch_size=settings.batch_size, device=str(settings.device), amp=args.amp,
+        settings=dict(batch_size=args.batch_size, device=str(settings.device), amp=args.amp,
+                      no_amp=getattr(args, 'no_amp', False),
                       data_overrides=settings.data_overrides, strict=settings.strict,
                       reparam=getattr(args, 'reparam', False)),
         models=[])
@@ -328,7 +281,10 @@ def run_and_report(
             model = reparameterize_model(model)
             identity['reparam'] = True
         model.to(settings.device)
-        identity['suites'] = evaluate(model, _run_settings(settings, run, name), run)
+        identity['precision'] = precision_of(args, run, name, settings.device.type)
+        model_settings = _run_settings(settings, run, name, args.batch_size, identity['precision'])
+        identity['batch_size'] = model_settings.batch_size
+        identity['suites'] = evaluate(model, model_settings, run)
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)
         results['models'].append(identity)
         if processes.primary:

@@ -102,12 +102,16 @@ def _corruption_sections(models: List[Dict[str, Any]]) -> List[str]:
 
 
 def _protocol_lines(models: List[Dict[str, Any]]) -> List[str]:
-    """The preprocessing of every suite of every model, and each model's checkpoint."""
+    """The preprocessing of every suite of every model, and each model's checkpoint, precision and batch size."""
     lines = ['', '## Protocols', '']
     for m in models:
         ident = m['model'] + (f" (checkpoint {m['checkpoint']}, sha256 {m['checkpoint_sha256'][:16]}...)"
                               if m.get('checkpoint') else ' (no checkpoint)')
         lines.append(f'- **{ident}**')
+        if m.get('precision'):
+            p = m['precision']
+            lines.append(f"  - precision: {p['autocast'] + ' autocast' if p['autocast'] else 'float32'} "
+                         f"({p['source']}), batch size {m.get('batch_size')}")
         for suite, res in m['suites'].items():
             if not res:
                 continue

@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torchvision.transforms import Compose
 from tqdm import tqdm
 
@@ -112,13 +113,13 @@ def model_eval_protocol(model: nn.Module, overrides: Optional[Dict[str, Any]] = 
                     'normalise')
 
 
-def no_resize_protocol(model: nn.Module, size: int = 224) -> Dict[str, Any]:
+def no_resize_protocol(model: nn.Module, size: int = 224, overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The preprocessing of ImageNet-C (Hendrycks' test.py) and ImageNet-9: no resize of the 224x224 images.
 
-    A model whose input size is not ``size`` gets each whole image resized to its input size (crop_pct 1.0),
-    marked ``standard: False``.
+    A model whose input size is not ``size`` (its eval config under ``overrides``: a training run's input size, or
+    ``--img-size``) gets each whole image resized to its input size (crop_pct 1.0), marked ``standard: False``.
     """
-    cfg = resolve_model_data_config(model)
+    cfg = resolve_model_data_config(model, args=dict(overrides or {}))
     model_size = tuple(cfg['input_size'][-2:])
     standard = model_size == (size, size)
     return dict(
@@ -320,48 +321,76 @@ def evaluate_imagenet(
     return out
 
 
+def _raise_class_mismatch(root: str, found: List[str], class_names: List[str], extra: List[str],
+                          missing: List[str]) -> None:
+    """The folder suite's error for class folders that are not the model's classes: both lists, and what to do."""
+    what = [f'Folder: {found}; model: {class_names}']
+    if extra:
+        what.append(f'not classes of the model: {extra} (the model has no logit for them: move these folders out '
+                    f'of {root}, or evaluate a checkpoint trained on them)')
+    if missing:
+        what.append(f'classes without a folder: {missing} (add their images, or pass --allow-missing-classes to '
+                    'score the classes present)')
+    raise LayoutError(f'folder: the class folders of {root} are not the classes the model was trained on. '
+                      + '; '.join(what) + '.')
+
+
 def evaluate_folder(
         model: nn.Module,
         root: str,
         settings: EvalSettings,
         class_names: Sequence[str],
+        allow_missing: bool = False,
 ) -> Dict[str, Any]:
-    """Top-1/top-5 and per-class top-1 (%) on any image folder (``<root>/<class>/<image>``): suite ``folder``.
+    """Top-1/top-5, per-class top-1 (%) and the mean cross-entropy on any image folder (``<root>/<class>/<image>``):
+    suite ``folder``.
+
+    Images are labelled by their folder's name in ``class_names``, so a folder's own order or a missing class never
+    shifts a label.
 
     Args:
         root: the folder whose sub-folders are the classes (e.g. ``my_data/val``).
         class_names: the model's classes in the order of its logits (the training run's); the folder must hold
-            exactly these class folders.
+            exactly these class folders, each with images.
+        allow_missing: score a folder that holds only some of the classes (the others without a folder or with an
+            empty one; listed as ``missing_classes``, their per-class top-1 None). The logits still span every class.
 
     Raises:
-        LayoutError: the folder's classes are not the model's (both lists named), or any layout problem of
+        LayoutError: the folder holds classes the model was not trained on, or (without ``allow_missing``) lacks
+            some of its classes (both lists named, with what to do), or any layout problem of
             ``scan_class_folders``.
     """
     class_names = list(class_names)
+    missing: List[str] = []
     if os.path.isdir(root):
         found = visible_folders(root)
-        if set(found) != set(class_names):
-            extra, missing = sorted(set(found) - set(class_names)), sorted(set(class_names) - set(found))
-            raise LayoutError(
-                f'folder: the class folders of {root} are not the classes the model was trained on. Folder: '
-                f'{found}; model: {class_names}' + (f'; not classes of the model: {extra}' if extra else '')
-                + (f'; classes without a folder: {missing}' if missing else '') + '. Evaluate on a folder of '
-                'the same classes (or give the training class map with --class-map).')
+        extra, missing = sorted(set(found) - set(class_names)), [c for c in class_names if c not in found]
+        if extra or (missing and not allow_missing):
+            _raise_class_mismatch(root, found, class_names, extra, missing)
     class_map = {name: i for i, name in enumerate(class_names)}
-    scan = scan_class_folders(root, class_map, 'folder', example=class_names[0], strict=settings.strict)
+    scan = scan_class_folders(root, class_map, 'folder', example=class_names[0], strict=settings.strict,
+                              allow_empty=allow_missing, empty_hint=(
+                                  'Restore their images, or score the other classes: remove the empty folder(s) '
+                                  'and pass --allow-missing-classes'))
+    missing += [c for c in class_names if scan.counts.get(c) == 0]
     protocol = model_eval_protocol(model, settings.data_overrides)
     acc = TopKAccuracy()
     seen = torch.zeros(len(class_names), dtype=torch.long)
     hits = torch.zeros(len(class_names), dtype=torch.long)
+    loss_sum = torch.zeros(1, dtype=torch.float64)
 
     def update(logits: torch.Tensor, target: torch.Tensor, index: torch.Tensor) -> None:
         acc.update(logits, target)
         seen.add_(torch.bincount(target, minlength=len(class_names)))
         hits.add_(torch.bincount(target[logits.argmax(1) == target], minlength=len(class_names)))
+        # summed per batch in float32, then in float64: as tools/train.py's validation sums its loss
+        loss_sum.add_(F.cross_entropy(logits, target, reduction='sum').double())
 
     out = dict(_score(model, scan, protocol, settings, 'folder', update, num_classes=len(class_names),
-                      accumulators=[acc, seen, hits]), **acc.result())
+                      accumulators=[acc, seen, hits, loss_sum]), **acc.result())
+    out['loss'] = loss_sum.item() / acc.count if acc.count else None  # mean cross-entropy, training's "val loss"
     out['classes'] = class_names
+    out['missing_classes'] = [c for c in class_names if c in missing]
     out['per_class'] = {name: dict(count=int(seen[i]), top1=100.0 * int(hits[i]) / int(seen[i]) if seen[i] else None)
                         for i, name in enumerate(class_names)}
     return out
@@ -420,7 +449,7 @@ def evaluate_imagenet_c(
         summary = [f'ImageNet-C: {n_folders} of {len(scans)} (corruption, severity) folders differ from the real '
                    f'dataset, e.g. {details[0]}']
         warnings.warn(summary[0], LayoutWarning, stacklevel=2)
-    protocol = no_resize_protocol(model)
+    protocol = no_resize_protocol(model, overrides=settings.data_overrides)
     out = _corruption_results(model, {key: partial(scan, key, True) for key in folders},
                               {key: scan.total for key, scan in scans.items()}, protocol, settings, clean_error,
                               'ImageNet-C', NO_RESIZE_SIZE)
@@ -510,7 +539,7 @@ def evaluate_imagenet_9(model: nn.Module, root: str, settings: EvalSettings,
         maps[v] = in9_class_map(visible_folders(path) if os.path.isdir(path) else [])
         scans[v] = scan_class_folders(path, maps[v], f'ImageNet-9 {v}', EXPECTED_IMAGES['imagenet_9'], '00_dog',
                                       settings.strict)
-    protocol = no_resize_protocol(model)
+    protocol = no_resize_protocol(model, overrides=settings.data_overrides)
     out: Dict[str, Any] = dict(variants={}, protocol=protocol, root=os.path.abspath(root),
                                mapping='argmax over 1000 logits, then in_to_in9; unmapped (-1) counts as wrong')
     for v, scan in scans.items():
@@ -532,12 +561,14 @@ def evaluate_corrupt_on_the_fly(
         severities: Sequence[int] = SEVERITIES,
         clean_error: Optional[float] = None,
         seed: int = 0,
+        class_names: Optional[Sequence[str]] = None,
 ) -> Dict[str, Any]:
     """ImageNet-C-style errors on any class-folder val set, corrupting each image on the fly (``lsvision[corrupt]``).
 
     Class folders named by ImageNet wnids get the ImageNet-1K labels, and CE/mCE against AlexNet's ImageNet-C errors
-    are computed but only approximate the real ImageNet-C; any other folder names are labelled in natural sort order
-    (the model must have that many classes) and only raw errors mean anything. Results carry ``on_the_fly: True``.
+    are computed but only approximate the real ImageNet-C; any other folder names are labelled by ``class_names``
+    (the model's classes in logit order, e.g. its training run's), else in natural sort order (the model must have
+    that many classes), and only raw errors mean anything. Results carry ``on_the_fly: True``.
     """
     from .corrupt import ImageNetCCorruption, load_imagecorruptions
     load_imagecorruptions()  # fail before scanning if the extra is missing
@@ -549,12 +580,15 @@ def evaluate_corrupt_on_the_fly(
     imagenet_labels = bool(names) and all(n in wnid_map for n in names)
     if imagenet_labels:
         class_map, labels, num_classes = wnid_map, 'ImageNet-1K wnid folders', 1000
+    elif class_names:
+        class_map = {n: i for i, n in enumerate(class_names)}
+        labels, num_classes = "the model's classes (its training run's)", len(class_map)
     else:
         from timm.utils.misc import natural_key
         class_map = {n: i for i, n in enumerate(sorted(names, key=natural_key))}
         labels, num_classes = 'folder names in natural sort order (not ImageNet wnids)', len(class_map)
     scan = scan_class_folders(root, class_map, 'corrupt-on-the-fly', None, WNID_EXAMPLE, settings.strict)
-    protocol = no_resize_protocol(model)
+    protocol = no_resize_protocol(model, overrides=settings.data_overrides)
     sets = {(c, s): lambda: scan for c in corruptions for s in severities}
 
     def wrap(c: str, s: int, dataset: Any) -> None:

@@ -209,6 +209,8 @@ def scan_class_folders(
         strict: bool = False,
         emit: bool = True,
         list_files: bool = True,
+        allow_empty: bool = False,
+        empty_hint: str = 'Restore the images or remove the folder(s).',
 ) -> FolderScan:
     """Lists the images of ``root``, which holds one folder of images per class, every folder a key of ``class_map``.
 
@@ -224,6 +226,9 @@ def scan_class_folders(
         emit: issue the warnings (``LayoutWarning``); False only collects them in the result (the caller summarises).
         list_files: keep the file list; False only counts (to check many sets up front without holding millions of
             paths, e.g. ImageNet-C's 3.75 M: each set is scanned again, with its list, when it is read).
+        allow_empty: class folders without images are counted (0 images) instead of an error, as long as one holds
+            images.
+        empty_hint: what the error about empty class folders tells the user to do.
 
     Returns:
         the images (only files timm reads: .png/.jpg/.jpeg in any case) with their labels, the count per class folder,
@@ -278,11 +283,10 @@ def scan_class_folders(
     if len(empty) == len(folders):
         raise LayoutError(f'{suite}: no images in {root} (its {len(folders)} class folder(s) are empty; only '
                           '.png/.jpg/.jpeg files not starting with "." count)')
-    if empty:
+    if empty and not allow_empty:
         more = ' ...' if len(empty) > 3 else ''
         raise LayoutError(f'{suite}: {len(empty)} class folder(s) hold no images: {", ".join(empty[:3])}{more}; only '
-                          '.png/.jpg/.jpeg files not starting with "." count. Restore the images or remove the '
-                          'folder(s).')
+                          f'.png/.jpg/.jpeg files not starting with "." count. {empty_hint}')
     scan.samples.sort(key=lambda sample: natural_key(sample[0]))  # the order of timm's folder reader
     if expected is not None:
         n_images, n_classes = expected

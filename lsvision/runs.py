@@ -1,0 +1,211 @@
+"""What a tools/train.py run records, read back by whoever evaluates or continues it, and the model-name checks of
+every tool.
+
+A checkpoint written by tools/train.py holds the run's arguments (``args``: timm's dest names) and its classes in
+logit order (``class_names``); the run folder holds the same as ``args.yaml`` and ``class_names.txt``. This module
+reads them (`training_run`) and answers what evaluation needs to evaluate the checkpoint as training did: the model's
+create_model arguments, the eval preprocessing, the classes and the autocast precision.
+
+Both ``lsvision.eval`` and ``lsvision.train`` may import it; it imports neither (only the models and the sequence
+registry, for the names of `unknown_model_message`).
+"""
+import argparse
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import yaml
+
+import timm
+from timm.data.readers.class_map import load_class_map
+from timm.models import get_pretrained_cfg
+from timm.utils.misc import natural_key
+
+__all__ = [
+    'RUN_DATA_KEYS', 'TrainingRun', 'training_run', 'class_names_from_file', 'class_names_of_run',
+    'fixed_input_size_kwargs', 'close_names', 'unknown_name_message', 'unknown_model_message', 'name_choice',
+]
+
+# the run arguments that set the eval preprocessing (timm's resolve_data_config reads them as given to train.py)
+RUN_DATA_KEYS = ('input_size', 'img_size', 'crop_pct', 'crop_mode', 'interpolation', 'mean', 'std')
+
+
+@dataclass
+class TrainingRun:
+    """What a tools/train.py checkpoint records of the run that wrote it.
+
+    Attributes:
+        args: The run's arguments (timm's dest names), as the checkpoint or the run's args.yaml hold them.
+        source: Where they were read (the checkpoint, or the args.yaml path).
+        class_names: The classes in the order of the model's logits, when the run says (its ``class_names``, or
+            its class map file, or the class folders of its training split in timm's order); else None.
+    """
+    args: Dict[str, Any]
+    source: str
+    class_names: Optional[List[str]] = None
+
+    def trained(self, name: str) -> bool:
+        """Whether the run trained the model ``name`` (its settings apply to it)."""
+        return self.args.get('model') == name
+
+    def model_kwargs(self, name: str) -> Dict[str, Any]:
+        """The create_model arguments the run built ``name`` with (none when the run trained another model)."""
+        a = self.args
+        if not self.trained(name):
+            return {}
+        kwargs = dict(a.get('model_kwargs') or {})
+        for key, dest in (('num_classes', 'num_classes'), ('global_pool', 'gp')):
+            if a.get(dest) is not None:
+                kwargs.setdefault(key, a[dest])
+        in_chans = a['input_size'][0] if a.get('input_size') else a.get('in_chans')
+        if in_chans and in_chans != 3:
+            kwargs.setdefault('in_chans', in_chans)
+        fixed_input_size_kwargs(argparse.Namespace(model=name, input_size=a.get('input_size'),
+                                                   img_size=a.get('img_size')), kwargs)
+        return kwargs
+
+    def data_overrides(self) -> Dict[str, Any]:
+        """The run's eval preprocessing settings (input size, crop, interpolation, mean/std)."""
+        return {k: self.args[k] for k in RUN_DATA_KEYS if self.args.get(k) is not None}
+
+    def autocast_dtype(self, device_type: str) -> Optional[str]:
+        """The autocast dtype of the run's validation on ``device_type`` ('bfloat16' / 'float16'), None for float32.
+
+        tools/train.py validates under its training autocast: ``amp`` on, ``amp_dtype`` as recorded, or when none
+        is recorded its default for the device (bfloat16 on CPU, float16 on CUDA).
+        """
+        if not self.args.get('amp'):
+            return None
+        return self.args.get('amp_dtype') or ('bfloat16' if device_type == 'cpu' else 'float16')
+
+    def prefetcher(self) -> bool:
+        """Whether the run's loaders normalised on the device (timm's PrefetchLoader; off with ``no_prefetcher``)."""
+        return not self.args.get('no_prefetcher')
+
+    def eval_batch_size(self) -> Optional[int]:
+        """The batch size of the run's validation (``validation_batch_size``, else ``batch_size``)."""
+        return self.args.get('validation_batch_size') or self.args.get('batch_size')
+
+
+def class_names_from_file(path: str) -> List[str]:
+    """Class names in label order from a class map file (timm's format: a ``.txt`` of one name per line, or ``.pkl``),
+    read with timm's ``load_class_map``."""
+    class_to_idx = load_class_map(path)
+    return [name for name, _ in sorted(class_to_idx.items(), key=lambda item: item[1])]
+
+
+def _class_folders(folder: str) -> List[str]:
+    """The class folders of a training split in the order of timm's folder reader (natural sort, hidden ones out)."""
+    names = [e for e in os.listdir(folder) if not e.startswith('.') and os.path.isdir(os.path.join(folder, e))]
+    return sorted(names, key=natural_key)
+
+
+def class_names_of_run(args: Dict[str, Any], run_folder: str) -> Optional[List[str]]:
+    """The run's classes: recorded (checkpoint, else the run folder's class_names.txt), else its class map file, else
+    its training folder's classes."""
+    if args.get('class_names'):
+        return list(args['class_names'])
+    for path in (os.path.join(run_folder, 'class_names.txt'), args.get('class_map')):
+        if path and os.path.isfile(path):
+            return class_names_from_file(path)
+    data_dir = args.get('data_dir')
+    if data_dir and not args.get('dataset'):
+        for split in (args.get('train_split') or 'train', 'train'):
+            folder = os.path.join(data_dir, split)
+            if os.path.isdir(folder):
+                return _class_folders(folder)
+    return None
+
+
+def training_run(checkpoint: str) -> Optional[TrainingRun]:
+    """The run a tools/train.py checkpoint records (its ``args``, else ``args.yaml`` beside it); None for other
+    checkpoints (timm's, the authors', safetensors)."""
+    from lsvision.models import checkpoint_record
+    run_folder = os.path.dirname(os.path.abspath(checkpoint))
+    record = checkpoint_record(checkpoint)
+    recorded, source = record.get('args'), checkpoint
+    if isinstance(recorded, dict):
+        if record.get('class_names'):
+            recorded = dict(recorded, class_names=list(record['class_names']))
+    else:
+        source = os.path.join(run_folder, 'args.yaml')
+        if not os.path.isfile(source):
+            return None
+        with open(source) as f:
+            recorded = yaml.safe_load(f)
+        if not isinstance(recorded, dict) or 'model' not in recorded:
+            return None
+    return TrainingRun(args=recorded, source=source, class_names=class_names_of_run(recorded, run_folder))
+
+
+def fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> bool:
+    """For a model with a fixed input size (Swin, ViT), pass --img-size / --input-size to it as timm's `img_size=`
+    (models of any input size need nothing). Returns whether `img_size` was added.
+
+    Args:
+        args: ``model``, ``input_size`` (C, H, W) and ``img_size``, as tools/train.py's arguments name them.
+        model_kwargs: The create_model arguments, completed in place.
+
+    Raises:
+        ValueError: ``model_kwargs['img_size']`` contradicts --img-size / --input-size.
+    """
+    size = args.input_size[1:] if args.input_size else ([args.img_size] * 2 if args.img_size else None)
+    if size is None:
+        return False
+    try:
+        cfg = get_pretrained_cfg(args.model)
+    except RuntimeError:  # an invalid tag: create_model says so
+        return False
+    if cfg is None or not cfg.fixed_input_size:
+        return False
+    size = tuple(size)
+    if 'img_size' in model_kwargs:
+        given = model_kwargs['img_size']
+        given = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
+        if given != size:
+            raise ValueError(f'--model-kwargs img_size={model_kwargs["img_size"]} but the data is {size[0]}x'
+                             f'{size[1]} (--img-size / --input-size); give one size')
+        return False
+    if size == tuple(cfg.input_size[1:]):
+        return False
+    model_kwargs['img_size'] = size[0] if size[0] == size[1] else size
+    return True
+
+
+def close_names(name: str, known: Sequence[str], n: int = 5) -> List[str]:
+    """The names of ``known`` closest to ``name`` (difflib's ratio of at least 0.6; a pretrained tag is ignored)."""
+    return difflib.get_close_matches(name.split('.')[0], list(known), n=n, cutoff=0.6)
+
+
+def unknown_name_message(name: str, known: Sequence[str], what: str = 'model', listing: str = '') -> str:
+    """``unknown <what> 'name'; did you mean a, b?`` with the closest of ``known``, then ``listing`` (where to find
+    all names; default: all of ``known``)."""
+    close = close_names(name, known)
+    listing = listing or f'known: {", ".join(known)}'
+    return f'unknown {what} {name!r}; ' + (f'did you mean {", ".join(close)}? ({listing})' if close else listing)
+
+
+def unknown_model_message(name: str) -> Optional[str]:
+    """None when timm can create ``name`` (any registered model, lsvision's included, or an ``hf-hub:`` /
+    ``local-dir:`` name); else the error to show: the closest image model names, and, for a sequence model's name,
+    that it is created with ``lsvision.sequence.create_model`` instead."""
+    import lsvision.models  # noqa: F401  (registers the image models with timm)
+    import lsvision.sequence as sequence
+    if name.startswith(('hf-hub:', 'hf_hub:', 'local-dir:')) or timm.is_model(name):
+        return None
+    if sequence.is_model(name):
+        return (f'{name!r} is a sequence model (lsvision.sequence.create_model), not an image model; the image '
+                "models are timm's (timm.list_models('*cvt_ls*') lists lsvision's)")
+    return unknown_name_message(name, timm.list_models(), 'model',
+                                "timm.list_models('*part-of-the-name*') lists the names")
+
+
+def name_choice(known: Sequence[str], what: str = 'model') -> Callable[[str], str]:
+    """An argparse ``type`` that takes one of ``known`` and answers anything else with "did you mean" (argparse's
+    ``choices`` only lists them all)."""
+    def parse(text: str) -> str:
+        if text in known:
+            return text
+        raise argparse.ArgumentTypeError(unknown_name_message(text, known, what, f'choose from {", ".join(known)}'))
+    return parse
