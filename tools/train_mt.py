@@ -15,6 +15,7 @@ last weights and of the checkpoint average).
 """
 import argparse
 import logging
+import os
 import sys
 
 import torch
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--max-len-b', type=int, default=d.max_len_b)
     p.add_argument('--eval-split', default=d.eval_split, help='split scored with BLEU')
     p.add_argument('--eval-max-sentences', type=int, default=None, help='score only the first N sentences')
+    p.add_argument('--bleu-bootstrap', type=int, default=d.bleu_bootstrap,
+                   help="resamples of sacrebleu's bootstrap 95%% interval of BLEU (0: none)")
     p.add_argument('--device', default=d.device, help='cpu or cuda (under torchrun: one device per process)')
     p.add_argument('--amp', action='store_true', help='autocast (--amp-dtype)')
     p.add_argument('--amp-dtype', default=d.amp_dtype, choices=['bfloat16', 'float16'])
@@ -86,7 +89,9 @@ def config_from_args(args: argparse.Namespace) -> MTConfig:
 
 
 def main(argv=None) -> int:
-    logging.basicConfig(level=logging.INFO, format='%(message)s')
+    # progress from the first process only (under torchrun every process runs this)
+    logging.basicConfig(level=logging.INFO if os.environ.get('RANK', '0') == '0' else logging.WARNING,
+                        format='%(message)s')
     args = parse_args(argv)
     torch.set_num_threads(args.threads or auto_threads())
     try:

@@ -196,7 +196,7 @@ def _clause(rng: random.Random) -> Tuple[str, str]:
 def demo_pair(rng: random.Random) -> Tuple[str, str]:
     """One (German, English) sentence pair of the demo task: one clause, or two joined by und/and."""
     clauses = [_clause(rng) for _ in range(1 if rng.random() < 0.6 else 2)]
-    return ' und '.join(c[0] for c in clauses) + ' .', ' and '.join(c[1] for c in clauses) + ' .'
+    return ' und '.join(c[0] for c in clauses) + '.', ' and '.join(c[1] for c in clauses) + '.'
 
 
 def write_demo_task(data_dir: str, sizes: Dict[str, int] = None, seed: int = 0) -> Dict[str, int]:

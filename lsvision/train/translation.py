@@ -56,6 +56,7 @@ class MTConfig:
     data_dir None: the local demo task (`lsvision.data.parallel_text.write_demo_task`) is written to `<output>/data`.
     lr None: 5e-4, doubled (1e-3) for a GRC model (Cached Transformers, Table 4). Training stops at the first of
     max_epochs, max_updates and time_budget_s (seconds of training, not counting evaluation) that is set.
+    bleu_bootstrap: resamples of sacrebleu's bootstrap confidence interval of BLEU (0: none).
     save_interval_updates 0: an averaging checkpoint at the end of every epoch, else every that many updates.
     """
     output: str = 'output/train_mt/run'
@@ -86,6 +87,7 @@ class MTConfig:
     eval_split: str = 'test'
     eval_max_sentences: Optional[int] = None
     eval_batch_sentences: int = 128
+    bleu_bootstrap: int = 1000
     device: str = 'cpu'
     amp: bool = False
     amp_dtype: str = 'bfloat16'
@@ -303,12 +305,15 @@ def translate(model: TranslationTransformer, vocab: SubwordVocab, sentences: Seq
     return out
 
 
-def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> Tuple[float, str]:
-    """sacrebleu's corpus BLEU of detokenized text (its default 13a tokenization) and its signature."""
+def corpus_bleu(hypotheses: Sequence[str], references: Sequence[str], n_bootstrap: int = 0
+                ) -> Tuple[float, str, Optional[float]]:
+    """sacrebleu's corpus BLEU of detokenized text (its default 13a tokenization), its signature, and with
+    `n_bootstrap` resamples sacrebleu's bootstrap 95% confidence half-width (else None)."""
     import sacrebleu
     metric = sacrebleu.BLEU()
-    score = metric.corpus_score(list(hypotheses), [list(references)])
-    return float(score.score), str(metric.get_signature())
+    score = metric.corpus_score(list(hypotheses), [list(references)], n_bootstrap=max(n_bootstrap, 1))
+    ci = getattr(score, '_ci', None) if n_bootstrap > 1 else None
+    return float(score.score), str(metric.get_signature()), None if ci is None else float(ci)
 
 
 def average_checkpoints(paths: Sequence[str]) -> Dict[str, torch.Tensor]:
@@ -440,7 +445,7 @@ class _Trainer:
         if world_size > 1:
             sync = bool(self.grc_layers) and cfg.grc_sync_cache
             self.ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == 'cuda' else None, broadcast_buffers=not sync)
+                model, device_ids=[device.index] if device.type == 'cuda' else None, forward_sync_buffers=not sync)
         self.batches = token_batches([len(s) for s in data.train[0]], [len(t) for t in data.train[1]],
                                      cfg.max_tokens, cfg.seed)
         self.epoch = self.pos = self.updates = 0
@@ -585,16 +590,19 @@ def _score(model: TranslationTransformer, data: _Data, cfg: MTConfig, device: to
     hyps = translate(model, data.vocab, data.eval_sources[part.start:part.stop], cfg.beam, cfg.len_penalty,
                      cfg.max_len_a, cfg.max_len_b, cfg.eval_batch_sentences, cfg.max_positions, str(device))
     hyps = [h for shard in all_gather(hyps) for h in shard]
-    bleu, signature = corpus_bleu(hyps, data.eval_references)
-    _logger.info(f'{what}: valid nll {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}), {cfg.eval_split} BLEU {bleu:.2f} '
-                 f'({len(hyps)} sentences, beam {cfg.beam}, {time.perf_counter() - t0:.0f}s)')
+    bleu, signature, ci = corpus_bleu(hyps, data.eval_references, cfg.bleu_bootstrap)
+    _logger.info(f'{what}: valid nll {nll:.3f} (ppl {math.exp(min(nll, 50)):.2f}), {cfg.eval_split} BLEU {bleu:.2f}'
+                 + ('' if ci is None else f' +- {ci:.2f} (95%, bootstrap)')
+                 + f' ({len(hyps)} sentences, beam {cfg.beam}, {time.perf_counter() - t0:.0f}s)')
+    examples = [dict(source=s, reference=r, hypothesis=h)
+                for s, r, h in zip(data.eval_sources[:3], data.eval_references[:3], hyps[:3])]
     return dict(valid_nll=round(nll, 4), valid_ppl=round(math.exp(min(nll, 50)), 3), bleu=round(bleu, 2),
-                bleu_signature=signature, examples=[dict(source=s, reference=r, hypothesis=h) for s, r, h in
-                                                    zip(data.eval_sources[:3], data.eval_references[:3], hyps[:3])])
+                bleu_ci95=None if ci is None else round(ci, 2), bleu_signature=signature, examples=examples)
 
 
 def _report_markdown(result: Dict[str, Any]) -> str:
-    rows = [[what, f"{r['valid_nll']:.3f}", f"{r['valid_ppl']:.2f}", f"{r['bleu']:.2f}"]
+    rows = [[what, f"{r['valid_nll']:.3f}", f"{r['valid_ppl']:.2f}",
+             f"{r['bleu']:.2f}" + ('' if r['bleu_ci95'] is None else f" +- {r['bleu_ci95']:.2f}")]
             for what, r in (('last', result['last']), (f"average of last {result['averaged_checkpoints']}",
                                                         result['averaged']))]
     return (f"# {result['model']}: translation {result['source_lang']} -> {result['target_lang']}\n\n"
@@ -604,7 +612,7 @@ def _report_markdown(result: Dict[str, Any]) -> str:
             f"{result['machine']}.\n\n"
             + markdown_table(['weights', 'valid NLL', 'valid ppl', f"{result['eval_split']} BLEU"], rows)
             + f"\n\nBLEU: sacrebleu {result['last']['bleu_signature']}, beam {result['beam']}, "
-              f"{result['eval_sentences']} sentences.\n")
+              f"{result['eval_sentences']} sentences; +- is the half-width of sacrebleu's bootstrap 95% interval.\n")
 
 
 def run(cfg: MTConfig) -> Dict[str, Any]:
