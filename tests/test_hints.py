@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import ROOT, load_tool
+from eval_fixtures import make_imagenet_ar
 from PIL import Image
 
 import timm
@@ -89,6 +90,22 @@ def test_empty_class_folder_hint_leads_to_a_result(checkpoint, tmp_path, capsys)
     _folder(val, ['square'])  # or restore the images, as told
     assert _validate(checkpoint, val, tmp_path / 'o3') == 0
     assert _folder_result(tmp_path / 'o3')['count'] == 6
+
+
+def test_imagenet_suite_on_a_model_of_own_classes_hint_leads_to_a_result(checkpoint, tmp_path, capsys):
+    """ImageNet-A needs 1000 logits; the hint names the suite for a model of its own classes, which then runs."""
+    make_imagenet_ar(tmp_path / 'a', 'a')
+    common = ['--model', 'cvt_ls_13', '--checkpoint', str(checkpoint), '--workers', '0', '--no-progress']
+    robustness = load_tool('robustness')
+    assert robustness.main([*common, '--imagenet-a', str(tmp_path / 'a' / 'imagenet-a'),
+                            '--out-dir', str(tmp_path / 'o1')]) == 2
+    err = capsys.readouterr().err
+    assert 'this suite needs 1000 classes' in err and 'robustness.py --corrupt-on-the-fly DIR' in err
+    val = _folder(tmp_path / 'val', CLASSES, per_class=1)
+    assert robustness.main([*common, '--corrupt-on-the-fly', str(val), '--corruptions', 'gaussian_noise', '--severities', '1',
+                            '--out-dir', str(tmp_path / 'o2')]) == 0
+    result = json.loads((tmp_path / 'o2' / 'results.json').read_text())['models'][0]['suites']
+    assert result['imagenet_c_on_the_fly']['corruptions']['gaussian_noise']['severities']['1']['count'] == 3
 
 
 def _suggestion(err: str) -> str:

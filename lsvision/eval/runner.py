@@ -184,10 +184,19 @@ def predict(
         with torch.inference_mode(), amp:
             logits = model(images.to(settings.device, non_blocking=True))
         if logits.ndim != 2 or logits.shape[1] != num_classes:
-            head = 'an ImageNet-1K head' if num_classes == 1000 else "the folder's classes"
             raise ValueError(f'the model outputs logits of shape {tuple(logits.shape)}; this suite needs '
-                             f'{num_classes} classes ({head})')
+                             f'{num_classes} classes ' + _head_hint(num_classes))
         yield logits.float().cpu(), target, index
+
+
+def _head_hint(num_classes: int) -> str:
+    """What to do about a model whose head does not have the suite's ``num_classes`` logits."""
+    if num_classes == 1000:
+        return ('(an ImageNet-1K head): the ImageNet suites score the 1000 ImageNet classes. A model trained on '
+                'classes of its own is evaluated on a folder of them: validate.py --data-dir DIR, robustness.py '
+                '--corrupt-on-the-fly DIR')
+    return ("(the folder's classes): name one class per logit of the model, in logit order (--class-map FILE), or "
+            'build the model with that many (--model-kwargs num_classes=N, for a checkpoint without a training run)')
 
 
 def _score(
