@@ -1,4 +1,4 @@
-"""Tiny trees of the evaluation suites in their real layouts, and a colour-oracle classifier (spec §9).
+"""Tiny trees of the evaluation suites in their real layouts, and a colour-oracle classifier.
 
 Every image is a solid colour that encodes an ImageNet class k: channel value = 12 + 25 * digit for the hundreds
 (R), tens (G) and ones (B) digit of k. ``ColourOracle`` un-normalises its input, averages each channel, rounds to the

@@ -141,7 +141,7 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
             with explain_checkpoint_errors(name, checkpoint, kwargs):  # both architectures, not torch's key listing
                 model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
         except CheckpointMismatchError as e:
-            raise CheckpointMismatchError(f'{e} (validate.py: give the arguments as --model-kwargs KEY=VALUE, e.g. '
+            raise CheckpointMismatchError(f'{e} (give the arguments as --model-kwargs KEY=VALUE, e.g. '
                                           'num_classes=10)') from None
     else:
         model = timm.create_model(name, pretrained=pretrained, **kwargs)

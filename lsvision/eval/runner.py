@@ -1,11 +1,11 @@
 """The shared evaluation loop and one runner per suite: folder checks, timm dataset and loader, metrics.
 
 Each runner takes any ImageNet-1K classifier (an ``nn.Module`` mapping (B, 3, H, W) to (B, 1000) logits) and returns a
-JSON-ready dict with the raw counts, the metrics, the preprocessing protocol and the layout warnings. Protocols (spec
-§0): ImageNet, ReaL, V2, A and R use the model's own eval transform (``timm.data.resolve_model_data_config``);
+JSON-ready dict with the raw counts, the metrics, the preprocessing protocol and the layout warnings. Protocols:
+ImageNet, ReaL, V2, A and R use the model's own eval transform (``timm.data.resolve_model_data_config``);
 ImageNet-C and ImageNet-9, whose images are already 224x224, are not resized (CenterCrop 224 with crop_pct 1.0 is an
-exact identity); a model whose input size is not 224 gets the whole 224 image resized to its size, flagged
-non-standard.
+exact identity, as hendrycks/robustness' ImageNet-C test.py); a model whose input size is not 224 (a training run's,
+or ``--img-size``) gets the whole 224 image resized to its size, flagged non-standard.
 
 Every set is read from the file list of its folder scan (`EvalImageDataset`): hidden files are never images, an
 image that cannot be read is left out with a warning naming it (an error under ``strict``), never replaced by another,
