@@ -60,7 +60,7 @@ def test_validate_gives_trainings_last_top1_in_the_runs_precision(trained, tmp_p
     assert folder['top1'] == pytest.approx(float(last_row['eval_top1']), abs=1e-4)  # summary.csv: 4 decimals
     assert folder['loss'] == pytest.approx(trained_result['eval_loss'], rel=1e-12)
     md = (tmp_path / 'run' / 'results.md').read_text()
-    assert 'precision: bfloat16 autocast (the training run' in md
+    assert 'precision: bfloat16 autocast (training run: amp true, amp_dtype bfloat16), batch size 4' in md
 
     fp32 = _validate(argv + ['--no-amp'], tmp_path / 'fp32')['models'][0]
     assert fp32['precision'] == dict(autocast=None, source='--no-amp')

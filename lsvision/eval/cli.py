@@ -199,8 +199,8 @@ def precision_of(args: argparse.Namespace, run: Optional[TrainingRun], name: str
         return dict(autocast=None, source='--no-amp')
     if run is not None and run.trained(name):
         dtype = run.autocast_dtype(device_type)
-        return dict(autocast=dtype, source=f"the training run (amp: {bool(run.args.get('amp'))}"
-                                           + (f', amp_dtype: {dtype})' if dtype else ')'))
+        return dict(autocast=dtype, source=f"training run: amp {str(bool(run.args.get('amp'))).lower()}"
+                                           + (f', amp_dtype {dtype}' if dtype else ''))
     return dict(autocast=None, source='default')
 
 
