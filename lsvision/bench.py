@@ -157,7 +157,9 @@ class Job:
     """One measurement (``kind`` ``'inference'`` or ``'train'``): ``build`` makes the model and must pickle (a class
     or ``functools.partial`` of importable things); ``inputs`` are (shape without batch, high) per model input, token
     ids below ``high`` or ``randn`` if None, or None for an image of the model's size (``img_size`` overrides it);
-    ``budget_s`` seconds of timed passes; ``flops`` per image (image models); ``extra`` fields go into the row."""
+    ``budget_s`` seconds of timed passes; ``flops`` per image (image models); ``optimizer`` of a train step: 'sgd'
+    (lr 0: the update's cost, the weights unchanged) or 'adamw' (lr 1e-4, weight decay 0.05: a real update, its state
+    in the memory); ``extra`` fields go into the row."""
 
     label: str
     build: Callable[[], nn.Module]
@@ -173,6 +175,7 @@ class Job:
     compile: Optional[str] = None
     flops: bool = False
     memory: bool = True
+    optimizer: str = 'sgd'
     threads: Optional[int] = None
     timeout_s: float = 1800.0
     extra: Dict[str, Any] = field(default_factory=dict)
@@ -182,6 +185,8 @@ class Job:
             raise ValueError(f"kind must be 'inference' or 'train', got {self.kind!r}")
         if self.amp is not None and self.amp not in AMP_DTYPES:
             raise ValueError(f'amp must be one of {sorted(AMP_DTYPES)} or None, got {self.amp!r}')
+        if self.optimizer not in ('sgd', 'adamw'):
+            raise ValueError(f"optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
         if self.batch_size < 1 or self.warmup < 0 or self.budget_s < 0:
             raise ValueError('batch_size must be at least 1, warmup and budget_s at least 0')
 
@@ -256,7 +261,8 @@ def _inputs(model: nn.Module, job: Job, device: torch.device) -> List[torch.Tens
 
 
 def _step(model: nn.Module, inputs: Sequence[torch.Tensor], job: Job, device: torch.device) -> Callable[[], Any]:
-    """One forward pass (inference) or training step (SGD at lr 0: the update's cost, the weights unchanged)."""
+    """One forward pass (inference) or training step (the job's optimizer) on the mean of the output (of each output
+    of a dict, e.g. an FPN's levels, summed)."""
     amp = functools.partial(torch.autocast, device.type, AMP_DTYPES[job.amp]) if job.amp else contextlib.nullcontext
     runner = torch.compile(model, mode=None if job.compile == 'default' else job.compile) if job.compile else model
     if job.kind == 'inference':
@@ -267,12 +273,16 @@ def _step(model: nn.Module, inputs: Sequence[torch.Tensor], job: Job, device: to
                 return runner(*inputs)
         return forward
     model.train()
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0) if job.optimizer == 'sgd' else \
+        torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05)
 
     def train_step() -> None:
         with amp():
             out = runner(*inputs)
         out = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(out, dict):
+            out = torch.stack([v.float().mean() for v in out.values()]).sum()
         out.float().mean().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,6 +1,8 @@
 """lsvision.detection's detectors: torchvision's Mask R-CNN (and Faster R-CNN, RetinaNet) on every hierarchical
 family's timm features, at sizes the detector's transform does not round to the backbone's strides; backbone weights
 from files, and the errors for files and weights that cannot load."""
+import functools
+
 import pytest
 import torch
 from _helpers import TINY_CONFIGS, grc_caches, grc_modules
@@ -12,7 +14,8 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP
 
 import timm
 
-from lsvision import detection
+from lsvision import bench, detection
+from lsvision.detection import bench as detection_bench
 from lsvision.models._helpers import CheckpointMismatchError
 from lsvision.models._pretrained import NoPretrainedWeightsError
 from lsvision.train import save_atomic
@@ -218,3 +221,30 @@ def test_grc_caches_in_detection():
         assert all(torch.equal(a[k], b[k]) for k in a)
     detection.all_reduce_grc_caches(layers)  # no process group: a no-op
     assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
+
+
+def test_detector_input_size():
+    """The resolution benchmark measures what the detector's transform makes of its image sizes."""
+    assert detection_bench.detector_input_size(800, 1333) == (800, 1344)
+    assert detection_bench.detector_input_size(1024, 1024) == (1024, 1024)
+
+
+def test_bench_train_step_on_fpn_levels():
+    """lsvision.bench's train step takes a dict of levels (the sum of their means) and updates with AdamW (SGD at
+    lr 0 leaves the weights as they were); the suite's jobs measure in this process too."""
+    build = functools.partial(detection.backbone_with_fpn, 'cvt_ls_13', model_kwargs=FAMILIES['cvt_ls_13'],
+                              out_channels=FPN)
+    for optimizer in ('sgd', 'adamw'):
+        job = bench.Job(label='cvt_ls_13', build=build, inputs=[((3, 40, 56), None)], kind='train', warmup=0,
+                        budget_s=0., optimizer=optimizer, memory=False)
+        torch.manual_seed(0)
+        model = build()
+        before = [p.detach().clone() for p in model.parameters()]
+        bench._step(model, bench._inputs(model, job, torch.device('cpu')), job, torch.device('cpu'))()
+        moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+        assert all(moved) if optimizer == 'adamw' else not any(moved)
+        assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
+    row = bench.measure(job)
+    assert row['kind'] == 'train' and row['input_size'] == [3, 40, 56] and row['timing']['passes'] >= 1
+    with pytest.raises(ValueError, match="optimizer must be 'sgd' or 'adamw', got 'adam'"):
+        bench.Job(label='x', build=build, optimizer='adam')

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Backbone + FPN at detection resolution: forward and AdamW training step at 800 x 1333 and 1024 x 1024, cvt_ls_13
+against cvt_13 and PVT-Small (plain and GRC); time, peak memory and ratios to cvt_13, each model in its own process.
+
+Writes NAME.{json,csv,md} (default docs/benchmarks/detection.*):
+
+    python tools/bench_detection.py --threads 2 --repeats 2                      # the CPU report
+    python tools/bench_detection.py --device cuda --amp bfloat16 --name detection_gpu   # on a GPU
+"""
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from lsvision import bench
+from lsvision.detection.bench import BASELINE, IMAGE_SIZES, MODELS, report_markdown, run_suite
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_size(text: str) -> Tuple[int, int]:
+    """``HxW`` (e.g. ``800x1333``) for ``--sizes``."""
+    try:
+        h, w = (int(v) for v in text.lower().split('x'))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'{text!r} is not HEIGHTxWIDTH, e.g. 800x1333') from None
+    if h < 32 or w < 32:
+        raise argparse.ArgumentTypeError(f'{text!r}: both sides must be at least 32')
+    return h, w
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('--models', nargs='+', default=list(MODELS), help='backbones (timm names)')
+    parser.add_argument('--baseline', default=BASELINE, help='the model the ratios are to')
+    parser.add_argument('--sizes', nargs='+', type=parse_size, default=list(IMAGE_SIZES), metavar='HxW',
+                        help='image sizes')
+    parser.add_argument('--device', default='cpu', help='cpu or cuda')
+    parser.add_argument('--amp', choices=sorted(bench.AMP_DTYPES), default=None, help='autocast dtype')
+    parser.add_argument('--repeats', type=int, default=2, help='fresh processes per model, size and kind')
+    parser.add_argument('--budget-s', type=float, default=1.0, help='seconds of timed passes per process')
+    parser.add_argument('--warmup', type=int, default=1, help='untimed passes first')
+    parser.add_argument('--threads', type=int, default=None, help='torch threads per process')
+    parser.add_argument('--out', type=Path, default=ROOT / 'docs' / 'benchmarks', help='folder of the reports')
+    parser.add_argument('--name', default='detection', help='file name of the reports (without suffix)')
+    parser.add_argument('--note', default='', help='a sentence for the report (e.g. how loaded the machine was)')
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = 'python tools/bench_detection.py ' + shlex.join(sys.argv[1:] if argv is None else argv)
+    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or 'unknown'
+    machine = bench.machine_description(args.device)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    log(f'Machine: {machine}')
+    title = 'Backbone + FPN at detection resolution: long-short attention against full and spatial-reduction attention'
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings.update(command=command, commit=commit)
+
+    def write(rows: List[dict], done: bool = False) -> str:
+        """The reports of the rows so far (after each size: a long run keeps what it measured)."""
+        sizes = sorted({r['image'] for r in rows})
+        note = args.note + ('' if done else f" Partial: {', '.join(sizes)} measured so far.")
+        text = report_markdown(rows, title, command, commit, machine, note.strip())
+        bench.write_reports(rows, args.out / args.name, text, {**settings, 'complete': done}, args.device)
+        log(f'Wrote {args.out / args.name}.{{json,csv,md}}' + ('' if done else ' (partial)'))
+        return text
+
+    rows = run_suite(args.models, args.sizes, args.baseline, args.device, args.amp, args.repeats, args.budget_s,
+                     args.warmup, args.threads, log=log, on_size=write)
+    print(write(rows, done=True))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
