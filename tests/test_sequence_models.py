@@ -159,3 +159,35 @@ def test_char_lm_prenorm_block_and_bf16():
             out, _ = model(ids)
     assert torch.isfinite(out).all()
     assert (out.exp() - ref.exp()).abs().max() < 2e-2
+
+
+def _tiny_hsw(**kw):
+    from lsvision.sequence.hsw import HSW
+    cfg = dict(vocab_size=40, num_classes=5, embed_dim=16, head_dim=8, window_size=8, drop_path_rate=0.)
+    cfg.update(kw)
+    return HSW(**cfg)
+
+
+@pytest.mark.parametrize('build,vocab_size,family', [
+    (lambda **kw: seq.create_model('ls_lra_listops', **kw), 512, 'this LRA encoder'),
+    (lambda **kw: seq.create_model('ls_grc_lra_listops', **kw), 512, 'this LRA encoder'),
+    (lambda **kw: _tiny_lm(**kw), 32, 'this character LM'),
+    (lambda **kw: _tiny_hsw(**kw), 40, 'this HSW'),
+], ids=['lra', 'grc_lra', 'char_lm', 'hsw'])
+def test_token_id_outside_the_vocabulary_is_explained_and_the_hint_works(build, vocab_size, family):
+    torch.manual_seed(0)
+    ids = torch.randint(1, 10, (2, 16))
+    ids[1, 5] = vocab_size + 3
+    model = build().eval()
+    with pytest.raises(ValueError) as e:
+        model(ids)
+    assert str(e.value).startswith(f'token ids must be in [0, {vocab_size}): {family} has a vocabulary of '
+                                   f'{vocab_size} tokens (vocab_size={vocab_size}), got ids in [1, {vocab_size + 3}]. '
+                                   f'Build it with vocab_size={vocab_size + 4} or more')
+    with pytest.raises(ValueError, match=r'got ids in \[-1, '):
+        model(ids.masked_fill(ids == 2, -1))
+    with pytest.raises(ValueError, match=r'integer dtype, got \(2, 16\) torch.float32'):
+        model(ids.float())
+    with torch.no_grad():  # following the hint
+        out = build(vocab_size=vocab_size + 4).eval()(ids)
+    assert torch.isfinite(out[0]).all()

@@ -24,6 +24,7 @@ from timm.layers import Mlp
 from lsvision.layers import CausalLongShortAttention, scaled_dot_product_attention
 
 from ._registry import register_model
+from ._tokens import check_token_ids
 
 __all__ = ['CharLM', 'LMState', 'CausalFullAttention']
 
@@ -188,6 +189,7 @@ class CharLM(nn.Module):
         Returns:
             Log-probs (B, L, V) in fp32 and the next state (caches detached).
         """
+        check_token_ids(ids, self.embed.num_embeddings, 'this character LM')
         B, L = ids.shape
         x = self.embed(ids) * math.sqrt(self.dim)
         if self.pos_embed is not None:

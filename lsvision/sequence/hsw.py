@@ -31,6 +31,7 @@ from lsvision.layers import LinearDynamicProjection, dynamic_projection, span_at
 from lsvision.layers.softmax import mask_value
 
 from ._registry import register_model
+from ._tokens import check_token_ids
 
 __all__ = ['HSW', 'FlatEncoder', 'BagOfTokens', 'WindowAttention1d', 'HSWBlock', 'PatchMerging1d', 'HSWStage']
 
@@ -351,14 +352,9 @@ def _masked_max(x: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _validate_tokens(x: torch.Tensor, vocab_size: int, mask: Optional[torch.Tensor]) -> None:
-    if x.dim() != 2 or x.dtype not in (torch.long, torch.int, torch.int16, torch.uint8):
-        raise ValueError(f'expected token ids (B, N) of an integer dtype, got {tuple(x.shape)} {x.dtype}')
+    check_token_ids(x, vocab_size, 'this HSW')
     if mask is not None and mask.shape != x.shape:
         raise ValueError(f'mask must have the shape of the tokens {tuple(x.shape)}, got {tuple(mask.shape)}')
-    if x.numel() and not torch.jit.is_tracing() and x.device.type == 'cpu':
-        lo, hi = int(x.min()), int(x.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(f'token ids must be in [0, {vocab_size}) (vocab_size), got ids in [{lo}, {hi}]')
 
 
 def _resolve_mask(x: torch.Tensor, mask: Optional[torch.Tensor], pad_token_id: Optional[int]) -> Optional[torch.Tensor]:

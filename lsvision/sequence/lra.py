@@ -26,6 +26,7 @@ from timm.layers import Mlp
 from lsvision.layers import FullAttention1d, GatedRecurrentCache, GrcConfig, LongShortAttention1d
 
 from ._registry import register_model
+from ._tokens import check_token_ids
 from .grc_lra import add_grc_1d
 
 __all__ = ['LraEncoder', 'LraClassifier', 'LraDualClassifier', 'POOLS']
@@ -158,6 +159,7 @@ class LraEncoder(nn.Module):
             m.reset_cache()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(ids, self.embed.num_embeddings, 'this LRA encoder')
         B, n = ids.shape
         if n > self.max_len:
             raise ValueError(f'input of {n} tokens is longer than max_len={self.max_len}; build the model with a '
