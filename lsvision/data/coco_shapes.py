@@ -105,9 +105,9 @@ def _write_split(root: str, split: str, count: int, rng: np.random.RandomState, 
     return path
 
 
-def generate_coco_shapes(root: str = '', num_train: int = 300, num_val: int = 60, image_size: Tuple[int, int] = (192,
-                         192), max_objects: int = 4, object_sizes: Tuple[int, int] = (24, 80), seed: int = 0,
-                         ) -> Dict[str, str]:
+def generate_coco_shapes(root: str = '', num_train: int = 400, num_val: int = 50,
+                         image_size: Tuple[int, int] = (128, 128), max_objects: int = 4,
+                         object_sizes: Tuple[int, int] = (16, 56), seed: int = 0) -> Dict[str, str]:
     """Writes the dataset (once: a tree of the same settings is reused) and returns its paths.
 
     Args:

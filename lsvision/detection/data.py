@@ -36,6 +36,7 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
 from ..eval.distributed import all_gather, shard_range
+from ..train.data import derive_seed
 
 __all__ = ['CocoDataError', 'CocoProblem', 'CocoStats', 'CocoInstances', 'load_coco', 'find_problems',
            'collate_detection']
@@ -298,7 +299,7 @@ class CocoInstances(torch.utils.data.Dataset):
         return image, target
 
     def _flip(self, index: int) -> bool:
-        generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & (2 ** 63 - 1))
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, index))
         return bool(torch.rand((), generator=generator) < 0.5)
 
 

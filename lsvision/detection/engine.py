@@ -1,0 +1,489 @@
+"""Training and evaluation of torchvision detectors on COCO-format data: the run behind `tools/detect.py`.
+
+Training follows mmdetection's epoch-based runner as the PVT paper's detection recipes use it: AdamW (timm's
+optimizer factory), a linear warmup over the first updates and step decay at given epochs (timm's
+`MultiStepLRScheduler`, stepped on updates), a checkpoint after every epoch. Under torchrun every process takes a
+shard of each epoch (`DistributedSampler`, reshuffled per epoch from the seed), the model is wrapped in DDP, and the
+GRC caches are averaged after every optimizer step (`all_reduce_grc_caches`). A checkpoint holds everything a resumed
+run needs (weights, optimizer, scaler, schedule position, every process's RNG state), so `--resume` continues as if
+never stopped; runs are resumed at epoch boundaries.
+
+Evaluation scores every image once: each process takes a contiguous shard of the images (batch 1, as mmdetection's
+test loop, so no image is padded to another's size), the detections are gathered, and rank 0 scores them with
+pycocotools (`coco_eval.coco_evaluate`) and shares the numbers.
+"""
+import argparse
+import contextlib
+import difflib
+import logging
+import math
+import os
+import platform
+import subprocess
+import time
+from datetime import datetime, timedelta
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.data
+import yaml
+from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+
+import timm
+from timm.optim import create_optimizer_v2
+from timm.scheduler import MultiStepLRScheduler
+from timm.utils import init_distributed_device, setup_default_logging
+
+from ..bench import machine_description, markdown_table
+from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
+from ..eval.distributed import DatasetShard, all_gather, shard_range
+from ..eval.report import write_json, write_markdown
+from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
+from ..train.data import derive_seed, seed_everything
+from ..train.engine import all_reduce_grc_caches
+from . import models
+from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
+from .data import CocoDataError, CocoInstances, collate_detection
+
+__all__ = ['DetectionSetupError', 'NonFiniteLossError', 'DETECTORS', 'build_detector', 'evaluate_detector',
+           'coco_split_paths', 'run', 'markdown_report']
+
+_logger = logging.getLogger('detect')
+
+DETECTORS = ('mask_rcnn', 'faster_rcnn', 'retinanet')
+
+
+class DetectionSetupError(ValueError):
+    """Arguments or files that cannot make a run; the message says what to change."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the last checkpoint is the last good state."""
+
+
+def coco_split_paths(data_dir: str, split: str) -> Tuple[str, str]:
+    """COCO's layout: (`<data_dir>/annotations/instances_<split>.json`, `<data_dir>/<split>`)."""
+    return os.path.join(data_dir, 'annotations', f'instances_{split}.json'), os.path.join(data_dir, split)
+
+
+def build_detector(args: argparse.Namespace, num_classes: int) -> nn.Module:
+    """The detector of `args.detector` on `args.model` (lsvision.detection.models), with its transform's sizes."""
+    if args.detector not in DETECTORS:
+        raise DetectionSetupError(f'--detector {args.detector!r}: choose one of {", ".join(DETECTORS)}')
+    if not timm.is_model(args.model):
+        close = difflib.get_close_matches(args.model, timm.list_models(), n=3)
+        raise DetectionSetupError(f'--model {args.model!r} is no timm / lsvision model'
+                                  + (f'; did you mean {", ".join(close)}?' if close else ''))
+    kwargs = dict(min_size=args.min_size, max_size=args.max_size, **(args.detector_kwargs or {}))
+    weights, model_kwargs = args.backbone_weights or None, dict(args.model_kwargs or {})
+    if not args.fpn_channels:
+        return getattr(models, args.detector)(args.model, num_classes=num_classes, backbone_weights=weights,
+                                              model_kwargs=model_kwargs, **kwargs)
+    return _narrow_detector(args.detector, models.backbone_with_fpn(
+        args.model, weights, model_kwargs, out_channels=args.fpn_channels,
+        levels='retinanet' if args.detector == 'retinanet' else 'rcnn'), num_classes, kwargs)
+
+
+def _narrow_detector(detector: str, backbone: models.BackboneWithFPN, num_classes: int,
+                     kwargs: Dict[str, Any]) -> nn.Module:
+    """A detector whose FPN and heads have `backbone.out_channels` channels instead of torchvision's 256 (and a
+    box head of 4x that instead of 1024): torchvision's own head modules, sized for a CPU demo."""
+    c = backbone.out_channels
+    kwargs = models._normalization(backbone, kwargs)
+    if detector == 'retinanet':
+        return RetinaNet(backbone, num_classes=num_classes, **kwargs)
+    kwargs.update(box_head=TwoMLPHead(c * 7 * 7, 4 * c), box_predictor=FastRCNNPredictor(4 * c, num_classes))
+    if detector == 'faster_rcnn':
+        return FasterRCNN(backbone, num_classes=None, **kwargs)
+    return MaskRCNN(backbone, num_classes=None, mask_head=MaskRCNNHeads(c, (c,) * 4, 1),
+                    mask_predictor=MaskRCNNPredictor(c, c, num_classes), **kwargs)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def _autocast(args: argparse.Namespace, device: torch.device) -> Any:
+    if not args.amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, _amp_dtype(args, device)))
+
+
+def _amp_dtype(args: argparse.Namespace, device: torch.device) -> str:
+    return args.amp_dtype or ('bfloat16' if device.type == 'cpu' else 'float16')
+
+
+@torch.no_grad()
+def evaluate_detector(model: nn.Module, dataset: CocoInstances, device: torch.device,
+                      iou_types: Tuple[str, ...] = ('bbox', 'segm'), workers: int = 0,
+                      autocast: Any = None, log_every: int = 0) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Scores a detector on a COCO-format split: every image once (a shard per process), rank 0's COCOeval.
+
+    Returns:
+        Per iou type COCOeval's numbers (`coco_eval.coco_evaluate`), with `images` (the images scored) and
+        `detections` (their count), the same on every process; and the detections (COCO's result format, in
+        the split's image order), on every process.
+    """
+    model.eval()
+    indices = shard_range(len(dataset))
+    # a generator of its own: the loader's seed is not drawn from the global stream, which training continues
+    loader = torch.utils.data.DataLoader(DatasetShard(dataset, indices), batch_size=1, num_workers=workers,
+                                         collate_fn=collate_detection, generator=torch.Generator())
+    detections, t0 = [], time.perf_counter()
+    for step, (images, targets) in enumerate(loader):
+        with autocast or contextlib.nullcontext():
+            outputs = model([image.to(device, non_blocking=True) for image in images])
+        for output, target in zip(outputs, targets):
+            detections.extend(detections_to_coco(output, target['image_id'], dataset.category_ids))
+        if log_every and (step + 1) % log_every == 0 and dist_rank() == 0:
+            rate = (step + 1) / (time.perf_counter() - t0)
+            _logger.info(f'eval: {step + 1}/{len(indices)} images of this process, {rate:.1f} img/s, ETA '
+                         f'{timedelta(seconds=round((len(indices) - step - 1) / rate))}')
+    detections = [d for part in all_gather(detections) for d in part]
+    result = [None]
+    if dist_rank() == 0:
+        result = [coco_evaluate(dataset.coco, detections, iou_types, image_ids=dataset.image_ids)]
+        for scores in result[0].values():
+            scores.update(images=len(dataset), detections=len(detections))
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(result, src=0)
+    return result[0], detections
+
+
+def dist_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _demo_data(args: argparse.Namespace) -> None:
+    """No --data-dir: the generated shapes (written once by rank 0, in the cache)."""
+    root = default_coco_shapes_root()
+    if args.rank == 0:
+        _logger.info(f'no --data-dir: the generated COCO-format shapes in {root}')
+        generate_coco_shapes(root)
+    if args.distributed:
+        dist.barrier()
+    args.data_dir, args.train_split, args.val_split = root, 'train', 'val'
+
+
+def _datasets(args: argparse.Namespace) -> Tuple[Optional[CocoInstances], CocoInstances]:
+    """The train split (None for --eval-only) and the val split, with the same categories."""
+    if not args.data_dir:
+        _demo_data(args)
+    val = CocoInstances(*coco_split_paths(args.data_dir, args.val_split), skip_bad=args.skip_bad_images)
+    if args.eval_only:
+        return None, val
+    train = CocoInstances(*coco_split_paths(args.data_dir, args.train_split), train=True,
+                          skip_bad=args.skip_bad_images, drop_empty=args.drop_empty, seed=args.seed)
+    if train.category_ids != val.category_ids:
+        raise CocoDataError(f'the train split has categories {train.category_ids} and the val split '
+                            f'{val.category_ids}: both annotation files must list the same categories')
+    return train, val
+
+
+def _log_data(name: str, ds: CocoInstances) -> None:
+    s = ds.stats
+    _logger.info(f'{name}: {s.images} images, {s.annotations} annotations ({s.crowd} crowd and {s.degenerate_boxes} '
+                 f'degenerate boxes not trained on), {s.empty_images} without a box'
+                 + (f' ({s.dropped_empty_images} of them left out of training)' if s.dropped_empty_images else '')
+                 + (f'; {len(s.left_out_images)} bad images left out: ' + '; '.join(str(p) for p in ds.problems[:5])
+                    if s.left_out_images else ''))
+
+
+def _setup(args: argparse.Namespace) -> torch.device:
+    setup_default_logging()
+    if not args.device:
+        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = init_distributed_device(args)  # timm: torchrun's environment -> args.distributed / rank / world_size
+    seed_everything(derive_seed(args.seed, args.rank))
+    return device
+
+
+class _Training:
+    """The state of a training run: model (DDP-wrapped under torchrun), optimizer, scheduler, scaler, progress."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, model: nn.Module, train: CocoInstances):
+        self.args, self.device, self.train_set = args, device, train
+        self.grc = models.grc_layers(model)
+        for layer in self.grc:  # one averaging per optimizer step below instead of one per layer and forward
+            layer.sync_cache = False
+        if args.distributed:
+            model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == 'cuda'
+                                                        else None, find_unused_parameters=args.find_unused_parameters)
+        self.model = model
+        self.sampler = torch.utils.data.DistributedSampler(train, num_replicas=args.world_size, rank=args.rank,
+                                                           shuffle=True, seed=args.seed)
+        self.loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, sampler=self.sampler,
+                                                  num_workers=args.workers, collate_fn=collate_detection,
+                                                  pin_memory=device.type == 'cuda', drop_last=False)
+        self.updates_per_epoch = len(self.loader)
+        self.optimizer = create_optimizer_v2(_unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
+        self.scheduler = MultiStepLRScheduler(
+            self.optimizer, decay_t=[m * self.updates_per_epoch for m in args.decay_milestones],
+            decay_rate=args.decay_rate, warmup_t=args.warmup_iters, warmup_lr_init=args.lr * args.warmup_ratio,
+            t_in_epochs=False)
+        use_scaler = args.amp and _amp_dtype(args, device) == 'float16'
+        self.scaler = torch.amp.GradScaler(device.type) if use_scaler else None
+        self.epoch, self.num_updates, self.history = 0, 0, []
+
+    def state_dict(self, keeper: CheckpointKeeper) -> Dict[str, Any]:
+        rng = all_gather(get_rng_state())  # each process resumes its own random stream
+        return dict(state_dict=_unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
+                    scaler=self.scaler.state_dict() if self.scaler else None, next_epoch=self.epoch,
+                    num_updates=self.num_updates, rng=rng, history=self.history, keeper=keeper.state_dict(),
+                    args=_recorded_args(self.args), arch=self.args.model, detector=self.args.detector)
+
+    def load_state_dict(self, ckpt: Dict[str, Any], keeper: CheckpointKeeper) -> None:
+        _unwrap(self.model).load_state_dict(ckpt['state_dict'])
+        self.optimizer.load_state_dict(ckpt['optimizer'])
+        if self.scaler is not None and ckpt.get('scaler'):
+            self.scaler.load_state_dict(ckpt['scaler'])
+        self.epoch, self.num_updates, self.history = ckpt['next_epoch'], ckpt['num_updates'], ckpt['history']
+        keeper.load_state_dict(ckpt.get('keeper', {}))
+        self.scheduler.step_update(self.num_updates)
+        rng = ckpt['rng']
+        if len(rng) != self.args.world_size:
+            _logger.warning(f'the checkpoint was written by {len(rng)} processes, this run has '
+                            f'{self.args.world_size}: the data order and sampling continue, not exactly as before')
+        set_rng_state(rng[self.args.rank % len(rng)])
+
+    def step(self, images: List[torch.Tensor], targets: List[Dict[str, Any]]) -> Dict[str, float]:
+        """One optimizer update on a batch; returns the losses (the only wait for the device)."""
+        images = [image.to(self.device, non_blocking=True) for image in images]
+        targets = [{k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in t.items()}
+                   for t in targets]
+        with _autocast(self.args, self.device):
+            losses = self.model(images, targets)
+        loss = sum(losses.values())
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
+        if self.args.clip_grad:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        all_reduce_grc_caches(self.grc)
+        self.num_updates += 1
+        self.scheduler.step_update(self.num_updates)
+        values = {k: float(v.detach()) for k, v in losses.items()}  # one read of the device per update
+        values['loss'] = float(loss.detach())
+        if not math.isfinite(values['loss']):
+            raise NonFiniteLossError(
+                f'the training loss is {values["loss"]} at update {self.num_updates} (epoch {self.epoch}): '
+                f'{values}; the last checkpoint holds the last good state. Lower --lr, set --clip-grad, or '
+                'use --no-amp')
+        return values
+
+    def train_epoch(self, deadline: Optional[float]) -> Tuple[Dict[str, float], bool]:
+        """One epoch (or until `deadline`); the mean losses and whether the deadline stopped it."""
+        self.model.train()
+        self.sampler.set_epoch(self.epoch)
+        self.train_set.set_epoch(self.epoch)
+        sums: Dict[str, float] = {}
+        t0, count, stopped = time.perf_counter(), 0, False
+        for images, targets in self.loader:
+            values = self.step(images, targets)
+            count += 1
+            for k, v in values.items():
+                sums[k] = sums.get(k, 0.0) + v
+            if self.args.rank == 0 and (count % self.args.log_interval == 0 or count == self.updates_per_epoch):
+                rate = count / (time.perf_counter() - t0)
+                _logger.info(f'epoch {self.epoch} ({self.epoch + 1} of {self.args.epochs}) {count}/'
+                             f'{self.updates_per_epoch}: loss {values["loss"]:.4f} (mean {sums["loss"] / count:.4f}),'
+                             f' lr {self.optimizer.param_groups[0]["lr"]:.3g}, {rate * self.args.batch_size:.2f} '
+                             f'img/s per process, epoch ETA '
+                             f'{timedelta(seconds=round((self.updates_per_epoch - count) / rate))}')
+            if deadline is not None and _agree(time.monotonic() > deadline, self.device):
+                stopped = True
+                break
+        return {k: v / max(count, 1) for k, v in sums.items()}, stopped
+
+
+def _agree(flag: bool, device: torch.device) -> bool:
+    """True on every process when it is true on any (a time budget must stop all processes at the same step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _recorded_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """The arguments a checkpoint and args.yaml record (those of the command line, not torchrun's)."""
+    skip = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'config', 'resume', 'eval_only',
+            'checkpoint'}
+    return {k: v for k, v in vars(args).items() if k not in skip and not k.startswith('_')}
+
+
+def _run_directory(args: argparse.Namespace) -> str:
+    if args.resume:
+        return os.path.dirname(os.path.abspath(args.resume))
+    name = args.experiment or f'{datetime.now():%Y%m%d-%H%M%S}-{args.detector}-{args.model}'
+    out = [os.path.join(args.output or 'output/detect', name) if args.rank == 0 else None]
+    if args.distributed:
+        dist.broadcast_object_list(out, src=0)
+    if args.rank == 0:
+        os.makedirs(out[0], exist_ok=True)
+    return out[0]
+
+
+def _iou_types(args: argparse.Namespace) -> Tuple[str, ...]:
+    return ('bbox', 'segm') if args.detector == 'mask_rcnn' else ('bbox',)
+
+
+def _evaluate(args: argparse.Namespace, model: nn.Module, val: CocoInstances, device: torch.device
+              ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    return evaluate_detector(_unwrap(model), val, device, _iou_types(args), args.workers, _autocast(args, device),
+                             args.log_interval)
+
+
+def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: CheckpointKeeper
+         ) -> Tuple[Optional[Tuple[Dict[str, Any], List[Dict[str, Any]]]], bool]:
+    """The epochs from where the run stands: the last evaluation (None if the run was done already) and whether the
+    time budget stopped training. A checkpoint after every epoch (rank 0 writes it)."""
+    deadline = time.monotonic() + args.time_budget if args.time_budget else None
+    evaluation, stopped = None, False
+    while run.epoch < args.epochs and not stopped:
+        t0 = time.perf_counter()
+        losses, stopped = run.train_epoch(deadline)
+        last = stopped or run.epoch + 1 == args.epochs
+        evaluation = None
+        if last or (args.eval_interval and (run.epoch + 1) % args.eval_interval == 0):
+            evaluation = _evaluate(args, run.model, val, run.device)
+        metrics = evaluation[0] if evaluation else {}
+        run.history.append(dict(epoch=run.epoch, train_seconds=round(time.perf_counter() - t0, 1),
+                                updates=run.num_updates, **{f'train_{k}': v for k, v in losses.items()},
+                                **{f'{t}_{n}': metrics[t][n] for t in metrics for n in STAT_NAMES}))
+        if args.rank == 0 and metrics:
+            _logger.info(f'epoch {run.epoch}: ' + ', '.join(f'{t} AP {m["AP"]:.4f} (AP50 {m["AP50"]:.4f})'
+                                                            for t, m in metrics.items()))
+        box_ap = metrics['bbox']['AP'] if metrics else None
+        dropped = keeper.update(run.epoch, box_ap)
+        run.epoch += 1
+        state = run.state_dict(keeper)  # a collective (every process's RNG state): all processes build it
+        if args.rank == 0:
+            keeper.save_epoch(state, run.epoch - 1, box_ap)
+            keeper.remove(dropped)
+    return evaluation, stopped
+
+
+def _write_reports(folder: str, report: Dict[str, Any], detections: List[Dict[str, Any]]) -> None:
+    """result.json, report.md and detections.json (COCO's result format) in `folder`, atomically."""
+    write_json(report, os.path.join(folder, 'result.json'))
+    write_markdown(markdown_report(report), os.path.join(folder, 'report.md'))
+    write_json(detections, os.path.join(folder, 'detections.json'))
+
+
+def _start_or_resume(args: argparse.Namespace, run_state: _Training, keeper: CheckpointKeeper, out_dir: str) -> None:
+    if not args.resume:
+        if args.rank == 0:
+            write_markdown(yaml.safe_dump(_recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
+        return
+    ckpt = load_checkpoint(args.resume)
+    if 'next_epoch' not in ckpt:
+        raise DetectionSetupError(f'{args.resume} is not a tools/detect.py training checkpoint; evaluate its '
+                                  'weights with --eval-only --checkpoint')
+    run_state.load_state_dict(ckpt, keeper)
+    if args.rank == 0:
+        _logger.info(f'resumed {args.resume}: epoch {run_state.epoch}, {run_state.num_updates} updates')
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    """Trains (unless `args.eval_only`) and evaluates; writes the run directory's checkpoints and reports.
+
+    Returns:
+        The report (also `result.json`, `report.md` and the detections, `detections.json`, in the run directory,
+        written by rank 0).
+    """
+    device = _setup(args)
+    train, val = _datasets(args)
+    for name, ds in (('train', train), ('val', val)):
+        if ds is not None and args.rank == 0:
+            _log_data(name, ds)
+    num_classes = args.num_classes or val.num_classes
+    val.check_num_classes(num_classes)
+    model = build_detector(args, num_classes).to(device)
+    if args.eval_only:
+        return _evaluate_only(args, model, val, device)
+    out_dir = _run_directory(args)
+    run_state = _Training(args, device, model, train)
+    keeper = CheckpointKeeper(out_dir, max_history=args.checkpoint_hist)
+    _start_or_resume(args, run_state, keeper, out_dir)
+    t0 = time.perf_counter()
+    evaluation, stopped = _fit(args, run_state, val, keeper)
+    metrics, detections = evaluation or _evaluate(args, run_state.model, val, device)
+    report = _report(args, metrics, val, train, dict(
+        epochs_done=run_state.epoch, num_updates=run_state.num_updates, stopped_by_time_budget=stopped,
+        train_seconds=round(time.perf_counter() - t0, 1), history=run_state.history, output_dir=out_dir,
+        last_checkpoint=os.path.join(out_dir, 'last.pth.tar')))
+    if args.rank == 0:
+        _write_reports(out_dir, report, detections)
+    return report
+
+
+def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: CocoInstances,
+                   device: torch.device) -> Dict[str, Any]:
+    if args.checkpoint:
+        ckpt = load_checkpoint(args.checkpoint)
+        _unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
+    elif args.rank == 0:
+        _logger.warning('--eval-only without --checkpoint scores the untrained detector (backbone weights: '
+                        f'{args.backbone_weights or "random"})')
+    metrics, detections = _evaluate(args, model, val, device)
+    report = _report(args, metrics, val, None, dict(checkpoint=args.checkpoint or None))
+    if args.rank == 0 and args.output:
+        os.makedirs(args.output, exist_ok=True)
+        _write_reports(args.output, report, detections)
+    return report
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or 'unknown'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+
+
+def _report(args: argparse.Namespace, metrics: Dict[str, Any], val: CocoInstances, train: Optional[CocoInstances],
+            extra: Dict[str, Any]) -> Dict[str, Any]:
+    def data(ds: CocoInstances) -> Dict[str, Any]:
+        return dict(annotation_file=ds.ann_file, image_dir=ds.image_dir, **vars(ds.stats),
+                    problems=[str(p) for p in ds.problems])
+    return dict(
+        model=args.model, detector=args.detector, metrics=metrics, val=data(val),
+        train=data(train) if train is not None else None, args=_recorded_args(args),
+        commit=_commit(), machine=machine_description(args.device), processes=args.world_size,
+        host=platform.node(), finished=f'{datetime.now():%Y-%m-%d %H:%M:%S}', **extra)
+
+
+def markdown_report(report: Dict[str, Any]) -> str:
+    """The report as markdown: COCOeval's numbers per iou type, in percent, and where they come from."""
+    names = {'bbox': 'box', 'segm': 'mask'}
+    rows = [[names[t]] + [('-' if m[n] < 0 else f'{100 * m[n]:.1f}') for n in STAT_NAMES[:6]]
+            for t, m in report['metrics'].items()]
+    val = report['val']
+    lines = [f'# {report["detector"]} on {report["model"]}', '',
+             f'COCOeval (pycocotools) on {val["annotation_file"]}: {val["images"]} images, percent.', '',
+             markdown_table(['', *STAT_NAMES[:6]], rows), '']
+    if val['left_out_images']:
+        lines += [f'Left out as bad input ({len(val["left_out_images"])} images): '
+                  + '; '.join(val['problems'][:10]), '']
+    if report.get('epochs_done') is not None:
+        lines.append(f'Trained {report["epochs_done"]} epoch(s), {report["num_updates"]} updates, '
+                     f'{report["train_seconds"]:.0f} s' + (' (stopped by the time budget)' if
+                                                           report['stopped_by_time_budget'] else '') + '.')
+    lines += [f'Commit {report["commit"]}, {report["processes"]} process(es) on {report["machine"]}.', '']
+    return '\n'.join(lines)

@@ -1,0 +1,124 @@
+"""tools/detect.py: config and flag handling with its error messages (each hint followed), exact resume, and
+evaluation under two processes (torchrun, gloo) equal to one. A tiny CvT-LS Mask R-CNN on 64 x 64 generated shapes."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args
+
+from lsvision.data.coco_shapes import generate_coco_shapes
+from lsvision.detection.data import CocoDataError
+from lsvision.detection.engine import DetectionSetupError
+
+detect = load_tool('detect')
+
+TINY = ['--model', 'cvt_ls_13', '--model-kwargs', *model_kwargs_args(TINY_CONFIGS['cvt_ls_13']),
+        '--fpn-channels', '16', '--min-size', '64', '--max-size', '64', '--batch-size', '2', '--workers', '0',
+        '--threads', '1', '--warmup-iters', '2', '--lr', '1e-3', '--log-interval', '1',
+        '--detector-kwargs', 'rpn_pre_nms_top_n_train=100', 'rpn_post_nms_top_n_train=50',
+        'rpn_pre_nms_top_n_test=100', 'rpn_post_nms_top_n_test=50', 'box_batch_size_per_image=16',
+        'box_detections_per_img=10']
+
+
+@pytest.fixture(scope='module')
+def shapes(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp('shapes')
+    generate_coco_shapes(str(root), num_train=4, num_val=3, image_size=(64, 64), object_sizes=(12, 30), seed=2)
+    return root
+
+
+def _train(shapes: Path, out: Path, *extra: str) -> dict:
+    argv = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', '--output', str(out), *TINY,
+            *extra]
+    assert detect.main(argv) == 0
+    return json.loads((out / 'run' / 'result.json').read_text())
+
+
+def test_resume_is_exact(shapes, tmp_path):
+    straight = _train(shapes, tmp_path / 'a', '--epochs', '2', '--experiment', 'run')
+    _train(shapes, tmp_path / 'b', '--epochs', '1', '--experiment', 'run')
+    resumed = tmp_path / 'b' / 'run' / 'last.pth.tar'
+    assert detect.main(['--resume', str(resumed), '--epochs', '2']) == 0  # the flag beats the recorded epochs
+    end = json.loads((tmp_path / 'b' / 'run' / 'result.json').read_text())
+    a = torch.load(tmp_path / 'a' / 'run' / 'last.pth.tar', weights_only=True)
+    b = torch.load(resumed, weights_only=True)
+    assert (a['next_epoch'], a['num_updates']) == (b['next_epoch'], b['num_updates']) == (2, 4)
+    for key, value in a['state_dict'].items():
+        assert torch.equal(value, b['state_dict'][key]), key
+    assert end['history'][1]['train_loss'] == straight['history'][1]['train_loss']
+    assert end['metrics'] == straight['metrics']
+    assert set(straight['metrics']) == {'bbox', 'segm'} and straight['metrics']['bbox']['images'] == 3
+    report = (tmp_path / 'a' / 'run' / 'report.md').read_text()
+    assert '| box |' in report and '| mask |' in report and 'pycocotools' in report
+    assert yaml.safe_load((tmp_path / 'a' / 'run' / 'args.yaml').read_text())['epochs'] == 2
+
+
+def test_two_process_evaluation_equals_one(shapes, tmp_path):
+    weights = tmp_path / 'run' / 'last.pth.tar'
+    _train(shapes, tmp_path, '--epochs', '1', '--experiment', 'run')
+    argv = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', *TINY, '--eval-only',
+            '--checkpoint', str(weights)]
+    assert detect.main(argv + ['--output', str(tmp_path / 'one')]) == 0
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port',
+                           str(free_port()), str(ROOT / 'tools' / 'detect.py'), *argv, '--device', 'cpu',
+                           '--output', str(tmp_path / 'two')], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    one, two = (json.loads((tmp_path / name / 'result.json').read_text()) for name in ('one', 'two'))
+    assert two['processes'] == 2 and one['processes'] == 1
+    assert one['metrics'] == two['metrics'] and one['metrics']['bbox']['detections'] > 0
+    detections = [json.loads((tmp_path / name / 'detections.json').read_text()) for name in ('one', 'two')]
+    assert detections[0] == detections[1]
+    assert sorted({d['image_id'] for d in detections[0]}) == [1, 2, 3]  # every image, once
+    assert 'box AP' in done.stdout and done.stdout.count('box AP') == 1  # rank 0 prints
+
+
+def test_config_and_flags(tmp_path):
+    config = tmp_path / 'recipe.yaml'
+    config.write_text('model: cvt_ls_13\nlr: 0.5\ndecay_milestones: [3, 4]\namp: true\n')
+    args = detect.parse_args(['-c', str(config), '--data-dir', 'x'])
+    assert (args.lr, args.decay_milestones, args.amp, args.epochs) == (0.5, [3, 4], True, 12)
+    args = detect.parse_args(['-c', str(config), '--data-dir', 'x', '--lr', '0.25', '--no-amp',
+                              '--decay-milestones', '9'])
+    assert (args.lr, args.decay_milestones, args.amp) == (0.25, [9], False)  # flags beat the config
+    demo = detect.parse_args([])  # no config and no data: the demo preset
+    assert demo.data_dir == '' and demo.config == detect.DEMO_CONFIG and demo.time_budget > 0
+
+
+def test_recipes_are_the_pvt_1x_schedule():
+    recipes = sorted((ROOT / 'configs' / 'detection').glob('mask_rcnn_*_1x.yaml'))
+    assert {'mask_rcnn_cvt_ls_13_1x.yaml', 'mask_rcnn_pvt_small_grc_1x.yaml'} <= {p.name for p in recipes}
+    for path in recipes:
+        args = detect.parse_args(['-c', str(path), '--data-dir', '/data/coco'])
+        assert (args.epochs, args.opt, args.lr, args.weight_decay, args.decay_milestones) == (12, 'adamw', 1e-4, 1e-4,
+                                                                                             [8, 11]), path.name
+        assert (args.min_size, args.max_size, args.detector) == (800, 1333, 'mask_rcnn') and args.model in path.name
+
+
+def _error(capsys, argv) -> str:
+    assert detect.main(argv) == 2
+    return capsys.readouterr().err
+
+
+def test_errors_say_what_to_do(tmp_path, capsys, shapes):
+    config = tmp_path / 'typo.yaml'
+    config.write_text('model: cvt_ls_13\nlearning_rate: 0.1\n')
+    err = _error(capsys, ['-c', str(config)])
+    assert "unknown key 'learning_rate'" in err and 'tools/detect.py --help' in err
+    config.write_text('model: cvt_ls_13\nlr: fast\n')
+    assert 'lr: expected float' in _error(capsys, ['-c', str(config)])
+    assert 'no backbone: give --model' in _error(capsys, ['--data-dir', str(shapes)])
+    recipe = str(ROOT / 'configs' / 'detection' / 'mask_rcnn_cvt_ls_13_1x.yaml')
+    assert 'no data: give --data-dir' in _error(capsys, ['-c', recipe])
+    assert 'no such file' in _error(capsys, ['--resume', str(tmp_path / 'nope.pth.tar')])
+    data = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', *TINY, '--eval-only']
+    with pytest.raises(CocoDataError, match='pass --num-classes 4'):
+        detect.run(detect.parse_args(data + ['--num-classes', '81']))
+    assert detect.main(data + ['--num-classes', '4']) == 0  # the hint, followed
+    with pytest.raises(DetectionSetupError, match='did you mean cvt_ls_13'):
+        detect.run(detect.parse_args(data + ['--model', 'cvt_ls13']))

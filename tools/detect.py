@@ -1,0 +1,181 @@
+"""Train and evaluate Mask R-CNN (Faster R-CNN, RetinaNet) on lsvision backbones on COCO-format data.
+
+    python tools/detect.py                                   # the demo: generated shapes, a tiny CvT-LS, CPU, minutes
+    python tools/detect.py -c configs/detection/mask_rcnn_cvt_ls_13_1x.yaml --data-dir /data/coco
+    torchrun --nproc_per_node=8 tools/detect.py -c configs/detection/mask_rcnn_pvt_small_grc_1x.yaml \\
+        --data-dir /data/coco --backbone-weights pretrained --amp
+    python tools/detect.py --resume output/detect/<run>/last.pth.tar          # continue a stopped run exactly
+    python tools/detect.py -c <config> --data-dir /data/coco --eval-only --checkpoint <run>/last.pth.tar
+
+--data-dir is a COCO tree: annotations/instances_<split>.json and an image folder <split>/ for --train-split and
+--val-split (train2017 and val2017 by default). Without --data-dir (and no config), the demo preset
+configs/detection/mask_rcnn_shapes_demo.yaml runs on a generated shapes dataset. A flag given on the command line
+beats the config, and a resumed run's recorded arguments. The run directory gets args.yaml, last.pth.tar (and the
+best epochs' checkpoints), result.json and report.md (COCOeval's box and mask AP). docs/detection.md has the details.
+"""
+import argparse
+import difflib
+import logging
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from timm.utils import ParseKwargs
+
+import lsvision  # noqa: F401  (registers the lsvision models with timm)
+from lsvision.detection.coco_eval import STAT_NAMES
+from lsvision.detection.data import CocoDataError
+from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
+from lsvision.models import CheckpointMismatchError
+from lsvision.train.args import ConfigError, Flag, validate_config
+from lsvision.train.checkpoint import CheckpointWriteError, load_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.
+                                     ArgumentDefaultsHelpFormatter)
+    parser.add_argument('-c', '--config', default='', metavar='FILE',
+                        help='flat YAML of argument names with underscores (configs/detection/*.yaml); a flag given '
+                             'on the command line beats it')
+    group = parser.add_argument_group('Data')
+    group.add_argument('--data-dir', default='', metavar='DIR',
+                       help="COCO tree with annotations/instances_<split>.json and <split>/ ('' = the generated "
+                            'shapes of the demo)')
+    group.add_argument('--train-split', default='train2017')
+    group.add_argument('--val-split', default='val2017')
+    group.add_argument('--skip-bad-images', action=Flag, default=False,
+                       help='leave images with missing, unreadable or wrongly sized files or malformed annotations '
+                            'out of training and evaluation (named in the log and the report) instead of stopping')
+    group.add_argument('--drop-empty', action=Flag, default=False,
+                       help="train only on images with a box (mmdetection's filter_empty_gt); evaluation keeps all")
+    group = parser.add_argument_group('Model')
+    group.add_argument('--model', default='', help='backbone: a timm / lsvision model name with feature maps')
+    group.add_argument('--detector', default='mask_rcnn', choices=DETECTORS)
+    group.add_argument('--backbone-weights', default='',
+                       help="'' (random), 'pretrained' (released weights) or a checkpoint file")
+    group.add_argument('--model-kwargs', nargs='*', default={}, action=ParseKwargs,
+                       help='backbone constructor kwargs, k=v')
+    group.add_argument('--detector-kwargs', nargs='*', default={}, action=ParseKwargs,
+                       help='torchvision detector kwargs, k=v (box_batch_size_per_image=..., ...)')
+    group.add_argument('--fpn-channels', type=int, default=0,
+                       help="FPN and head channels (0 = torchvision's: 256, box head 1024); small for a CPU demo")
+    group.add_argument('--num-classes', type=int, default=None, help='background included (unset = from the data)')
+    group.add_argument('--min-size', type=int, default=800, help="the detector's resize: shorter side")
+    group.add_argument('--max-size', type=int, default=1333, help="the detector's resize: longest side at most")
+    group = parser.add_argument_group('Optimization')
+    group.add_argument('--epochs', type=int, default=12)
+    group.add_argument('-b', '--batch-size', type=int, default=2, help='images per process')
+    group.add_argument('--opt', default='adamw', help='timm optimizer name')
+    group.add_argument('--lr', type=float, default=1e-4)
+    group.add_argument('--weight-decay', type=float, default=1e-4)
+    group.add_argument('--clip-grad', type=float, default=None, help='gradient norm clip (unset = none)')
+    group.add_argument('--decay-milestones', type=int, nargs='+', default=[8, 11], help='epochs of lr x decay-rate')
+    group.add_argument('--decay-rate', type=float, default=0.1)
+    group.add_argument('--warmup-iters', type=int, default=500, help='updates of linear warmup')
+    group.add_argument('--warmup-ratio', type=float, default=0.001, help='warmup starts at lr x this')
+    group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
+    group.add_argument('--amp-dtype', default=None, choices=('float16', 'bfloat16'),
+                       help='unset = bfloat16 on CPU, float16 (with a loss scaler) elsewhere')
+    group = parser.add_argument_group('Run')
+    group.add_argument('--device', default='', help="'' = cuda if available")
+    group.add_argument('-j', '--workers', type=int, default=2)
+    group.add_argument('--threads', type=int, default=0, help='torch threads per process (0 = default)')
+    group.add_argument('--seed', type=int, default=42)
+    group.add_argument('--find-unused-parameters', action=Flag, default=False, help="DDP's option")
+    group.add_argument('--resume', default='', metavar='PATH', help="a run's last.pth.tar: continue it exactly")
+    group.add_argument('--eval-only', action=Flag, default=False, help='evaluate --checkpoint on the val split')
+    group.add_argument('--checkpoint', default='', metavar='PATH', help='weights for --eval-only')
+    group.add_argument('--eval-interval', type=int, default=1, help='evaluate every N epochs (and after the last)')
+    group.add_argument('--checkpoint-hist', type=int, default=3, help='best epoch checkpoints kept (by box AP)')
+    group.add_argument('--output', default='', help="output root ('' = output/detect; --eval-only: its report "
+                                                    "folder, '' = none)")
+    group.add_argument('--experiment', default='', help='run directory name')
+    group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
+                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
+    group.add_argument('--log-interval', type=int, default=20, help='a progress line every N updates')
+    return parser
+
+
+def _config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
+    import yaml
+    if not os.path.isfile(path):
+        raise ConfigError(f'config file not found: {path}')
+    with open(path) as f:
+        try:
+            cfg = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f'config {path} is not valid YAML: {e}') from None
+    dests = [a.dest for a in parser._actions if a.dest not in ('help', 'config')]
+    for key in cfg if isinstance(cfg, dict) else []:
+        if key not in dests:
+            close = difflib.get_close_matches(str(key).replace('-', '_'), dests, n=3)
+            raise ConfigError(f'config {path}: unknown key {key!r} (keys are tools/detect.py argument names with '
+                              'underscores, see `python tools/detect.py --help`)'
+                              + (f'; did you mean {", ".join(close)}?' if close else ''))
+    return validate_config(cfg, parser, path)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The resumed run's recorded arguments, then the config (-c), then the command line: the later wins."""
+    parser = build_parser()
+    argv: List[str] = list(sys.argv[1:] if argv is None else argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument('-c', '--config', default='')
+    first.add_argument('--resume', default='')
+    first.add_argument('--data-dir', default='')
+    known, _ = first.parse_known_args(argv)
+    cfg: Dict[str, Any] = {}
+    if known.resume:
+        if not os.path.isfile(known.resume):
+            raise ConfigError(f"--resume {known.resume}: no such file (give a run directory's last.pth.tar)")
+        recorded = load_checkpoint(known.resume).get('args')
+        if not isinstance(recorded, dict):
+            raise ConfigError(f'--resume {known.resume} is not a tools/detect.py checkpoint (it records no run '
+                              'arguments)')
+        cfg.update(validate_config(recorded, parser, known.resume))
+    config = known.config or ('' if known.resume or known.data_dir else DEMO_CONFIG)
+    if config:
+        cfg.update(_config(config, parser))
+    parser.set_defaults(**cfg)
+    args = parser.parse_args(argv)
+    args.config = config
+    if not args.data_dir and config != DEMO_CONFIG:
+        raise ConfigError('no data: give --data-dir, a COCO tree with annotations/instances_<split>.json and an image '
+                          'folder per split (or run the demo on generated data: python tools/detect.py)')
+    if not args.model:
+        raise ConfigError('no backbone: give --model (e.g. cvt_ls_13) or a recipe, -c configs/detection/'
+                          'mask_rcnn_cvt_ls_13_1x.yaml')
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    log = logging.getLogger('detect')
+    try:
+        report = run(args)
+    except (NonFiniteLossError, CheckpointWriteError) as e:
+        log.error(str(e))
+        return 1
+    except (DetectionSetupError, CocoDataError, CheckpointMismatchError, FileNotFoundError) as e:
+        log.error(str(e))
+        return 2
+    if args.rank == 0:
+        for iou_type, name in (('bbox', 'box'), ('segm', 'mask')):
+            m = report['metrics'].get(iou_type)
+            if m:  # COCOeval's -1: no object of that size
+                numbers = '  '.join(f'{k} ' + (f'{100 * m[k]:.1f}' if m[k] >= 0 else '-') for k in STAT_NAMES[:6])
+                print(f'{name} {numbers}  ({m["images"]} images, pycocotools COCOeval)')
+        if report.get('output_dir'):
+            print(f'run directory: {report["output_dir"]} (result.json, report.md, last.pth.tar)')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
