@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt
 # models for `make contract` (fnmatch patterns, '*' = all); empty: contract/run.py's default subset
 CONTRACT_MODELS ?=
 
-.PHONY: install demo models demo-listops demo-bytelm demo-hsw demo-mt bench-hsw test lint unit contract sweep cards gpu-check clean
+.PHONY: install demo demo-detect models demo-listops demo-bytelm demo-hsw demo-mt bench-hsw test lint unit contract sweep cards gpu-check clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ install: $(STAMP)
 # trains a small long-short model on scikit-learn's bundled digits (CPU, time-budgeted) and evaluates it
 demo: install
 	$(PY) tools/train.py
+
+# Mask R-CNN on a small CvT-LS, trained on generated COCO-format shapes on the CPU (a 180 s training budget, then
+# evaluation) and scored with pycocotools: box and mask AP (docs/detection.md)
+demo-detect: install
+	$(PY) tools/detect.py
 
 # builds every lsvision model: params, GFLOPs, output shape
 models: install
