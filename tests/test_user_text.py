@@ -34,3 +34,36 @@ def test_no_user_text_cites_an_internal_file():
                  if (found := _internal_citations(path.read_text(encoding='utf-8')))}
     assert not offenders, ("cite the paper (section, table) or the authors' public repository file instead of the "
                            f"project's internal notes: {offenders}")
+
+
+def _python_blocks(path: Path, marker: str) -> List[str]:
+    return [b for b in re.findall(r'```python\n(.*?)```', path.read_text(), flags=re.S) if marker in b]
+
+
+def test_docs_sequence_char_lm_block_is_the_one_test_loading_lines_runs():
+    """docs/sequence.md's char-LM loading block is README's, which tests/test_loading_lines.py runs on a fairseq
+    checkpoint in the authors' layout."""
+    readme = _python_blocks(ROOT / 'README.md', 'load_official_checkpoint(model, ')
+    docs = _python_blocks(ROOT / 'docs' / 'sequence.md', "load_official_checkpoint(model, 'checkpoint_best.pt')")
+    assert len(readme) == 1 and docs == readme
+
+
+def test_docs_sequence_lra_block_loads_what_the_authors_lra_script_saves(tmp_path, monkeypatch):
+    """The LRA block, run as written where the authors' run_tasks.py saved its best model with its defaults."""
+    import torch
+    from _helpers import perturb
+    from test_sequence_convert import _official_lra  # {'model_state_dict': the DataParallel model's official keys}
+
+    import lsvision.sequence as seq
+    (code,) = _python_blocks(ROOT / 'docs' / 'sequence.md', 'LRA_chks/')
+    file = re.search(r"load_official_checkpoint\(model, '([^']+)'\)", code).group(1)
+    torch.manual_seed(0)
+    source = perturb(seq.create_model('ls_lra_listops')).eval()
+    (tmp_path / file).parent.mkdir(parents=True)
+    torch.save(_official_lra(source), tmp_path / file)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(code, namespace)  # the block as documented
+    ids = torch.randint(1, 15, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(namespace['model'].eval()(ids), source(ids), rtol=0, atol=0)
