@@ -1,6 +1,6 @@
 """Train any timm / lsvision model with timm's library (timm train.py's arguments, one YAML recipe per model).
 
-    python tools/train.py                                   # the demo: digits, a small CvT-LS, ~1-3 min on CPU
+    python tools/train.py                                   # the demo: a tiny CvT-LS on digits (docs/training.md)
     python tools/train.py -c configs/cvt_ls_13.yaml --data-dir /data/imagenet
     torchrun --nproc_per_node=8 tools/train.py -c configs/vil_ls_medium.yaml --data-dir /data/imagenet --amp
     python tools/train.py --resume output/train/<run>/recovery.pth.tar    # continue a killed run exactly
@@ -22,7 +22,21 @@ import sys
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
 from lsvision.models import CheckpointMismatchError
+from lsvision.models.papers import family_of
 from lsvision.train import CheckpointWriteError, ConfigError, NonFiniteLossError, TrainSetupError, parse_args, run
+
+
+def trained_model(result: dict) -> str:
+    """What the run trained, from its result: the model name, or, when model_kwargs changed its architecture, the
+    family built by that name's constructor; with the parameter count either way."""
+    params = f"{result['params'] / 1e6:.2f}M parameters"
+    if not result.get('model_kwargs'):
+        return f"{result['model']} ({params})"
+    try:
+        family = f'a {family_of(result["model"]).title.split(" (")[0]}'
+    except KeyError:  # a timm model
+        family = 'a model'
+    return f"{family} built by {result['model']}'s constructor with the run's model_kwargs ({params}; see args.yaml)"
 
 
 def main(argv=None) -> int:
@@ -41,8 +55,8 @@ def main(argv=None) -> int:
         return 2
     if args.rank == 0:
         weights = 'EMA weights' if result['metrics_of'] == 'ema' else 'model weights'
-        print(f"\n{result['model']}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%, {weights}) after "
-              f"{result['epochs_done']} epoch(s), {result['num_updates']} updates, {result['total_seconds']:.0f}s"
+        print(f"\n{trained_model(result)}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%, {weights}) "
+              f"after {result['epochs_done']} epoch(s), {result['num_updates']} updates, {result['total_seconds']:.0f}s"
               + (' (stopped by --time-budget)' if result['stopped_by_time_budget'] else ''))
         print(f"checkpoint (these weights): {result['last_checkpoint']}")
         if result['best_checkpoint'] and result['best_epoch'] + 1 != result['epochs_done']:

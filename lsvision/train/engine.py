@@ -1056,7 +1056,9 @@ class _Run:
         """The run's outcome (result.json): metrics, checkpoints, updates, times."""
         keeper, metrics = self.keeper, self.eval_metrics
         return dict(
-            model=self.args.model, output_dir=self.output_dir, epochs_done=epoch + (0 if self.out_of_time else 1),
+            model=self.args.model, model_kwargs=dict(self.args.model_kwargs or {}),
+            params=sum(p.numel() for p in self.model.parameters()),
+            output_dir=self.output_dir, epochs_done=epoch + (0 if self.out_of_time else 1),
             num_updates=self.num_updates, stopped_by_time_budget=self.out_of_time,
             top1=metrics.get('top1'), top5=metrics.get('top5'), eval_loss=metrics.get('loss'),
             metrics_of='ema' if self.ema_metrics is not None else 'model', model_metrics=self.model_metrics,
