@@ -27,14 +27,14 @@ KWARGS = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 1), depths=(1, 1, 1))
 @pytest.fixture(scope='module')
 def checkpoint(tmp_path_factory) -> Path:
     """A checkpoint as tools/train.py writes it (state dict, the run's arguments, its classes in logit order) of a
-    tiny 3-class cvt_ls_13 at 32 px."""
+    tiny 3-class cvt_ls_13 at 32 px, trained (so the record says) in float32 with channels-last tensors."""
     torch.manual_seed(0)
     model = timm.create_model('cvt_ls_13', num_classes=3, **KWARGS)
     path = tmp_path_factory.mktemp('hints') / 'run' / 'last.pth.tar'
     path.parent.mkdir()
     torch.save(dict(arch='cvt_ls_13', state_dict=model.state_dict(), class_names=CLASSES,
                     args=dict(model='cvt_ls_13', num_classes=3, model_kwargs=KWARGS, input_size=[3, 32, 32],
-                              batch_size=4, amp=False)), path)
+                              batch_size=4, amp=False, channels_last=True)), path)
     return path
 
 
@@ -71,6 +71,9 @@ def test_class_mismatch_hints_lead_to_a_result(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err
     assert 'not classes of the model' not in err and '--allow-missing-classes' in err
     assert _validate(checkpoint, val, tmp_path / 'o3', '--allow-missing-classes') == 0
+    model = json.loads((tmp_path / 'o3' / 'results.json').read_text())['models'][0]
+    assert model['channels_last'] is True
+    assert model['precision'] == dict(autocast=None, source='training run: amp false')
     folder = _folder_result(tmp_path / 'o3')
     assert folder['count'] == 4 and folder['missing_classes'] == ['triangle'] and folder['classes'] == CLASSES
     assert {c: r['count'] for c, r in folder['per_class'].items()} == dict(circle=2, square=2, triangle=0)
@@ -102,8 +105,8 @@ def test_imagenet_suite_on_a_model_of_own_classes_hint_leads_to_a_result(checkpo
     err = capsys.readouterr().err
     assert 'this suite needs 1000 classes' in err and 'robustness.py --corrupt-on-the-fly DIR' in err
     val = _folder(tmp_path / 'val', CLASSES, per_class=1)
-    assert robustness.main([*common, '--corrupt-on-the-fly', str(val), '--corruptions', 'gaussian_noise', '--severities', '1',
-                            '--out-dir', str(tmp_path / 'o2')]) == 0
+    assert robustness.main([*common, '--corrupt-on-the-fly', str(val), '--corruptions', 'gaussian_noise',
+                            '--severities', '1', '--out-dir', str(tmp_path / 'o2')]) == 0
     result = json.loads((tmp_path / 'o2' / 'results.json').read_text())['models'][0]['suites']
     assert result['imagenet_c_on_the_fly']['corruptions']['gaussian_noise']['severities']['1']['count'] == 3
 

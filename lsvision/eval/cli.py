@@ -5,8 +5,9 @@ A checkpoint written by ``tools/train.py`` records its run (the ``args`` of the 
 ``args.yaml``): the model is then built as the run built it (``num_classes``, ``in_chans``, global pool, model kwargs,
 a fixed input size), evaluated as the run's validation evaluated it: its eval preprocessing (input size, crop,
 interpolation, mean/std, normalisation on the device or in the loader), its precision (the run's ``amp`` /
-``amp_dtype`` autocast) and its validation batch size; the ``folder`` suite takes the run's classes.
-``--model-kwargs``, the preprocessing flags, ``--amp`` / ``--no-amp`` and ``--batch-size`` beat the recorded values.
+``amp_dtype`` autocast), its memory format (``channels_last``) and its validation batch size; the ``folder`` suite
+takes the run's classes. ``--model-kwargs``, the preprocessing flags, ``--amp`` / ``--no-amp`` and ``--batch-size``
+beat the recorded values.
 Reading the run is `lsvision.runs`' (which the training side shares); this module imports nothing of
 ``lsvision.train``.
 """
@@ -207,7 +208,8 @@ def precision_of(args: argparse.Namespace, run: Optional[TrainingRun], name: str
 def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str, batch_size: Optional[int],
                   precision: Dict[str, Any]) -> EvalSettings:
     """``settings`` for ``name``: the training run's eval preprocessing under the command line's overrides, its
-    validation batch size unless ``batch_size`` is given, its loader normalisation, and ``precision``."""
+    validation batch size unless ``batch_size`` is given, its loader normalisation and memory format, and
+    ``precision``."""
     amp_dtype = getattr(torch, precision['autocast']) if precision['autocast'] else None
     if run is None or not run.trained(name):
         return dataclasses.replace(settings, amp_dtype=amp_dtype)
@@ -216,7 +218,8 @@ def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str,
         overrides.pop('input_size', None)  # timm's resolve_data_config would prefer it to the flag's img_size
     return dataclasses.replace(settings, data_overrides={**overrides, **settings.data_overrides}, amp_dtype=amp_dtype,
                                batch_size=batch_size or run.eval_batch_size() or settings.batch_size,
-                               prefetcher=run.prefetcher() if settings.prefetcher is None else settings.prefetcher)
+                               prefetcher=run.prefetcher() if settings.prefetcher is None else settings.prefetcher,
+                               channels_last=bool(run.args.get('channels_last')))
 
 
 def run_and_report(
@@ -284,6 +287,9 @@ def run_and_report(
         identity['precision'] = precision_of(args, run, name, settings.device.type)
         model_settings = _run_settings(settings, run, name, args.batch_size, identity['precision'])
         identity['batch_size'] = model_settings.batch_size
+        if model_settings.channels_last:  # as the run validated
+            model.to(memory_format=torch.channels_last)
+            identity['channels_last'] = True
         identity['suites'] = evaluate(model, model_settings, run)
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)
         results['models'].append(identity)

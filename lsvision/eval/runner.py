@@ -92,6 +92,7 @@ class EvalSettings:
     progress: bool = True
     data_overrides: Dict[str, Any] = field(default_factory=dict)
     prefetcher: Optional[bool] = None  # timm's PrefetchLoader (normalises on the device); None: on for CUDA
+    channels_last: bool = False  # inputs in channels-last memory format (the model's weights too: the caller's part)
     tracker: Optional[JobProgress] = None  # the job's progress bar (shared by copies); made at first use
 
     def job_progress(self) -> JobProgress:
@@ -182,7 +183,10 @@ def predict(
         if not len(target):
             continue
         with torch.inference_mode(), amp:
-            logits = model(images.to(settings.device, non_blocking=True))
+            images = images.to(settings.device, non_blocking=True)
+            if settings.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            logits = model(images)
         if logits.ndim != 2 or logits.shape[1] != num_classes:
             raise ValueError(f'the model outputs logits of shape {tuple(logits.shape)}; this suite needs '
                              f'{num_classes} classes ' + _head_hint(num_classes))
