@@ -15,6 +15,7 @@ import yaml
 from _helpers import ROOT, load_tool, write_two_class_images
 
 import lsvision  # noqa: F401  (registers the models)
+from lsvision.runs import TrainingRun
 from lsvision.train import parse_args, run
 
 TINY = ['--model-kwargs', 'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=(1,1,1)']
@@ -82,3 +83,12 @@ def test_robustness_on_a_64px_run_is_64px_and_not_standard(trained, tmp_path):
     assert result['corruptions']['gaussian_noise']['severities']['1']['count'] == 8
     assert model['precision']['autocast'] == 'bfloat16'
     assert '(non-standard)' in (out / 'results.md').read_text()
+
+
+def test_run_precision_is_trainings_autocast():
+    """tools/train.py validates under its training autocast: amp_dtype as recorded, unset: bfloat16 on CPU and
+    float16 on CUDA (lsvision.train.engine._optimization); amp off: float32 whatever amp_dtype says."""
+    assert TrainingRun(dict(model='m', amp=True), 'x').autocast_dtype('cpu') == 'bfloat16'
+    assert TrainingRun(dict(model='m', amp=True), 'x').autocast_dtype('cuda') == 'float16'
+    assert TrainingRun(dict(model='m', amp=True, amp_dtype='float16'), 'x').autocast_dtype('cpu') == 'float16'
+    assert TrainingRun(dict(model='m', amp=False, amp_dtype='bfloat16'), 'x').autocast_dtype('cuda') is None
