@@ -2,7 +2,7 @@
 wall-clock budget on a German -> English task generated locally by rules (no download), then scored with beam search
 and sacrebleu on its held-out test split.
 
-    python tools/demo_mt.py                       # 150 s of training per model (about 8 min in all on 2 busy cores)
+    python tools/demo_mt.py                       # 150 s of training per model (about 6 min in all on 2 busy cores)
     python tools/demo_mt.py --budget 60           # quick look
     python tools/demo_mt.py --models grc --budget 600
 
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
     for kind in args.models:
         print(f'\n== {kind}: {MODELS[kind][0]}, {args.budget:.0f} s of training', file=sys.stderr, flush=True)
         rows.append(row(kind, run(config(kind, args))))
-    print(f'\nGerman -> English demo task, {args.budget:.0f} s of training per model ({args.threads} threads, '
+    threads = f'{args.threads} thread' + ('s' if args.threads > 1 else '')
+    print(f'\nGerman -> English demo task, {args.budget:.0f} s of training per model ({threads}, '
           f'commit {rows[0]["commit"]}, {time.perf_counter() - t0:.0f} s in all):\n')
     md = table(rows)
     print(md)
