@@ -158,9 +158,11 @@ def test_backbone_weights_from_a_file(tmp_path, fmt):
     if fmt == 'safetensors':
         path = tmp_path / 'weights.safetensors'
         save_file(source.state_dict(), str(path))
-    else:  # as tools/train.py writes its checkpoints
+    else:  # as tools/train.py writes its checkpoints: the EMA weights are the ones loaded
         path = tmp_path / 'last.pth.tar'
-        save_atomic({'arch': 'cvt_ls_13', 'epoch': 3, 'state_dict': source.state_dict()}, str(path))
+        raw = {k: v - 1. if v.is_floating_point() else v for k, v in source.state_dict().items()}
+        save_atomic({'arch': 'cvt_ls_13', 'epoch': 3, 'state_dict': raw, 'state_dict_ema': source.state_dict()},
+                    str(path))
     model = tiny_mask_rcnn('cvt_ls_13', backbone_weights=str(path))
     loaded, expected = _body_state(model), source.state_dict()
     assert set(expected) - set(loaded) == {'head.weight', 'head.bias', 'norm.weight', 'norm.bias'}  # pruned
@@ -184,7 +186,8 @@ def test_mismatched_file_is_explained(tmp_path):
     path = tmp_path / 'cvt_13.pth.tar'
     save_atomic({'arch': 'cvt_13', 'state_dict': timm.create_model('cvt_13', **FAMILIES['cvt_13']).state_dict()},
                 str(path))
-    with pytest.raises(CheckpointMismatchError, match=r'does not fit cvt_ls_13.*missing'):
+    with pytest.raises(CheckpointMismatchError, match=r'does not fit cvt_ls_13 \(it holds cvt_13 weights\).*missing.*'
+                                                      r'Fix: load it into cvt_13, or use a checkpoint of cvt_ls_13'):
         tiny_mask_rcnn('cvt_ls_13', backbone_weights=str(path))
     with pytest.raises(FileNotFoundError, match="backbone_weights '.*nothing.pth' is not a file"):
         tiny_mask_rcnn('cvt_ls_13', backbone_weights=str(tmp_path / 'nothing.pth'))

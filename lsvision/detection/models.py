@@ -29,6 +29,7 @@ from timm.layers import PatchEmbed
 from timm.models import model_entrypoint
 
 from lsvision.layers import GatedRecurrentCache
+from lsvision.models._helpers import explain_checkpoint_errors
 from lsvision.models._pretrained import NoPretrainedWeightsError, model_card
 from lsvision.train.weights import file_num_classes, file_tensor_shapes
 
@@ -204,7 +205,10 @@ def create_backbone(
     if classes:
         overlay['num_classes'] = classes
         kwargs.setdefault('num_classes', classes)
-    return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
+    # a file that does not fit: the short message naming both architectures (a tools/train.py checkpoint's `arch`)
+    classifier_kwargs = {k: v for k, v in kwargs.items() if k not in ('features_only', 'feature_cls')}
+    with explain_checkpoint_errors(name, path, classifier_kwargs):
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
 
 
 def backbone_with_fpn(
