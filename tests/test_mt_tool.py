@@ -64,3 +64,19 @@ def test_errors_name_the_fix(tmp_path, capsys):
     assert '--epochs, --max-updates or --time-budget' in capsys.readouterr().err
     assert train_mt.main(['--model', 'transformer_wmt', '--max-updates', '1', *out]) == 2
     assert 'grc_transformer_iwslt_de_en_prenorm' in capsys.readouterr().err
+
+
+def test_demo_prints_both_models_and_the_caveat(tmp_path, monkeypatch, capsys):
+    """tools/demo_mt.py end to end at a toy size: both models' BLEU, the caveat, the JSON and markdown reports."""
+    demo_mt = load_tool('demo_mt')
+    monkeypatch.setattr(demo_mt, 'SPLITS', dict(train=60, valid=4, test=3))
+    monkeypatch.setattr(demo_mt, 'DEMO_SIZE', dict(dim=16, encoder_depth=1, decoder_depth=1, num_heads=2, ffn_dim=24,
+                                                   drop=0.1))
+    out = tmp_path / 'mt.json'
+    assert demo_mt.main(['--budget', '1', '--threads', '1', '--output', str(tmp_path / 'demo'), '--out', str(out)]) == 0
+    text = capsys.readouterr().out
+    assert 'pre-norm Transformer + GRC' in text and "the paper's Table 4 gain" in text
+    rows = json.loads(out.read_text())['results']
+    assert [r['model'] for r in rows] == ['plain', 'grc'] and rows[1]['lr'] == 2 * rows[0]['lr']
+    assert all(0. <= r['bleu_last'] <= 100. and r['updates'] >= 1 for r in rows)
+    assert out.with_suffix('.md').read_text().count('\n') == 4
