@@ -563,8 +563,9 @@ class GatedRecurrentCache(FoldableModule):
         # W_cP (g_r * C) + (W_cS S + b_c)
         cand = torch.addmm(s3[:, 2 * dm:], (g_r * cache).reshape(B * T, dm), w_cp.t())
         cand = self.norm_candidate(self.act(cand.view(B, T, dm)))
-        # under CUDA autocast LayerNorm returns float32 while the cache is bf16/fp16: lerp needs one dtype
-        return torch.lerp(cache, cand.to(cache.dtype), g_u)  # = g_u * cand + (1 - g_u) * cache
+        # under CUDA autocast LayerNorm returns float32 while the cache is bf16/fp16, and a float32 cache (an explicit
+        # state) meets bf16/fp16 gates: lerp needs one dtype
+        return torch.lerp(cache, cand.to(cache.dtype), g_u.to(cache.dtype))  # = g_u * cand + (1 - g_u) * cache
 
     @torch.jit.unused
     def _all_reduce_mean(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,453 @@
+"""Word-level language-model training and evaluation behind `tools/train_lm.py` (Transformer-XL and its GRC version).
+
+The recipe is Transformer-XL's `run_wt103_base.sh`: the training text as `batch_size` contiguous streams, segments
+of `tgt_len` tokens read in order with the memory (or GRC cache) carried from one segment to the next, Adam (no
+weight decay) at 2.5e-4 with a cosine schedule over the updates (timm's CosineLRScheduler), gradient clipping at
+0.25; a new epoch starts the streams again with an empty memory. With a time budget the learning rate follows the
+time instead (`lsvision.sequence.budget_train.lr_factor`), as the other CPU demos do.
+
+Perplexity is evaluated as Transformer-XL evaluates it: the memory (cache) is carried over the whole stream and each
+token is scored once. `eval_batch_size` rows cut the split into as many streams (every token but the first scored
+exactly once; see `lsvision.data.text_corpus.eval_streams`); 1 is the authors' single stream.
+
+Runs under torchrun (one process per device; DDP; the global `batch_size` streams are split over the processes, so
+that N processes equal one process with the same global batch), with autocast (bfloat16, or float16 with a loss
+scaler), resumes exactly (`last.pth.tar`: model, optimizer, scheduler, scaler, the position in the streams; each
+process's carried memory and RNG states in `streams-rank<r>.pth`; all written atomically), logs progress, and writes
+`result.json` and `result.md`.
+
+Written for lsvision, Apache-2.0.
+"""
+import dataclasses
+import logging
+import math
+import os
+import subprocess
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import lsvision.sequence as seq
+from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
+from lsvision.data.text_corpus import (
+    WordCorpus,
+    eval_streams,
+    load_text_files,
+    load_wikitext,
+    stdlib_docstrings,
+    stream_batches,
+)
+from lsvision.eval.distributed import close_eval_processes, init_eval_processes, shard_range
+from lsvision.sequence.budget_train import lr_factor
+from lsvision.sequence.transformer_xl import GrcStreamState, TransformerXL, TxlState
+
+from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+
+__all__ = ['LMConfig', 'LMSetupError', 'run', 'evaluate_perplexity', 'load_corpus', 'state_to_dict',
+           'state_from_dict']
+
+_logger = logging.getLogger('train_lm')
+
+
+class LMSetupError(ValueError):
+    """The run cannot start as configured; the message says what to change."""
+
+
+@dataclasses.dataclass
+class LMConfig:
+    """A language-model run (`tools/train_lm.py`'s options; Transformer-XL's WikiText-103 base recipe by default).
+
+    Data: `data_dir` (WikiText's word-level files), or `train_file` (+ `valid_file`, `test_file`; any text), or
+    `corpus='stdlib'` (the standard library's docstrings, no download). Training stops at `max_steps` or after
+    `time_budget_s` seconds of training (evaluation not counted), whichever comes first.
+    """
+    model: str = 'txl_wt103_base'
+    model_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    data_dir: Optional[str] = None
+    train_file: Optional[str] = None
+    valid_file: Optional[str] = None
+    test_file: Optional[str] = None
+    corpus: Optional[str] = None
+    min_freq: int = 1
+    max_vocab: Optional[int] = None
+    tgt_len: int = 150
+    batch_size: int = 60
+    lr: float = 2.5e-4
+    min_lr: float = 0.
+    warmup_steps: int = 0
+    clip_grad: float = 0.25
+    max_steps: int = 200000
+    time_budget_s: Optional[float] = None
+    eval_interval: int = 4000
+    eval_tgt_len: Optional[int] = None
+    eval_batch_size: int = 10
+    eval_mem_len: Optional[int] = None
+    eval_clamp_len: Optional[int] = None
+    eval_same_length: bool = False
+    eval_max_tokens: Optional[int] = None
+    log_interval: int = 200
+    save_interval: int = 1000
+    amp: bool = False
+    amp_dtype: str = 'bfloat16'
+    device: str = 'cpu'
+    seed: int = 1111
+    output: str = 'output/train_lm'
+    resume: Optional[str] = None
+
+    def check(self) -> None:
+        sources = [self.data_dir is not None, self.train_file is not None, self.corpus is not None]
+        if sum(sources) != 1:
+            raise LMSetupError('give exactly one of --data-dir (WikiText files), --train-file (any text) or '
+                               '--corpus stdlib')
+        if not seq.is_model(self.model):
+            import difflib
+            close = difflib.get_close_matches(self.model, seq.list_models(), n=3, cutoff=0.5)
+            hint = f'; did you mean {", ".join(close)}?' if close else '.'
+            raise LMSetupError(f'unknown model {self.model!r}{hint} The language models: '
+                               f'{", ".join(seq.list_models("*txl*"))}')
+        if self.corpus not in (None, 'stdlib'):
+            raise LMSetupError(f"--corpus must be 'stdlib', got {self.corpus!r}")
+        if self.amp_dtype not in ('bfloat16', 'float16'):
+            raise LMSetupError(f"--amp-dtype must be 'bfloat16' or 'float16', got {self.amp_dtype!r}")
+        for name in ('tgt_len', 'batch_size', 'eval_batch_size', 'max_steps', 'log_interval', 'save_interval',
+                     'eval_interval'):
+            if getattr(self, name) < 1:
+                raise LMSetupError(f'--{name.replace("_", "-")} must be >= 1, got {getattr(self, name)}')
+
+
+def load_corpus(cfg: LMConfig) -> WordCorpus:
+    """The corpus the config names (every process builds the same one: the vocabulary is deterministic)."""
+    if cfg.data_dir is not None:
+        return load_wikitext(cfg.data_dir, cfg.min_freq, cfg.max_vocab)
+    if cfg.train_file is not None:
+        return load_text_files(cfg.train_file, cfg.valid_file, cfg.test_file, max(cfg.min_freq, 1), cfg.max_vocab)
+    return stdlib_docstrings()
+
+
+def state_to_dict(state: Any) -> Dict[str, Any]:
+    """A carried LM state as plain tensors and lists (for `torch.load(weights_only=True)`)."""
+    if isinstance(state, TxlState):
+        return dict(kind='xl', mems=list(state.mems), valid=state.valid)
+    if isinstance(state, GrcStreamState):
+        return dict(kind='grc', caches=list(state.caches), summaries=list(state.summaries), pending=state.pending)
+    return dict(kind='none')
+
+
+def state_from_dict(d: Dict[str, Any]) -> Any:
+    if d['kind'] == 'xl':
+        return TxlState(tuple(d['mems']), d['valid'])
+    if d['kind'] == 'grc':
+        return GrcStreamState(tuple(d['caches']), tuple(d['summaries']), d['pending'])
+    return None
+
+
+def _unwrap(model: nn.Module) -> TransformerXL:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@contextmanager
+def _eval_settings(model: TransformerXL, mem_len: Optional[int], clamp_len: Optional[int],
+                   same_length: Optional[bool]) -> Iterator[None]:
+    """Transformer-XL's evaluation options for the duration of an evaluation (the authors evaluate with a longer
+    memory, clamped distances and same-length attention)."""
+    if mem_len is not None and model.memory != 'xl':
+        raise LMSetupError('--eval-mem-len changes the memory of Transformer-XL; a GRC model keeps its cache length '
+                           f'(T_m = {model.mem_len}): leave it out')
+    saved = (model.mem_len, model.clamp_len, model.same_length)
+    model.mem_len = saved[0] if mem_len is None else mem_len
+    model.clamp_len = saved[1] if clamp_len is None else clamp_len
+    model.same_length = saved[2] if same_length is None else same_length
+    try:
+        yield
+    finally:
+        model.mem_len, model.clamp_len, model.same_length = saved
+
+
+def _autocast(cfg: LMConfig, device: torch.device):
+    if not cfg.amp:
+        return nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, cfg.amp_dtype))
+
+
+@torch.no_grad()
+def evaluate_perplexity(model: nn.Module, data: torch.Tensor, tgt_len: int, batch_size: int = 1,
+                        device: Optional[torch.device] = None, max_tokens: Optional[int] = None,
+                        mem_len: Optional[int] = None, clamp_len: Optional[int] = None,
+                        same_length: Optional[bool] = None, autocast: Any = None) -> Dict[str, float]:
+    """Perplexity of a token stream, each token but the first scored once, the state carried over the stream.
+
+    Under torchrun each process scores its share of the `batch_size` rows and the sums are all-reduced.
+
+    Returns:
+        dict(nll=mean NLL in nats, ppl, tokens=tokens scored).
+    """
+    lm = _unwrap(model)
+    was_training = lm.training
+    lm.eval()
+    device = device or lm.embed.weight.device
+    if max_tokens is not None:
+        data = data[:max_tokens + 1]
+    segments = eval_streams(data, batch_size, tgt_len)
+    rows = shard_range(segments[0].inputs.shape[0])
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    state = None
+    with _eval_settings(lm, mem_len, clamp_len, same_length):
+        for s in segments:
+            if len(rows) == 0:
+                break
+            x, y, m = (t[rows.start:rows.stop].to(device) for t in (s.inputs, s.targets, s.mask))
+            with autocast or nullcontext():
+                nll, state = lm(x, y, state, mask=m)
+            total[0] += nll.double().sum()
+            total[1] += m.sum()
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+    lm.train(was_training)
+    nll = float(total[0] / total[1].clamp(min=1))
+    return dict(nll=nll, ppl=math.exp(min(nll, 700.)), tokens=int(total[1]))
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or 'unknown'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'
+
+
+def _build_model(cfg: LMConfig, vocab_size: int) -> TransformerXL:
+    try:
+        return seq.create_model(cfg.model, vocab_size=vocab_size, **cfg.model_kwargs)
+    except ValueError as e:
+        if 'cutoffs' in str(e):
+            raise LMSetupError(f'{e}. This corpus has {vocab_size:,} words: give cutoffs below that, e.g. '
+                               "--model-kwargs 'cutoffs=[]' for a plain softmax") from e
+        raise
+
+
+class _Trainer:
+    """The model (DDP under torchrun), optimizer, scheduler, scaler, the position in the streams, checkpoints."""
+
+    def __init__(self, cfg: LMConfig, corpus: WordCorpus, device: torch.device, rank: int, world: int,
+                 resume: Optional[Dict[str, Any]]):
+        self.cfg, self.corpus, self.device, self.rank, self.world = cfg, corpus, device, rank, world
+        if cfg.batch_size % world:
+            raise LMSetupError(f'--batch-size {cfg.batch_size} streams cannot be split evenly over {world} '
+                               f'processes; use a multiple of {world}')
+        torch.manual_seed(cfg.seed)
+        self.lm = _build_model(cfg, len(corpus.vocab)).to(device)
+        self.model: nn.Module = self.lm
+        if world > 1:
+            self.model = nn.parallel.DistributedDataParallel(
+                self.lm, device_ids=[device.index] if device.type == 'cuda' else None)
+        from timm.optim import create_optimizer_v2
+        from timm.scheduler import CosineLRScheduler
+        self.optimizer = create_optimizer_v2(self.lm, 'adam', lr=cfg.lr, weight_decay=0.)
+        self.scheduler = CosineLRScheduler(self.optimizer, t_initial=cfg.max_steps, lr_min=cfg.min_lr,
+                                           warmup_t=cfg.warmup_steps, t_in_epochs=False)
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.amp and cfg.amp_dtype == 'float16' else None
+        rows = shard_range(cfg.batch_size, rank, world)
+        self.streams = stream_batches(corpus.train, cfg.batch_size)[rows.start:rows.stop]
+        self.step, self.epoch, self.pos, self.train_seconds = 0, 0, 0, 0.
+        self.state: Any = None
+        self.best: Optional[float] = None
+        self.history: List[Dict[str, Any]] = []
+        self.loss_window: List[float] = []
+        if resume is not None:
+            self._load(resume)
+
+    def _load(self, ckpt: Dict[str, Any]) -> None:
+        self.lm.load_state_dict(ckpt['model'])
+        self.optimizer.load_state_dict(ckpt['optimizer'])
+        self.scheduler.load_state_dict(ckpt['scheduler'])
+        if self.scaler is not None and ckpt.get('scaler'):
+            self.scaler.load_state_dict(ckpt['scaler'])
+        self.step, self.epoch, self.pos = ckpt['step'], ckpt['epoch'], ckpt['pos']
+        self.train_seconds, self.best, self.history = ckpt['train_seconds'], ckpt['best'], ckpt['history']
+        path = os.path.join(os.path.dirname(ckpt['path']), f'streams-rank{self.rank}.pth')
+        streams = load_checkpoint(path, map_location=str(self.device))
+        if streams['step'] != self.step:
+            raise LMSetupError(f'{path} is of step {streams["step"]}, the checkpoint of step {self.step}: the run '
+                               'stopped between the two writes; resume from the checkpoint before, or start again')
+        self.state = state_from_dict(streams['state'])
+        set_rng_state(streams['rng'])
+        _logger.info(f'resumed at step {self.step} (epoch {self.epoch}, stream position {self.pos})')
+
+    def save(self) -> str:
+        """Each process's carried state and RNG first, then rank 0's checkpoint (which names the step)."""
+        out = self.cfg.output
+        save_atomic(dict(step=self.step, state=state_to_dict(self.state), rng=get_rng_state()),
+                    os.path.join(out, f'streams-rank{self.rank}.pth'))
+        if self.world > 1:
+            dist.barrier()
+        path = os.path.join(out, 'last.pth.tar')
+        if self.rank == 0:
+            save_atomic(dict(model=self.lm.state_dict(), optimizer=self.optimizer.state_dict(),
+                             scheduler=self.scheduler.state_dict(),
+                             scaler=self.scaler.state_dict() if self.scaler is not None else None,
+                             step=self.step, epoch=self.epoch, pos=self.pos, train_seconds=self.train_seconds,
+                             best=self.best, history=self.history, vocab=self.corpus.vocab.symbols,
+                             config=dataclasses.asdict(self.cfg), path=path), path)
+        return path
+
+    def _set_lr(self) -> None:
+        cfg = self.cfg
+        if cfg.time_budget_s:
+            factor = lr_factor(self.step, self.train_seconds / cfg.time_budget_s, warmup=max(cfg.warmup_steps, 1))
+            for g in self.optimizer.param_groups:
+                g['lr'] = cfg.lr * factor
+        else:
+            self.scheduler.step_update(self.step)
+
+    def train_step(self) -> float:
+        cfg, n = self.cfg, self.streams.shape[1]
+        if self.pos + 1 >= n:  # a new epoch: the streams again, from an empty memory
+            self.epoch, self.pos, self.state = self.epoch + 1, 0, None
+        L = min(cfg.tgt_len, n - 1 - self.pos)
+        x = self.streams[:, self.pos:self.pos + L].long().to(self.device)
+        y = self.streams[:, self.pos + 1:self.pos + 1 + L].long().to(self.device)
+        self._set_lr()
+        self.model.train()
+        with _autocast(cfg, self.device):
+            nll, state = self.model(x, y, self.state)
+            loss = nll.float().mean()
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f'loss is {float(loss)} at step {self.step}; lower --lr or turn off --amp')
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.optimizer)
+        else:
+            loss.backward()
+        if cfg.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.lm.parameters(), cfg.clip_grad)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.state, self.pos, self.step = state, self.pos + L, self.step + 1
+        return float(loss.detach())
+
+    def evaluate(self, split: str, max_tokens: Optional[int] = None) -> Dict[str, float]:
+        cfg = self.cfg
+        return evaluate_perplexity(
+            self.lm, getattr(self.corpus, split), cfg.eval_tgt_len or cfg.tgt_len, cfg.eval_batch_size,
+            self.device, max_tokens, cfg.eval_mem_len, cfg.eval_clamp_len, cfg.eval_same_length or None,
+            _autocast(cfg, self.device))
+
+    def _log_progress(self, t0: float, steps0: int) -> None:
+        cfg = self.cfg
+        rate = (self.step - steps0) / max(time.perf_counter() - t0, 1e-9)
+        tokens = rate * cfg.tgt_len * cfg.batch_size
+        loss = sum(self.loss_window) / len(self.loss_window)
+        self.loss_window = []
+        if cfg.time_budget_s:
+            left = f'{max(0., cfg.time_budget_s - self.train_seconds):.0f}s of the time budget left'
+        else:
+            left = f'ETA {(cfg.max_steps - self.step) / max(rate, 1e-9) / 60:.1f} min'
+        lr = self.optimizer.param_groups[0]['lr']
+        _logger.info(f'step {self.step}/{cfg.max_steps} | epoch {self.epoch} | lr {lr:.3g}'
+                     f' | loss {loss:.3f} | ppl {math.exp(min(loss, 700.)):.1f} | {tokens:,.0f} tok/s | {left}')
+
+    def train(self) -> bool:
+        """Train to max_steps or the time budget; returns True when the budget stopped it."""
+        cfg = self.cfg
+        t0, steps0 = time.perf_counter(), self.step
+        by_budget = False
+        while self.step < cfg.max_steps:
+            if cfg.time_budget_s and self.train_seconds >= cfg.time_budget_s:
+                by_budget = True
+                break
+            start = time.perf_counter()
+            self.loss_window.append(self.train_step())
+            self.train_seconds += time.perf_counter() - start
+            if self.rank == 0 and self.step % cfg.log_interval == 0:
+                self._log_progress(t0, steps0)
+            if self.step % cfg.eval_interval == 0:
+                self._validate()
+            if self.step % cfg.save_interval == 0:
+                self.save()
+        return by_budget
+
+    def _validate(self) -> None:
+        result = self.evaluate('valid', self.cfg.eval_max_tokens)
+        self.history.append(dict(step=self.step, valid_ppl=round(result['ppl'], 3), tokens=result['tokens']))
+        if self.rank == 0:
+            _logger.info(f'step {self.step}: valid ppl {result["ppl"]:.2f} ({result["tokens"]:,} tokens)')
+        if self.best is None or result['ppl'] < self.best:
+            self.best = result['ppl']
+            if self.rank == 0:
+                save_atomic(dict(model=self.lm.state_dict(), step=self.step, valid_ppl=result['ppl'],
+                                 vocab=self.corpus.vocab.symbols, config=dataclasses.asdict(self.cfg)),
+                            os.path.join(self.cfg.output, 'model_best.pth.tar'))
+
+
+def _report_markdown(r: Dict[str, Any]) -> str:
+    rows = [[split, f"{r[split]['ppl']:.2f}", f"{r[split]['nll']:.4f}", f"{r[split]['tokens']:,}"]
+            for split in ('valid', 'test')]
+    return (f"# {r['model']}: word-level language model on {r['corpus']}\n\n"
+            f"{r['steps']} steps ({r['epochs']} full epochs), {r['train_seconds']:.0f} s of training "
+            f"({'stopped by the time budget' if r['stopped_by_time_budget'] else 'to --max-steps'}); "
+            f"{r['params']:,} parameters; vocabulary {r['vocab']:,}; segments of {r['tgt_len']} tokens, "
+            f"{r['batch_size']} streams; commit {r['commit']}; {r['machine']}.\n\n"
+            + markdown_table(['split', 'perplexity', 'NLL (nats)', 'tokens scored'], rows)
+            + f"\n\nEvaluated with the memory carried over each split ({r['eval_batch_size']} streams, each token but "
+              f"the first scored once), weights: {r['weights']}.\n")
+
+
+def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
+    """Train (or resume) and evaluate a language model; returns the result (also in result.json / result.md).
+
+    `corpus`: the data already loaded (the demo trains two models on one); None loads what `cfg` names.
+    """
+    resume = None
+    if cfg.resume:
+        path = os.path.join(cfg.output, 'last.pth.tar') if cfg.resume == 'auto' else cfg.resume
+        resume = load_checkpoint(path)
+        resume['path'] = path
+        keep = ('max_steps', 'time_budget_s', 'output', 'resume', 'log_interval', 'eval_interval', 'save_interval')
+        cfg = dataclasses.replace(LMConfig(**resume['config']), **{k: getattr(cfg, k) for k in keep})
+    cfg.check()
+    procs = init_eval_processes(cfg.device)
+    try:
+        os.makedirs(cfg.output, exist_ok=True)
+        corpus = corpus if corpus is not None else load_corpus(cfg)
+        if resume is not None and resume['vocab'] != corpus.vocab.symbols:
+            raise LMSetupError(f"the vocabulary built from the data differs from the checkpoint's "
+                               f'({len(corpus.vocab)} vs {len(resume["vocab"])} words): resume on the same files')
+        if procs.primary:
+            _logger.info(f'{corpus.summary()}; {procs.world_size} process(es) on {procs.device}')
+        trainer = _Trainer(cfg, corpus, procs.device, procs.rank, procs.world_size, resume)
+        by_budget = trainer.train()
+        last = trainer.save()
+        weights = 'last'
+        best_path = os.path.join(cfg.output, 'model_best.pth.tar')
+        if trainer.history and os.path.exists(best_path) and trainer.best < trainer.history[-1]['valid_ppl']:
+            trainer.lm.load_state_dict(load_checkpoint(best_path, str(procs.device))['model'])
+            weights = f'best on valid (model_best.pth.tar, step {load_checkpoint(best_path)["step"]})'
+        lm = trainer.lm
+        result: Dict[str, Any] = dict(
+            model=cfg.model, model_kwargs=cfg.model_kwargs, params=sum(p.numel() for p in lm.parameters()),
+            corpus=corpus.source, vocab=len(corpus.vocab), tgt_len=cfg.tgt_len, batch_size=cfg.batch_size,
+            steps=trainer.step, epochs=trainer.epoch, train_seconds=round(trainer.train_seconds, 1),
+            stopped_by_time_budget=by_budget, eval_batch_size=cfg.eval_batch_size, weights=weights,
+            commit=_git_commit(), machine=machine_description(str(procs.device)), world_size=procs.world_size,
+            amp=cfg.amp and cfg.amp_dtype, history=trainer.history, checkpoint=last)
+        result['valid'] = trainer.evaluate('valid')
+        result['test'] = trainer.evaluate('test')
+        if procs.primary:
+            write_json(os.path.join(cfg.output, 'result.json'), result)
+            write_atomic(os.path.join(cfg.output, 'result.md'), lambda tmp: tmp.write_text(_report_markdown(result)))
+        return result
+    finally:
+        close_eval_processes()
+
+
+def config_fields() -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(LMConfig))

@@ -1,0 +1,148 @@
+"""Word-level LM data and training (lsvision.data.text_corpus, lsvision.train.lm, tools/train_lm.py): the vocabulary
+as Transformer-XL builds it, evaluation streams that score each token once, perplexity with the state carried, a
+WikiText-format run with its reports, exact resume, bad input explained, and torchrun equal to one process."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _helpers import ROOT, load_tool
+
+import lsvision.sequence as seq
+from lsvision.data.text_corpus import EOS, UNK, build_vocab, encode_lines, eval_streams, load_wikitext
+from lsvision.train.checkpoint import load_checkpoint
+from lsvision.train.lm import evaluate_perplexity
+
+TINY_KWARGS = ['dim=16', 'depth=1', 'num_heads=2', 'head_dim=8', 'mlp_hidden=24', 'mem_len=8', 'drop=0.1']
+
+
+def _write_wikitext(folder: Path, seed: int = 0) -> Path:
+    """A WikiText-format folder of generated text: sentences of a small grammar over 30 words, headings, blank lines."""
+    g = torch.Generator().manual_seed(seed)
+    words = [f'w{i}' for i in range(30)] + [UNK, ',', '.']
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (('train', 120), ('valid', 20), ('test', 20)):
+        lines = [' = Heading = \n', ' \n']
+        for _ in range(n):
+            idx = torch.randint(0, len(words), (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+            lines.append(' ' + ' '.join(words[i] for i in idx.tolist()) + ' . \n')
+        (folder / f'wiki.{split}.tokens').write_text(''.join(lines))
+    return folder
+
+
+def test_vocabulary_and_tokens_as_transformer_xl_builds_them():
+    lines = ['b a b\n', ' \n', 'c a b <unk>\n']
+    vocab = build_vocab(lines)
+    assert vocab.symbols == [EOS, 'b', 'a', 'c', UNK]  # <eos>, then by count, ties in order of first appearance
+    ids, unknown = encode_lines(lines, vocab)
+    assert ids.tolist() == [1, 2, 1, 0, 0, 3, 2, 1, 4, 0] and unknown == 0  # a blank line is one <eos>
+    with pytest.raises(ValueError, match="word 'd' is not in the vocabulary"):
+        encode_lines(['d\n'], build_vocab(['a b\n']))
+    rare = build_vocab(['a b a\n'], min_freq=2)  # following the hint: rare words become <unk>
+    assert rare.symbols == [EOS, 'a', UNK]
+    ids, unknown = encode_lines(['d a\n'], rare)
+    assert ids.tolist() == [2, 1, 0] and unknown == 1
+
+
+@pytest.mark.parametrize('n,rows,tgt_len', [(2, 1, 4), (7, 3, 2), (50, 8, 3), (101, 4, 64), (33, 40, 5)])
+def test_eval_streams_score_every_token_but_the_first_once(n, rows, tgt_len):
+    data = torch.randperm(1000)[:n].to(torch.int32)
+    segments = eval_streams(data, rows, tgt_len)
+    scored = torch.cat([s.targets[s.mask] for s in segments])
+    assert sorted(scored.tolist()) == sorted(data[1:].long().tolist())
+    position = {int(t): i for i, t in enumerate(data)}
+    for s in segments:  # each scored target follows its input in the stream
+        for x, y in zip(s.inputs[s.mask].tolist(), s.targets[s.mask].tolist()):
+            assert position[y] == position[x] + 1
+        assert s.inputs.shape[1] <= tgt_len
+
+
+@pytest.mark.parametrize('name', ['txl_tiny', 'grc_txl_tiny'])
+def test_perplexity_carries_the_state_over_the_stream(name):
+    torch.manual_seed(0)
+    model = seq.create_model(name, vocab_size=20, dim=16, depth=1, num_heads=2, head_dim=8, mlp_hidden=24,
+                             mem_len=4).double().eval()
+    data = torch.randint(0, 20, (23,), dtype=torch.int32)
+    got = evaluate_perplexity(model, data, tgt_len=4, batch_size=1)
+    state, nll = None, 0.
+    for i in range(0, 22, 4):  # the authors' loop: one stream, segments in order, the state carried
+        x, y = data[i:i + 4].long()[None], data[i + 1:i + 5].long()[None]
+        x = x[:, :y.shape[1]]
+        out, state = model(x, y, state)
+        nll += float(out.detach().sum())
+    assert got['tokens'] == 22
+    assert got['ppl'] == pytest.approx(math.exp(nll / 22), rel=1e-12)
+    with torch.no_grad():
+        fresh = sum(float(model(data[i:i + 4].long()[None][:, :len(data[i + 1:i + 5])],
+                                data[i + 1:i + 5].long()[None])[0].sum()) for i in range(0, 22, 4))
+    assert abs(fresh - nll) > 1e-6  # the carried state matters, so the check above can tell
+
+
+def _train(tmp_path: Path, out: str, *extra: str) -> int:
+    return load_tool('train_lm').main(['--data-dir', str(tmp_path / 'wt'), '--model', 'grc_txl_tiny',
+                                       '--model-kwargs', *TINY_KWARGS, '--batch-size', '4', '--tgt-len', '8',
+                                       '--lr', '3e-3', '--min-lr', '3e-3', '--log-interval', '2',
+                                       '--eval-interval', '3', '--eval-batch-size', '2', '--output',
+                                       str(tmp_path / out), *extra])
+
+
+def test_wikitext_run_reports_and_resumes_exactly(tmp_path):
+    _write_wikitext(tmp_path / 'wt')
+    assert _train(tmp_path, 'straight', '--max-steps', '6', '--amp') == 0
+    result = json.loads((tmp_path / 'straight' / 'result.json').read_text())
+    corpus = load_wikitext(tmp_path / 'wt')
+    assert result['vocab'] == len(corpus.vocab) and result['steps'] == 6
+    assert result['test']['tokens'] == len(corpus.test) - 1 and math.isfinite(result['test']['ppl'])
+    assert '| test |' in (tmp_path / 'straight' / 'result.md').read_text()
+    ckpt = load_checkpoint(str(tmp_path / 'straight' / 'last.pth.tar'))  # weights_only=True
+    assert ckpt['step'] == 6 and ckpt['vocab'] == corpus.vocab.symbols
+    # 3 steps, stop, resume to 6: the same weights bit for bit (dropout on: the RNG states come back too; a constant
+    # learning rate, since the cosine follows --max-steps)
+    assert _train(tmp_path, 'split', '--max-steps', '3', '--amp') == 0
+    assert _train(tmp_path, 'split', '--resume', 'auto', '--max-steps', '6') == 0
+    resumed = load_checkpoint(str(tmp_path / 'split' / 'last.pth.tar'))
+    for k, v in ckpt['model'].items():
+        assert torch.equal(resumed['model'][k], v), k
+    streams = load_checkpoint(str(tmp_path / 'split' / 'streams-rank0.pth'))
+    assert streams['state']['kind'] == 'grc' and streams['step'] == 6
+
+
+def test_bad_input_is_explained_and_the_hint_works(tmp_path, capsys):
+    tool = load_tool('train_lm')
+    _write_wikitext(tmp_path / 'wt')
+    (tmp_path / 'wt' / 'wiki.test.tokens').rename(tmp_path / 'test.txt')
+    assert tool.main(['--data-dir', str(tmp_path / 'wt'), '--output', str(tmp_path / 'x')]) == 2
+    assert 'lacks wiki.test.tokens' in capsys.readouterr().err
+    args = ['--train-file', str(tmp_path / 'wt' / 'wiki.train.tokens'), '--test-file', str(tmp_path / 'test.txt'),
+            '--model', 'txl_tiny', '--batch-size', '2', '--tgt-len', '4', '--max-steps', '1', '--eval-batch-size',
+            '2', '--output', str(tmp_path / 'y'), '--model-kwargs', *TINY_KWARGS]
+    assert tool.main(args + ['cutoffs=[]', '--model', 'txl_tiyn']) == 2
+    assert 'did you mean txl_tiny' in capsys.readouterr().err
+    assert tool.main(args + ['cutoffs=[100]']) == 2
+    assert "--model-kwargs 'cutoffs=[]'" in capsys.readouterr().err
+    assert tool.main(args + ['cutoffs=[]']) == 0  # following the hint
+
+
+def test_two_processes_train_as_one_process(tmp_path):
+    _write_wikitext(tmp_path / 'wt')
+    common = ['--model-kwargs', *TINY_KWARGS[:-1], 'drop=0.0', '--batch-size', '4', '--tgt-len', '8',
+              '--max-steps', '4', '--eval-interval', '100', '--eval-batch-size', '2', '--data-dir',
+              str(tmp_path / 'wt'), '--model', 'txl_tiny']
+    assert load_tool('train_lm').main(common + ['--output', str(tmp_path / 'one')]) == 0
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+         str(ROOT / 'tools' / 'train_lm.py'), *common, '--output', str(tmp_path / 'two')],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_checkpoint(str(tmp_path / 'one' / 'last.pth.tar'))
+    two = load_checkpoint(str(tmp_path / 'two' / 'last.pth.tar'))
+    for k, v in one['model'].items():
+        torch.testing.assert_close(two['model'][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    r1 = json.loads((tmp_path / 'one' / 'result.json').read_text())
+    r2 = json.loads((tmp_path / 'two' / 'result.json').read_text())
+    assert r2['world_size'] == 2 and r2['test']['tokens'] == r1['test']['tokens']
+    assert r2['test']['ppl'] == pytest.approx(r1['test']['ppl'], rel=1e-4)

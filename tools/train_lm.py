@@ -1,0 +1,98 @@
+"""Train and evaluate a word-level language model: Transformer-XL or its GRC-cached version (lsvision.train.lm).
+
+    python tools/train_lm.py --data-dir data/wikitext-103                  # the WikiText-103 base recipe
+    torchrun --nproc_per_node=4 tools/train_lm.py --data-dir data/wikitext-103 --device cuda --amp
+    python tools/train_lm.py --model grc_txl_wt103_base --data-dir data/wikitext-103 --device cuda --amp
+    python tools/train_lm.py --train-file my.txt --model txl_tiny --min-freq 2 --batch-size 16 --tgt-len 64
+    python tools/train_lm.py --resume auto --output output/train_lm        # continue a stopped run exactly
+
+Data: WikiText's word-level release (`wiki.train.tokens`, `wiki.valid.tokens`, `wiki.test.tokens`), any text file
+(--train-file, with --valid-file / --test-file or held-out lines of it), or --corpus stdlib (the standard library's
+docstrings, no download). Perplexity is evaluated with the memory carried over each split, every token scored once.
+The run directory gets last.pth.tar (resume), model_best.pth.tar, result.json and result.md.
+"""
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+
+import yaml
+
+from lsvision.train.lm import LMConfig, LMSetupError, run
+
+
+def _kv(text: str):
+    if '=' not in text:
+        raise argparse.ArgumentTypeError(f'--model-kwargs takes key=value pairs (e.g. cutoffs=[]), got {text!r}')
+    key, value = text.split('=', 1)
+    return key, yaml.safe_load(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = LMConfig()
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--model', default=d.model, help='a registered sequence model (txl_*, grc_txl_*)')
+    p.add_argument('--model-kwargs', nargs='*', type=_kv, default=[], metavar='KEY=VALUE',
+                   help='model options, values in YAML (e.g. cutoffs=[] mem_len=64 drop=0.2)')
+    data = p.add_argument_group('data')
+    data.add_argument('--data-dir', help='folder with wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens')
+    data.add_argument('--train-file', help='any UTF-8 text file to train on')
+    data.add_argument('--valid-file')
+    data.add_argument('--test-file')
+    data.add_argument('--corpus', choices=['stdlib'], help="'stdlib': the Python standard library's docstrings")
+    data.add_argument('--min-freq', type=int, default=d.min_freq, help='rarer training words become <unk>')
+    data.add_argument('--max-vocab', type=int, default=d.max_vocab, help='keep the most frequent words only')
+    train = p.add_argument_group('training')
+    for name, kind, help_ in (
+            ('tgt_len', int, 'tokens per segment'), ('batch_size', int, 'streams (all processes together)'),
+            ('lr', float, 'Adam learning rate'), ('min_lr', float, 'end of the cosine'),
+            ('warmup_steps', int, 'linear warm-up steps'), ('clip_grad', float, 'gradient norm clip (0: none)'),
+            ('max_steps', int, 'updates'), ('time_budget_s', float, 'stop after this many seconds of training'),
+            ('seed', int, 'seed'), ('log_interval', int, 'steps between progress lines'),
+            ('save_interval', int, 'steps between checkpoints'), ('eval_interval', int, 'steps between validations')):
+        train.add_argument('--' + name.replace('_', '-'), type=kind, default=getattr(d, name), help=help_)
+    train.add_argument('--amp', action='store_true', help='autocast (see --amp-dtype)')
+    train.add_argument('--amp-dtype', default=d.amp_dtype, choices=['bfloat16', 'float16'])
+    train.add_argument('--device', default=d.device, help="'cpu' or 'cuda' (torchrun: one process per GPU)")
+    train.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default)')
+    train.add_argument('--output', default=d.output, help='run directory')
+    train.add_argument('--resume', help="a last.pth.tar, or 'auto' (the one in --output)")
+    ev = p.add_argument_group('evaluation (Transformer-XL eval.py: --eval-tgt-len 64 --eval-mem-len 640 '
+                              '--eval-clamp-len 400 --eval-same-length --eval-batch-size 1)')
+    ev.add_argument('--eval-tgt-len', type=int, help='segment length (default: --tgt-len)')
+    ev.add_argument('--eval-batch-size', type=int, default=d.eval_batch_size, help='streams the split is cut into')
+    ev.add_argument('--eval-mem-len', type=int, help='memory length for evaluation (Transformer-XL only)')
+    ev.add_argument('--eval-clamp-len', type=int, help='clamp relative distances')
+    ev.add_argument('--eval-same-length', action='store_true', help='every query attends as many keys')
+    ev.add_argument('--eval-max-tokens', type=int, help='validate on the first this many tokens during training')
+    return p
+
+
+def parse_config(argv=None) -> LMConfig:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    fields = {f.name for f in dataclasses.fields(LMConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    values['model_kwargs'] = dict(args.model_kwargs)
+    return LMConfig(**values)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
+    try:
+        result = run(parse_config(argv))
+    except (LMSetupError, FileNotFoundError) as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    if result['world_size'] == 1 or os.environ.get('RANK', '0') == '0':
+        print(f"\n{result['model']}: valid ppl {result['valid']['ppl']:.2f}, test ppl {result['test']['ppl']:.2f} "
+              f"after {result['steps']} steps ({result['train_seconds']:.0f} s); {result['checkpoint']}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
