@@ -111,6 +111,23 @@ def test_imagenet_suite_on_a_model_of_own_classes_hint_leads_to_a_result(checkpo
     assert result['imagenet_c_on_the_fly']['corruptions']['gaussian_noise']['severities']['1']['count'] == 3
 
 
+def test_a_grayscale_run_is_evaluated_in_its_image_mode(tmp_path):
+    """A run trained on one channel (--input-img-mode L, input size 1x32x32, its own mean/std): its RGB val images
+    are read as training read them, so the model sees one channel."""
+    torch.manual_seed(0)
+    model = timm.create_model('cvt_ls_13', num_classes=3, in_chans=1, **KWARGS)
+    path = tmp_path / 'run' / 'last.pth.tar'
+    path.parent.mkdir()
+    torch.save(dict(arch='cvt_ls_13', state_dict=model.state_dict(), class_names=CLASSES,
+                    args=dict(model='cvt_ls_13', num_classes=3, model_kwargs=KWARGS, input_size=[1, 32, 32],
+                              input_img_mode='L', mean=[0.5], std=[0.25], batch_size=4)), path)
+    assert _validate(path, _folder(tmp_path / 'val', CLASSES), tmp_path / 'o') == 0
+    result = json.loads((tmp_path / 'o' / 'results.json').read_text())['models'][0]
+    assert result['input_img_mode'] == 'L' and result['model_kwargs']['in_chans'] == 1
+    assert result['suites']['folder']['count'] == 6
+    assert result['suites']['folder']['protocol']['input_size'] == [1, 32, 32]
+
+
 def _suggestion(err: str) -> str:
     return re.search(r'did you mean ([\w.]+)', err).group(1)
 

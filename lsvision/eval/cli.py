@@ -4,7 +4,7 @@ the per-model run, and the three outputs (JSON, markdown, PNG).
 A checkpoint written by ``tools/train.py`` records its run (the ``args`` of the checkpoint, else the run folder's
 ``args.yaml``): the model is then built as the run built it (``num_classes``, ``in_chans``, global pool, model kwargs,
 a fixed input size), evaluated as the run's validation evaluated it: its eval preprocessing (input size, crop,
-interpolation, mean/std, normalisation on the device or in the loader), its precision (the run's ``amp`` /
+interpolation, mean/std, image mode, normalisation on the device or in the loader), its precision (the run's ``amp`` /
 ``amp_dtype`` autocast), its memory format (``channels_last``) and its validation batch size; the ``folder`` suite
 takes the run's classes. ``--model-kwargs``, the preprocessing flags, ``--amp`` / ``--no-amp`` and ``--batch-size``
 beat the recorded values.
@@ -219,7 +219,8 @@ def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str,
     return dataclasses.replace(settings, data_overrides={**overrides, **settings.data_overrides}, amp_dtype=amp_dtype,
                                batch_size=batch_size or run.eval_batch_size() or settings.batch_size,
                                prefetcher=run.prefetcher() if settings.prefetcher is None else settings.prefetcher,
-                               channels_last=bool(run.args.get('channels_last')))
+                               channels_last=bool(run.args.get('channels_last')),
+                               input_img_mode=run.args.get('input_img_mode') or settings.input_img_mode)
 
 
 def run_and_report(
@@ -287,6 +288,8 @@ def run_and_report(
         identity['precision'] = precision_of(args, run, name, settings.device.type)
         model_settings = _run_settings(settings, run, name, args.batch_size, identity['precision'])
         identity['batch_size'] = model_settings.batch_size
+        if model_settings.input_img_mode != 'RGB':
+            identity['input_img_mode'] = model_settings.input_img_mode
         if model_settings.channels_last:  # as the run validated
             model.to(memory_format=torch.channels_last)
             identity['channels_last'] = True

@@ -93,6 +93,7 @@ class EvalSettings:
     data_overrides: Dict[str, Any] = field(default_factory=dict)
     prefetcher: Optional[bool] = None  # timm's PrefetchLoader (normalises on the device); None: on for CUDA
     channels_last: bool = False  # inputs in channels-last memory format (the model's weights too: the caller's part)
+    input_img_mode: str = 'RGB'  # the PIL mode images are converted to (a training run's --input-img-mode, e.g. 'L')
     tracker: Optional[JobProgress] = None  # the job's progress bar (shared by copies); made at first use
 
     def job_progress(self) -> JobProgress:
@@ -237,7 +238,8 @@ def _score(
     if not counted:
         progress.add_total(len(scan.samples))
     progress.set_description(name)
-    dataset = EvalImageDataset(scan.root, scan.samples, indices=shard_range(len(scan.samples)))
+    dataset = EvalImageDataset(scan.root, scan.samples, input_img_mode=settings.input_img_mode,
+                               indices=shard_range(len(scan.samples)))
     loader = _loader(dataset, protocol, settings)
     if wrap is not None:
         wrap(dataset)
