@@ -1,5 +1,9 @@
 """tools/train_mt.py end to end on a tiny generated task: checkpoints, averaging, report, exact resume, errors."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +84,22 @@ def test_demo_prints_both_models_and_the_caveat(tmp_path, monkeypatch, capsys):
     assert [r['model'] for r in rows] == ['plain', 'grc'] and rows[1]['lr'] == 2 * rows[0]['lr']
     assert all(0. <= r['bleu_last'] <= 100. and r['updates'] >= 1 for r in rows)
     assert out.with_suffix('.md').read_text().count('\n') == 4
+
+
+def test_two_processes_under_torchrun(data_dir, tmp_path):
+    """torchrun, 2 gloo processes: one vocabulary (trained on rank 0), disjoint batches, GRC caches averaged after
+    every update, every test sentence translated once (sharded), rank 0's report; both processes' RNG states kept."""
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / 'ddp'
+    proc = subprocess.run(
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+         str(root / 'tools' / 'train_mt.py'), '--data-dir', str(data_dir), '--output', str(run), '--max-updates', '2',
+         '--grc-sync-cache', *TINY],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS='1'))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((run / 'result.json').read_text())
+    assert result['world_size'] == 2 and result['updates'] == 2 and result['eval_sentences'] == 3
+    assert proc.stderr.count('test BLEU') == 2  # last and averaged, logged by rank 0 only
+    ckpt = torch.load(run / 'last.pt', weights_only=True)
+    assert len(ckpt['rng']) == 2 and not torch.equal(ckpt['rng'][0]['torch'], ckpt['rng'][1]['torch'])
+    assert any(c.abs().sum() > 0 for k, c in ckpt['model'].items() if k.endswith('grc.cache'))
