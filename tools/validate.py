@@ -7,11 +7,11 @@ r"""Top-1/top-5 of one or several models on any image folder, ImageNet-1K (with 
     python tools/validate.py --models resnet50.tv_in1k --pretrained --imagenet-v2 /data/imagenetv2
 
 Layouts: ``--data-dir`` is any folder of class folders (``<dir>/<class>/<image>``), suite ``folder``: count, top-1,
-top-5 and per-class top-1 over the classes the model was trained on. A tools/train.py checkpoint brings its run
-(its recorded arguments, else the ``args.yaml`` beside it): the classes, num_classes, the input size and the other
-model arguments, the eval preprocessing, the precision (the run's amp autocast; ``--no-amp`` for float32) and the
-validation batch size come from there, so the top-1 is the run's last validation number; the folder must hold exactly
-those classes (``--allow-missing-classes``: some of them).
+top-5, mean cross-entropy and per-class top-1 over the classes the model was trained on. A tools/train.py checkpoint
+brings its run (its recorded arguments, else the ``args.yaml`` beside it): the classes, num_classes, the input size
+and the other model arguments, the eval preprocessing, the precision (the run's amp autocast; ``--no-amp`` for
+float32) and the validation batch size come from there, so top-1 and loss are the run's last validation numbers; the
+folder must hold exactly those classes (``--allow-missing-classes``: some of them).
 ``--imagenet`` is ``val/<wnid>/ILSVRC2012_val_XXXXXXXX.JPEG`` (or its parent); ``--imagenet-v2`` holds the
 extracted ``imagenetv2-{matched-frequency,threshold0.7,top-images}-format-val/<0..999>/`` folders (or is one of
 them). ReaL uses the labels bundled with timm and needs the full 50,000 val images (``--real-labels`` for another
