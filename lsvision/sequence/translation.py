@@ -104,6 +104,16 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(dim, dim)
         self.v_proj = nn.Linear(dim, dim)
         self.out_proj = nn.Linear(dim, dim)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """fairseq's MultiheadAttention init: q/k/v weights xavier-uniform with gain 1/sqrt(2) (their biases as
+        nn.Linear's), the output projection xavier-uniform with a zero bias."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            proj.reset_parameters()
+            nn.init.xavier_uniform_(proj.weight, gain=2 ** -0.5)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -301,6 +311,9 @@ class TranslationTransformer(nn.Module):
         if not (share_decoder_input_output_embed or share_all_embeddings):
             self.output_projection = nn.Linear(dim, tgt_vocab_size, bias=False)
         self.apply(self._init_weights)
+        for m in self.modules():
+            if isinstance(m, MultiheadAttention):
+                m.reset_parameters()
         self.grc_cache_len = grc_cache_len if grc_config is not None else 0
         if grc_config is not None:
             for layer in self.encoder_layers:
@@ -310,8 +323,11 @@ class TranslationTransformer(nn.Module):
                 attach_grc(attn, GrcEncoderSelfAttention, grc)
 
     def _init_weights(self, m: nn.Module) -> None:
-        """fairseq's: Linear xavier-uniform with zero bias, Embedding N(0, D^-1/2) with a zero padding row."""
-        if isinstance(m, nn.Linear):
+        """fairseq's: the FFN's Linear xavier-uniform with zero bias, Embedding N(0, D^-1/2) with a zero padding row,
+        an untied output projection N(0, D^-1/2) (the attentions: `MultiheadAttention.reset_parameters`)."""
+        if m is self.output_projection:
+            nn.init.normal_(m.weight, mean=0., std=self.dim ** -0.5)
+        elif isinstance(m, nn.Linear):
             nn.init.xavier_uniform_(m.weight)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
