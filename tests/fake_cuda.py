@@ -56,7 +56,10 @@ def cuda_autocast(dtype: Optional[torch.dtype]) -> Iterator[None]:
 
 class KernelCounter(TorchDispatchMode):
     """Counts the ATen operators dispatched (by name, e.g. '_scaled_dot_product_efficient_attention.default'), with
-    the dtypes of their first tensor argument and the devices of their tensor outputs. Enter it inside the fake mode."""
+    the dtypes of their first tensor argument and the devices of their tensor outputs. Enter it inside the fake mode.
+    Higher-order operators pass through it too (FlexAttention's `flex_attention`, counted by that name)."""
+
+    supports_higher_order_operators = True
 
     def __init__(self):
         super().__init__()

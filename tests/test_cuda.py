@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import timm
 
 import lsvision  # noqa: F401  (registers the models)
-from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d
+from lsvision.layers import CausalLongShortAttention, LongShortAttention1d, LongShortAttention2d, set_span_kernel
 
 DEVICE = torch.device(os.environ.get('LSVISION_TEST_DEVICE', 'cuda'))
 pytestmark = pytest.mark.skipif(DEVICE.type == 'cuda' and not torch.cuda.is_available(), reason='no CUDA device')
@@ -252,3 +252,100 @@ def test_full_size_cvt_ls_13_trains_a_step_under_bf16():
         opt.step()
         losses.append(loss.item())
     assert losses[1] < losses[0], losses
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The FlexAttention path (`span_kernel='flex'`, lsvision/layers/span_flex.py): forward and gradients on the GPU
+
+# five of the layer cases (non-divisible maps, w = 2 / 3 / 7 / 8, the cls stage, the window bias), the token orders
+# alternating: each compiles its own kernels, forward and backward
+FLEX_CASES = [GRAD_CASES[i] + setting for i, setting in zip((1, 2, 3, 5, 6), [('segment', 128), ('raster', 16)] * 3)]
+
+
+def _flex_layer(feat_size, w, r, heads, g, layer, rpe, order, block):
+    """A perturbed layer on DEVICE with the flex kernel, head dim 16 (FlexAttention's smallest), and its input."""
+    torch.manual_seed(0)
+    C = heads * 16
+    attn = LongShortAttention2d(C, heads, w, r, rel_pos_bias=rpe, span_kernel='flex', **LAYERS[layer])
+    set_span_kernel(attn, 'flex', order, block)
+    attn = perturb(attn, 0.3).to(DEVICE).train()
+    x = torch.randn(2, g + feat_size[0] * feat_size[1], C, device=DEVICE)
+    return attn, x
+
+
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='FlexAttention has no backward on the CPU')
+@pytest.mark.parametrize('feat_size,w,r,heads,g,layer,rpe,order,block', FLEX_CASES)
+def test_2d_flex_float32_forward_and_gradients_match_dense_reference(feat_size, w, r, heads, g, layer, rpe, order,
+                                                                      block):
+    """The flex path in float32 (non-divisible maps, the cls stage, ViL-LS's bias through the score_mod and its
+    gradient): outputs and every gradient within 1e-4 of their tensor's largest value of the float64 dense reference
+    at the same parameters."""
+    attn, x = _flex_layer(feat_size, w, r, heads, g, layer, rpe, order, block)
+    weight = torch.randn_like(x)
+    names = ['x'] + [n for n, _ in attn.named_parameters()]
+    allow_tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # the convolutions in float32, as the reference's in float64
+    try:
+        out = attn(x, feat_size)
+        fast = _grads(attn, x, lambda t: attn(t, feat_size), weight)
+        attn.double()
+        dense_out = _reference(dense_long_short_attention_2d)(attn, x.double(), feat_size)
+        dense = _grads(attn, x.double(), lambda t: _reference(dense_long_short_attention_2d)(attn, t, feat_size),
+                       weight.double())
+    finally:
+        torch.backends.cudnn.allow_tf32 = allow_tf32
+    torch.testing.assert_close(out.double(), dense_out, rtol=1e-4, atol=1e-4 * float(dense_out.abs().max()))
+    floor = 1e-2 * max(float(b.abs().max()) for b in dense)
+    for name, a, b in zip(names, fast, dense):
+        scale = max(float(b.abs().max()), floor)
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4 * scale, msg=lambda m, name=name: f'{name}: {m}')
+
+
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='FlexAttention has no backward on the CPU')
+def test_2d_flex_trains_under_bf16_autocast():
+    """The project's bf16 bound (`assert_layer_trains_under_bf16_autocast`): the flex path's gradients under bf16
+    autocast within 5 % (norm) of its float32 gradients, parameter gradients float32."""
+    attn, x = _flex_layer((6, 10), 2, 3, 2, 1, 'conv', False, 'segment', 128)
+    weight = torch.randn_like(x)
+    ref = _grads(attn, x, lambda t: attn(t, (6, 10)), weight)
+
+    def under_autocast(t):
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            return attn(t, (6, 10)).float()
+
+    grads = _grads(attn, x, under_autocast, weight)
+    scale = max(g.norm() for g in ref)
+    for name, a, b in zip(['x'] + [n for n, _ in attn.named_parameters()], grads, ref):
+        assert a.dtype == torch.float32, name
+        if b.norm() >= 1e-4 * scale:
+            assert (a - b).norm() <= 0.05 * b.norm() + 1e-6, (name, (a - b).norm().item(), b.norm().item())
+
+
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='inductor on the CPU needs a C++ compiler')
+def test_flex_model_compiles_with_inductor_and_equals_eager():
+    """cvt_ls_13 (tiny) with the flex kernel under torch.compile(fullgraph=True), inductor: the flex call inlined in
+    the model's graph, forward and backward equal to the eager model's (which runs the separately compiled call)."""
+    model = tiny_model('cvt_ls_13', img_size=64, num_classes=5, depths=(1, 1, 1))
+    set_span_kernel(model, 'flex')
+    model = model.to(DEVICE).train()
+    x = torch.randn(2, 3, 64, 72, device=DEVICE)
+    model(x).square().mean().backward()
+    eager = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    torch.compile(model, fullgraph=True)(x).square().mean().backward()
+    for (name, p), ref in zip(model.named_parameters(), eager):
+        torch.testing.assert_close(p.grad, ref, rtol=1e-3, atol=1e-5, msg=lambda m, name=name: f'{name}: {m}')
+
+
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='the compiled FlexAttention call runs on CUDA only')
+def test_flex_recompile_limit_fails_loudly(monkeypatch):
+    """Past `FLEX_RECOMPILE_LIMIT` compiled shapes the flex call raises (naming the knob) instead of dynamo's silent
+    fallback to a dense attention."""
+    from lsvision.layers import span_flex
+    monkeypatch.setattr(span_flex, 'FLEX_RECOMPILE_LIMIT', 2)
+    torch._dynamo.reset()
+    attn = LongShortAttention2d(32, 2, 2, 2, span_kernel='flex').to(DEVICE).eval()
+    with torch.no_grad(), pytest.raises(RuntimeError, match='FLEX_RECOMPILE_LIMIT'):
+        for side in range(4, 12):
+            attn(torch.randn(1, side * side, 32, device=DEVICE), (side, side))
+    torch._dynamo.reset()

@@ -140,3 +140,28 @@ def test_fake_cuda_dynamic_projection_runs_block_diagonal():
                 attn.train()(x, (200, 200))
             calls[device] = ops.calls['bmm.out']
     assert calls == {'cuda': 2, 'cpu': 4}, calls
+
+
+@pytest.mark.parametrize('name,precision', [('cvt_ls_13', p) for p in PRECISIONS] + [('vil_ls_medium', 'bf16')])
+def test_fake_cuda_flex_kernel_is_the_one_taken(name, precision):
+    """With `span_kernel='flex'` every long-short layer runs one FlexAttention call on CUDA, in the compute dtype, and
+    neither the span path's kernels nor its masked SDPA, in train and eval mode. Without gradients: FlexAttention
+    traces its score_mod's backward through the autograd engine at forward time, which needs a real device (its
+    gradients are checked on a GPU, tests/test_cuda.py). `force_eager`: torch.compile does not run on fake tensors."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, num_classes=5, span_kernel='flex', **FAMILIES[name])
+    dtype = PRECISIONS[precision]
+    size = FAMILIES[name].get('img_size', 64)
+    long_short = _count(model, LongShortAttention2d)
+    with fake_cuda(), torch.compiler.set_stance('force_eager'), torch.no_grad():
+        model = model.to(FAKE_CUDA)
+        for train in (True, False):
+            model.train(train)
+            with KernelCounter() as ops, SdpaCalls() as sdpa, cuda_autocast(dtype):
+                out = model(torch.randn(2, 3, size, size, device=FAKE_CUDA))
+            assert out.device.type == 'cuda' and out.dtype == (dtype or torch.float32), (out.device, out.dtype)
+            assert ops.calls['flex_attention'] == long_short, ops.attention_ops()
+            assert ops.dtypes['flex_attention'] == {dtype or torch.float32}, ops.dtypes['flex_attention']
+            assert ops.count(EFFICIENT) == 0 and ops.count(CPU_KERNELS) == 0, ops.attention_ops()
+            if name == 'cvt_ls_13':  # no other attention in the model
+                assert sdpa.count('cuda') == 0, sdpa.calls

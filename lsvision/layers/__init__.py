@@ -11,12 +11,14 @@ from .grc import (
     wrap_attention_with_grc,
 )
 from .long_short import (
+    SPAN_KERNELS,
     LinearDynamicProjection,
     LinearQkv,
     LongShortAttention2d,
     dynamic_projection,
     projection_weights,
     resize_window_rel_pos_table,
+    set_span_kernel,
     window_rel_pos_index,
     window_rel_pos_table_size,
     window_size_of_rel_pos_table,
@@ -31,3 +33,4 @@ from .long_short_1d import (
 )
 from .matmul_attention import matmul_attention, scaled_dot_product_attention
 from .span_attention import span_attention, span_attention_reference
+from .span_flex import span_flex_attention

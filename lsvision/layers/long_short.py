@@ -34,13 +34,19 @@ from .span_attention import (
     span_window_key_mask,
     window_span,
 )
+from .span_flex import FLEX_ORDERS, span_flex_attention
 from .tuning import BLOCK_DIAGONAL_MAX_MACS
 
 __all__ = [
     'LongShortAttention2d', 'LinearQkv', 'LinearDynamicProjection',
     'window_span', 'window_rel_pos_table_size', 'window_rel_pos_index', 'window_size_of_rel_pos_table',
     'resize_window_rel_pos_table', 'projection_weights', 'project_keys_values', 'dynamic_projection',
+    'SPAN_KERNELS', 'set_span_kernel',
 ]
+
+# the window attention's kernel: 'auto' the span path (`span_attention`: CPU batched matmuls / flash, CUDA
+# memory-efficient kernels on blocks of segments), 'flex' one FlexAttention call per layer (`span_flex`)
+SPAN_KERNELS = ('auto', 'flex')
 
 
 def window_rel_pos_table_size(window_size: int) -> int:
@@ -376,6 +382,7 @@ class LongShortAttention2d(FoldableModule):
             attn_drop: float = 0.,
             proj_drop: float = 0.,
             dual_ln_eps: float = 1e-5,
+            span_kernel: str = 'auto',
             device=None,
             dtype=None,
     ):
@@ -394,6 +401,9 @@ class LongShortAttention2d(FoldableModule):
             attn_drop: Dropout on the joint attention weights of the patch queries.
             proj_drop: Dropout after the output projection.
             dual_ln_eps: Epsilon of the DualLN pair.
+            span_kernel: The window attention's kernel: 'auto' (the span path, every device's default) or 'flex'
+                (one FlexAttention call, the CUDA candidate; on the CPU inference only). `set_span_kernel` changes
+                it, with the flex path's token order and block size, on a built model.
         """
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
@@ -411,6 +421,10 @@ class LongShortAttention2d(FoldableModule):
         self.window_size = window_size
         self.dp_rank = dp_rank
         self.attn_drop = attn_drop
+        self.span_kernel = 'auto'
+        self.flex_order = 'segment'
+        self.flex_block_size = 128
+        _set_layer_span_kernel(self, span_kernel, self.flex_order, self.flex_block_size)
 
         if qkv_layer is None:
             self.qkv = LinearQkv(dim, bias=qkv_bias, **dd)
@@ -458,6 +472,43 @@ class LongShortAttention2d(FoldableModule):
         idx = window_rel_pos_index(ws, device)
         bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads).permute(2, 0, 1)
         return mask + bias.to(dtype)[None, :, None]  # (1, h, n, w^2, K^2)
+
+    @torch.jit.unused  # TorchScript runs the span path
+    def _flex_window_attention(
+            self,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            kv_shared: torch.Tensor,
+            dropout_p: float,
+    ) -> torch.Tensor:
+        """The window attention as one FlexAttention call (`span_flex.span_flex_attention`), `span_kernel='flex'`.
+
+        Args:
+            q: Queries (B, h, H, W, d).
+            k, v: The patch keys and values after LN_L, (B, H * W, C).
+            kv_shared: Projected and prefix keys and values (2, B, h, S, d).
+            dropout_p: Attention dropout: FlexAttention has none, so it must be 0.
+
+        Returns:
+            Outputs (B, H, W, h, d).
+        """
+        if dropout_p > 0.:
+            raise ValueError(f"span_kernel='flex' has no attention dropout (attn_drop={self.attn_drop}): build the "
+                             "model with attn_drop=0, or use span_kernel='auto'")
+        if q.device.type == 'cpu' and torch.is_grad_enabled() and q.requires_grad:
+            raise RuntimeError(
+                "span_kernel='flex' trains on CUDA only (FlexAttention has no backward on the CPU); on the CPU use "
+                "lsvision.layers.set_span_kernel(model, 'auto'), or run the flex path under torch.no_grad()")
+        B, h, H, W, d = q.shape
+        dtype = autocast_dtype(q)  # FlexAttention has no autocast rule: one dtype for all
+        with autocast_off(q.device.type):
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4).to(dtype)
+
+            return span_flex_attention(q.to(dtype), heads(k), heads(v), kv_shared.to(dtype), self.window_size,
+                                       d ** -0.5, self.rel_pos_table, self.flex_order,
+                                       (self.flex_block_size, self.flex_block_size))
 
     def _prefix_update(self, q_prefix: torch.Tensor, kv_prefix: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Post-cls update: each prefix query attends to the prefix keys and to the attention outputs of all patches.
@@ -542,9 +593,10 @@ class LongShortAttention2d(FoldableModule):
         norm = self.norm_local  # LN_L on keys and values
         q_patch = q.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
         dropout_p = self.attn_drop if self.training else 0.
+        use_flex = self.span_kernel == 'flex' and not torch.jit.is_scripting()
         # training: LN_L once for the dynamic projection and the windows, which keep only k and v before LN_L (the
         # outputs of the q, k, v projection, which autograd keeps anyway); their backward normalizes again
-        recompute_norm = recompute_local_norm(k, norm.weight)
+        recompute_norm = recompute_local_norm(k, norm.weight) and not use_flex
         if recompute_norm:
             k_norm, v_norm = local_norm_tokens(k, v, norm.weight, norm.bias, norm.eps)
             kv_bar = local_norm_projection(proj, k_norm, v_norm, k, v, norm.weight, norm.bias, norm.eps)
@@ -552,11 +604,17 @@ class LongShortAttention2d(FoldableModule):
         else:
             k_norm = v_norm = torch.empty(0)  # unused
             k, v = norm(k), norm(v)
-            # one heads-first copy of the normalized patch keys and values serves the projection and the windows
-            kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
-                                    v.reshape(B, num_patches, h, d).transpose(1, 2)])
-            proj = proj.to(kv_patch.dtype)
-            kv_bar = project_keys_values(proj, kv_patch[0], kv_patch[1])  # (2, B, h, r, d)
+            if use_flex:  # heads-first views: the flex call makes the one copy of the keys it needs
+                kv_patch = torch.empty(0)  # unused
+                k_heads, v_heads = k.reshape(B, num_patches, h, d).transpose(1, 2), v.reshape(
+                    B, num_patches, h, d).transpose(1, 2)
+            else:
+                # one heads-first copy of the normalized patch keys and values serves the projection and the windows
+                kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
+                                        v.reshape(B, num_patches, h, d).transpose(1, 2)])
+                k_heads, v_heads = kv_patch[0], kv_patch[1]
+            proj = proj.to(k_heads.dtype)
+            kv_bar = project_keys_values(proj, k_heads, v_heads)  # (2, B, h, r, d)
         # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
         kv_prefix = norm(qkv_prefix[1:]).reshape(2, B, num_prefix, h, d).transpose(2, 3)
         # LN_G on the projected keys and values
@@ -565,8 +623,10 @@ class LongShortAttention2d(FoldableModule):
 
         # segment-wise windows, one joint softmax over [projected (r) | prefix (g) | window span (K^2)] keys; views
         # of q and kv go in, and the backward gathers the spans again instead of keeping them
-        window_mask = self._window_mask(feat_size, q.dtype, q.device)
-        if recompute_norm:
+        window_mask = torch.empty(0) if use_flex else self._window_mask(feat_size, q.dtype, q.device)
+        if use_flex:
+            out = self._flex_window_attention(q_patch, k, v, kv_shared, dropout_p)
+        elif recompute_norm:
             out = span_attention_local_norm(
                 q_patch, k_norm.reshape(B, H, W, C), v_norm.reshape(B, H, W, C), k.reshape(B, H, W, C),
                 v.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
@@ -581,3 +641,33 @@ class LongShortAttention2d(FoldableModule):
             x = torch.cat([self.proj(self._prefix_update(qkv_prefix[0], kv_prefix, out)), x], dim=1)
         x = self.proj_drop(x)
         return x
+
+
+def _set_layer_span_kernel(layer: LongShortAttention2d, kernel: str, order: str, block_size: int) -> None:
+    if kernel not in SPAN_KERNELS:
+        raise ValueError(f'span_kernel must be one of {SPAN_KERNELS}, got {kernel!r}')
+    if order not in FLEX_ORDERS:
+        raise ValueError(f'the flex token order must be one of {FLEX_ORDERS}, got {order!r}')
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f'the flex block size must be a power of two of at least 16, got {block_size}')
+    layer.span_kernel, layer.flex_order, layer.flex_block_size = kernel, order, block_size
+
+
+def set_span_kernel(model: nn.Module, kernel: str, order: str = 'segment', block_size: int = 128) -> int:
+    """Choose the window attention kernel of every `LongShortAttention2d` in `model` (the one switch between them).
+
+    Args:
+        model: Any module (a CvT-LS or ViL-LS model, a layer).
+        kernel: 'auto': the span path (`span_attention`), the default on every device; 'flex': one FlexAttention
+            call per layer (`span_flex`), the CUDA candidate until a GPU measurement chooses (`make gpu-check`);
+            on the CPU it runs inference only.
+        order: The flex path's token order, 'segment' (segment-major) or 'raster'.
+        block_size: The flex path's BlockMask block (queries and keys), a power of two >= 16.
+
+    Returns:
+        The number of layers set.
+    """
+    layers = [m for m in model.modules() if isinstance(m, LongShortAttention2d)]
+    for layer in layers:
+        _set_layer_span_kernel(layer, kernel, order, block_size)
+    return len(layers)

@@ -423,6 +423,7 @@ def _attn_layer(
         dp_rank: int,
         attn_drop: float,
         proj_drop: float,
+        span_kernel: str = 'auto',
 ) -> Callable[..., nn.Module]:
     """The attention of a CvT ('conv') or CvT-LS ('long_short') stage, as a `PreNormBlock` `attn_layer`."""
     if attn_type == 'long_short':
@@ -435,6 +436,7 @@ def _attn_layer(
             dp_layer=ConvDynamicProjection,
             attn_drop=attn_drop,
             proj_drop=proj_drop,
+            span_kernel=span_kernel,
         )
     return partial(ConvAttention, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop)
 
@@ -468,6 +470,7 @@ class ConvVisionTransformer(HierarchicalTransformer):
             proj_drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
+            span_kernel: str = 'auto',
             device=None,
             dtype=None,
     ):
@@ -498,6 +501,8 @@ class ConvVisionTransformer(HierarchicalTransformer):
             attn_drop_rate: Dropout on the attention weights.
             drop_path_rate: Stochastic depth of the last stage, rising linearly from 0 over its blocks (the CvT
                 recipe; the other stages have none).
+            span_kernel: The long-short window attention's kernel (attn_type 'long_short'): 'auto' (every device's
+                default) or 'flex' (one FlexAttention call per layer, the CUDA candidate: `LongShortAttention2d`).
         """
         dd = {'device': device, 'dtype': dtype}
         if attn_type not in ATTN_TYPES:
@@ -519,7 +524,8 @@ class ConvVisionTransformer(HierarchicalTransformer):
                 embed_dims[i],
                 depth=depths[i],
                 attn_layer=_attn_layer(
-                    attn_type, num_heads[i], qkv_bias, window_sizes[i], dp_ranks[i], attn_drop_rate, proj_drop_rate),
+                    attn_type, num_heads[i], qkv_bias, window_sizes[i], dp_ranks[i], attn_drop_rate, proj_drop_rate,
+                    span_kernel),
                 num_prefix_tokens=1 if cls_token_stages[i] else 0,
                 drop_path=last_dpr if i == num_stages - 1 else (),
                 mlp_ratio=mlp_ratio,

@@ -242,6 +242,7 @@ def _attn_layer(
         attn_drop: float,
         proj_drop: float,
         dual_ln_eps: float,
+        span_kernel: str = 'auto',
 ) -> Callable[..., nn.Module]:
     """The attention of a ViL-LS stage as a `PreNormBlock` `attn_layer`: long-short with the window
     relative-position bias, or full attention with the relative-position bias of the native map size `feat_size`."""
@@ -256,6 +257,7 @@ def _attn_layer(
             attn_drop=attn_drop,
             proj_drop=proj_drop,
             dual_ln_eps=dual_ln_eps,
+            span_kernel=span_kernel,
         )
     return partial(
         RelPosAttention,
@@ -295,6 +297,7 @@ class VisionLongShortTransformer(HierarchicalTransformer):
             proj_drop_rate: float = 0.,
             attn_drop_rate: float = 0.,
             drop_path_rate: float = 0.,
+            span_kernel: str = 'auto',
             device=None,
             dtype=None,
     ):
@@ -323,6 +326,8 @@ class VisionLongShortTransformer(HierarchicalTransformer):
             attn_drop_rate: Dropout on the attention weights.
             drop_path_rate: Stochastic depth, rising linearly from 0 over all layers; the attention and MLP blocks
                 of one layer share a rate.
+            span_kernel: The long-short window attention's kernel: 'auto' (every device's default) or 'flex' (one
+                FlexAttention call per layer, the CUDA candidate: `LongShortAttention2d`).
         """
         dd = {'device': device, 'dtype': dtype}
         num_stages = len(depths)
@@ -355,6 +360,7 @@ class VisionLongShortTransformer(HierarchicalTransformer):
                     attn_drop_rate,
                     proj_drop_rate,
                     dual_ln_eps,
+                    span_kernel,
                 ),
                 num_prefix_tokens=num_cls_tokens[i],
                 drop_path=dpr[i],

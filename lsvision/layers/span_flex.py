@@ -1,0 +1,277 @@
+"""2D long-short window attention as one FlexAttention call: the CUDA candidate of `LongShortAttention2d`.
+
+The window part of the 2D long-short layer (`span_attention`: every w x w segment of queries attends, in one softmax,
+to S shared keys and to the (w + 2s)^2 map keys around it, s = max(w // 2, 1), zero-padded keys masked) is one
+`torch.nn.attention.flex_attention` call over the keys ``[LN_L(k) of the map | shared keys]``:
+
+  * a `mask_mod` says which key each query sees: a shared key always; a map key iff it lies inside the map and inside
+    the span ``[y0, y0 + w + 2s) x [x0, x0 + w + 2s)`` of the query's segment (``y0 = (y // w) * w - s``), which is the
+    zero-padding semantics of the span path (a padded key weighs 0);
+  * ViL-LS's window relative-position bias is a `score_mod` that reads the official table at the official index of
+    the query-key offset (`long_short.window_rel_pos_index`'s formula, its merged rows included);
+  * the `BlockMask` is built from per-block key counts (`BlockMask.from_kv_blocks`), never by evaluating the mask on
+    the whole queries x keys grid as `create_block_mask` does (4.3e9 entries for a 256 x 256 map): for every query
+    block the number of visible keys in every key block is a product of two small count matrices (queries of each
+    segment per query block, visible keys of each segment per key block). It depends on the geometry only (map,
+    window, shared keys, token order, block size) and is cached per geometry and device, never per weight: the output
+    is a function of the inputs alone.
+
+The token order is a parameter: ``'raster'`` (the map's row-major order: no re-layout, the map as it lies) or
+``'segment'`` (segment-major: the map padded to whole segments and each segment's w^2 queries and keys contiguous, so
+that more key blocks are entirely visible or entirely hidden). So is the block size. Which is fastest on a GPU is for
+`make gpu-check` to measure (`tools/gpu_check.py`); until then the CUDA default stays the span path
+(`LongShortAttention2d(span_kernel='auto')`) and this one is selected with `span_kernel='flex'`
+(`lsvision.layers.set_span_kernel`).
+
+On CUDA the call runs compiled (`torch.compile(flex_attention)`, or inlined where the caller is compiled): FlexAttention
+without compile materializes the full score matrix. Dynamo compiles it once per shape, and past its recompile limit it
+would silently run that dense path; the limit is raised for this call (`FLEX_RECOMPILE_LIMIT`) and hitting it raises.
+On the CPU FlexAttention runs forward only (its backward raises in torch 2.14): the CPU keeps the span path, and this
+one runs there to check its masks against the dense reference (`span_attention_reference`).
+
+Written for lsvision, Apache-2.0.
+"""
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ['FLEX_ORDERS', 'FLEX_RECOMPILE_LIMIT', 'FlexSpanGeometry', 'span_flex_attention', 'span_flex_block_mask',
+           'span_flex_geometry', 'span_flex_mask_mod', 'span_flex_score_mod']
+
+FLEX_ORDERS = ('raster', 'segment')
+# compiled FlexAttention shapes per process (each stage's map, batch, dtype, grad mode): dynamo's default of 8 is
+# below what one model's training and evaluation reach
+FLEX_RECOMPILE_LIMIT = 64
+
+
+class FlexSpanGeometry(NamedTuple):
+    """Where every query and key of one flex call lies. Queries are the map in `order` (segment-major: padded to whole
+    segments); keys are the map in the same order, then the `num_shared` shared keys."""
+    height: int  # the map H x W
+    width: int
+    window: int  # segment size w
+    pad: int  # s, keys on each side of a segment's span
+    order: str
+    grid_w: int  # segments per row, ceil(W / w)
+    num_queries: int  # L: H * W (raster) or gy * w * gx * w (segment)
+    num_shared: int
+
+    @property
+    def row_stride(self) -> int:
+        """Tokens per map row in raster order."""
+        return self.width
+
+    @property
+    def num_keys(self) -> int:
+        return self.num_queries + self.num_shared
+
+
+def span_flex_geometry(feat_size: Tuple[int, int], window_size: int, num_shared: int, order: str = 'raster'
+                       ) -> FlexSpanGeometry:
+    """The geometry of one flex call (see `FlexSpanGeometry`)."""
+    if order not in FLEX_ORDERS:
+        raise ValueError(f'order must be one of {FLEX_ORDERS}, got {order!r}')
+    H, W = feat_size
+    w = window_size
+    gy, gx = -(-H // w), -(-W // w)
+    L = H * W if order == 'raster' else gy * w * gx * w
+    return FlexSpanGeometry(H, W, w, max(w // 2, 1), order, gx, L, num_shared)
+
+
+def _coords(geo: FlexSpanGeometry, idx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Map row and column of token `idx` (any integer tensor) in the geometry's order."""
+    w = geo.window
+    if geo.order == 'raster':
+        return idx // geo.width, idx % geo.width
+    seg, off = idx // (w * w), idx % (w * w)
+    return (seg // geo.grid_w) * w + off // w, (seg % geo.grid_w) * w + off % w
+
+
+def span_flex_mask_mod(geo: FlexSpanGeometry) -> Callable:
+    """The `mask_mod` of the geometry: shared keys always visible; a map key iff inside the map and inside the span
+    of the query's segment."""
+    w, s, K = geo.window, geo.pad, geo.window + 2 * geo.pad
+    L, S, H, W = geo.num_queries, geo.num_shared, geo.height, geo.width
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        qy, qx = _coords(geo, q_idx)
+        ky, kx = _coords(geo, kv_idx)
+        y0, x0 = (qy // w) * w - s, (qx // w) * w - s
+        in_span = (ky >= y0) & (ky < y0 + K) & (kx >= x0) & (kx < x0 + K)
+        map_key = (kv_idx < L) & (ky < H) & (kx < W) & in_span
+        return map_key | ((kv_idx >= L) & (kv_idx < L + S))
+
+    return mask_mod
+
+
+def span_flex_score_mod(geo: FlexSpanGeometry, rel_pos_table: torch.Tensor) -> Callable:
+    """The `score_mod` adding the window relative-position bias to the map keys' scores: the official table (rows,
+    heads) at ``(dy + s' + w - 1) * (w + 2s') + dx + s' + w - 1``, ``d = query - key`` per axis, ``s' = w // 2``
+    (`long_short.window_rel_pos_index`; out-of-span offsets are clamped, their keys are masked)."""
+    w, L = geo.window, geo.num_queries
+    sp = w // 2
+    rows = rel_pos_table.shape[0]
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        qy, qx = _coords(geo, q_idx)
+        ky, kx = _coords(geo, kv_idx)
+        idx = ((qy - ky + sp + w - 1) * (w + 2 * sp) + (qx - kx + sp + w - 1)).clamp(0, rows - 1)
+        return torch.where(kv_idx < L, score + rel_pos_table[idx, h].to(score.dtype), score)
+
+    return score_mod
+
+
+def _visible_counts(geo: FlexSpanGeometry, block_q: int, block_kv: int, device: torch.device) -> torch.Tensor:
+    """(query blocks, key blocks) float64: the visible (query, key) pairs of every block pair, as counts.
+
+    Every query of a segment sees the same keys, so the counts are (queries of each segment per query block) @
+    (visible keys of each segment per key block); a segment's visible map keys are a rectangle, so the latter is, per
+    key block, (segment rows x keys) @ (keys x segment columns). Nothing of size queries x keys is made.
+    """
+    w, s, K = geo.window, geo.pad, geo.window + 2 * geo.pad
+    gy, gx = -(-geo.height // w), geo.grid_w
+    L, S = geo.num_queries, geo.num_shared
+    n_qb, n_kb = -(-L // block_q), -(-geo.num_keys // block_kv)
+    f64 = dict(dtype=torch.float64, device=device)
+    # queries of each segment in each query block
+    qy, qx = _coords(geo, torch.arange(L, device=device))
+    seg = (qy // w) * gx + qx // w
+    per_q = torch.zeros(n_qb * gy * gx, **f64)
+    per_q.index_add_(0, torch.arange(L, device=device) // block_q * (gy * gx) + seg, torch.ones(L, **f64))
+    per_q = per_q.view(n_qb, gy * gx)
+    # visible map keys of each segment in each key block: row and column visibility per key
+    ky, kx = _coords(geo, torch.arange(n_kb * block_kv, device=device))
+    in_map = (torch.arange(n_kb * block_kv, device=device) < L) & (ky < geo.height) & (kx < geo.width)
+    lo = torch.arange(gy, device=device)[:, None] * w - s
+    rows_visible = ((ky[None] >= lo) & (ky[None] < lo + K) & in_map[None]).to(torch.float64)  # (gy, keys)
+    lo = torch.arange(gx, device=device)[:, None] * w - s
+    cols_visible = ((kx[None] >= lo) & (kx[None] < lo + K)).to(torch.float64)  # (gx, keys)
+    per_k = torch.bmm(rows_visible.view(gy, n_kb, block_kv).transpose(0, 1),
+                      cols_visible.view(gx, n_kb, block_kv).permute(1, 2, 0))  # (key blocks, gy, gx)
+    counts = per_q @ per_k.reshape(n_kb, gy * gx).T
+    # the shared keys: every query sees them
+    key = torch.arange(n_kb * block_kv, device=device)
+    shared = ((key >= L) & (key < L + S)).to(torch.float64).view(n_kb, block_kv).sum(1)
+    return counts + per_q.sum(1, keepdim=True) * shared[None]
+
+
+def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(1, 1, rows, cols) bool -> the number of True blocks per row and their column indices first (BlockMask's)."""
+    dense = blocks.to(torch.int32)
+    return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def _build_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
+    from torch.nn.attention.flex_attention import BlockMask
+    block_q, block_kv = block_size
+    counts = _visible_counts(geo, block_q, block_kv, device)[None, None]
+    full = counts == block_q * block_kv  # tail blocks (past the sequence) are never full
+    partial = (counts > 0) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv),
+                                    mask_mod=span_flex_mask_mod(geo), seq_lengths=(geo.num_queries, geo.num_keys))
+
+
+_BLOCK_MASKS: Dict[Tuple, object] = {}
+
+
+def span_flex_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
+    """The `BlockMask` of the geometry, cached per geometry, block size and device (built inside the graph where the
+    caller is being compiled)."""
+    if torch.compiler.is_compiling():
+        return _build_block_mask(geo, block_size, device)
+    key = (geo, block_size, device)
+    if key not in _BLOCK_MASKS:
+        _BLOCK_MASKS[key] = _build_block_mask(geo, block_size, device)
+    return _BLOCK_MASKS[key]
+
+
+_COMPILED_FLEX: Optional[Callable] = None
+
+
+def _compiled_flex() -> Callable:
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def _run_flex(q, k, v, score_mod, block_mask, scale: float) -> torch.Tensor:
+    """flex_attention, compiled on CUDA: inlined where the caller is compiled, else through one compiled function
+    whose recompile limit is `FLEX_RECOMPILE_LIMIT` and fails loudly when hit (instead of dynamo's silent dense
+    fallback). Eager elsewhere (the CPU: small checks)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    if torch.compiler.is_compiling() or q.device.type != 'cuda':
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as e:
+        raise RuntimeError(
+            f'the FlexAttention span path compiled {FLEX_RECOMPILE_LIMIT} shapes in this process and would now fall '
+            'back to a dense attention that materializes every score; raise '
+            'lsvision.layers.span_flex.FLEX_RECOMPILE_LIMIT, or use fewer input sizes') from e
+
+
+def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """(B, h, H, W, d) map -> (B, h, L, d) tokens in the geometry's order (segment-major: zero-padded segments)."""
+    B, h, H, W, d = t.shape
+    if geo.order == 'raster':
+        return t.reshape(B, h, H * W, d)
+    w, gx = geo.window, geo.grid_w
+    gy = -(-H // w)
+    t = F.pad(t, (0, 0, 0, gx * w - W, 0, gy * w - H))
+    return t.reshape(B, h, gy, w, gx, w, d).transpose(3, 4).reshape(B, h, geo.num_queries, d)
+
+
+def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """(B, h, L, d) outputs in the geometry's order -> (B, H, W, h, d), the span path's output layout."""
+    B, h, _, d = t.shape
+    H, W = geo.height, geo.width
+    if geo.order == 'raster':
+        return t.reshape(B, h, H, W, d).permute(0, 2, 3, 1, 4)
+    w, gx = geo.window, geo.grid_w
+    gy = -(-H // w)
+    t = t.reshape(B, h, gy, gx, w, w, d).permute(0, 2, 4, 3, 5, 1, 6).reshape(B, gy * w, gx * w, h, d)
+    return t[:, :H, :W]
+
+
+def span_flex_attention(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_shared: torch.Tensor,
+        window_size: int,
+        scale: float,
+        rel_pos_table: Optional[torch.Tensor] = None,
+        order: str = 'raster',
+        block_size: Tuple[int, int] = (128, 128),
+) -> torch.Tensor:
+    """2D segment-wise window attention with shared keys (`span_attention` with the long-short span, s = max(w // 2,
+    1)) as one FlexAttention call.
+
+    Args:
+        q: Queries (B, h, H, W, d); any strides.
+        k, v: The map's keys and values (B, h, H, W, d) (after LN_L).
+        kv_shared: Keys and values every query sees (2, B, h, S, d) (projected and prefix keys); S may be 0.
+        window_size: Segment size w.
+        scale: Score scale.
+        rel_pos_table: The official window relative-position table (rows, h) of window `window_size`, added to the
+            map keys' scores; None: no bias.
+        order: Token order of queries and map keys: 'raster' or 'segment' (segment-major).
+        block_size: (query, key) block of the BlockMask and the kernel's sparsity.
+
+    Returns:
+        Outputs (B, H, W, h, d), as `span_attention`'s. No dropout (pass attention dropout 0).
+    """
+    H, W = q.shape[2:4]
+    geo = span_flex_geometry((H, W), window_size, kv_shared.shape[3], order)
+    block_mask = span_flex_block_mask(geo, tuple(block_size), q.device)
+    score_mod = None if rel_pos_table is None else span_flex_score_mod(geo, rel_pos_table)
+    keys = torch.cat([_to_order(k, geo), kv_shared[0]], dim=2)
+    values = torch.cat([_to_order(v, geo), kv_shared[1]], dim=2)
+    out = _run_flex(_to_order(q, geo), keys, values, score_mod, block_mask, scale)
+    return _from_order(out, geo)
