@@ -40,8 +40,9 @@ def _train(shapes: Path, out: Path, *extra: str) -> dict:
 
 
 def test_resume_is_exact(shapes, tmp_path):
-    straight = _train(shapes, tmp_path / 'a', '--epochs', '2', '--experiment', 'run')
-    _train(shapes, tmp_path / 'b', '--epochs', '1', '--experiment', 'run')
+    # under bfloat16 autocast (the CPU's AMP), which the resumed run takes from the recorded arguments
+    straight = _train(shapes, tmp_path / 'a', '--epochs', '2', '--experiment', 'run', '--amp')
+    _train(shapes, tmp_path / 'b', '--epochs', '1', '--experiment', 'run', '--amp')
     resumed = tmp_path / 'b' / 'run' / 'last.pth.tar'
     assert detect.main(['--resume', str(resumed), '--epochs', '2']) == 0  # the flag beats the recorded epochs
     end = json.loads((tmp_path / 'b' / 'run' / 'result.json').read_text())
@@ -55,7 +56,8 @@ def test_resume_is_exact(shapes, tmp_path):
     assert set(straight['metrics']) == {'bbox', 'segm'} and straight['metrics']['bbox']['images'] == 3
     report = (tmp_path / 'a' / 'run' / 'report.md').read_text()
     assert '| box |' in report and '| mask |' in report and 'pycocotools' in report
-    assert yaml.safe_load((tmp_path / 'a' / 'run' / 'args.yaml').read_text())['epochs'] == 2
+    recorded = yaml.safe_load((tmp_path / 'a' / 'run' / 'args.yaml').read_text())
+    assert (recorded['epochs'], recorded['amp']) == (2, True)
 
 
 def test_torchrun_training_and_evaluation(shapes, tmp_path):

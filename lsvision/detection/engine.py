@@ -320,8 +320,9 @@ def _agree(flag: bool, device: torch.device) -> bool:
 
 
 def _recorded_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """The arguments a checkpoint and args.yaml record (those of the command line, not torchrun's)."""
-    skip = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'config', 'resume', 'eval_only',
+    """The arguments a checkpoint and args.yaml record (the run's, not this machine's: no device, no torchrun
+    place)."""
+    skip = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume', 'eval_only',
             'checkpoint'}
     return {k: v for k, v in vars(args).items() if k not in skip and not k.startswith('_')}
 
