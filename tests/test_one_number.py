@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from _helpers import ROOT, load_tool, write_two_class_images
+from PIL import Image
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.runs import TrainingRun
@@ -23,11 +24,16 @@ TINY = ['--model-kwargs', 'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=
 
 @pytest.fixture(scope='module')
 def trained(tmp_path_factory):
-    """A two-class folder (16 training, 8 validation images of 16 px) and a 1-epoch run at 64 px with the configs'
-    amp setting; returns the data folder and the run folder."""
+    """A two-class folder (16 training, 8 validation images of 16 px, three of them grayscale, RGBA or JPEG of odd
+    sizes) and a 1-epoch run at 64 px with the configs' amp setting; returns the data folder and the run folder."""
     root = tmp_path_factory.mktemp('one_number')
     data = root / 'data'
     write_two_class_images(data, per_class=8)
+    val = data / 'val'  # as a folder of photographs: a grayscale image, an RGBA one and a JPEG, of odd sizes
+    Image.open(val / 'class0' / '000.png').convert('L').resize((23, 17)).save(val / 'class0' / '000.png')
+    Image.open(val / 'class1' / '001.png').convert('RGBA').resize((19, 29)).save(val / 'class1' / '001.png')
+    Image.open(val / 'class0' / '002.png').resize((31, 20)).save(val / 'class0' / '002.jpg', quality=80)
+    (val / 'class0' / '002.png').unlink()
     config = yaml.safe_load((ROOT / 'configs' / 'cvt_ls_13.yaml').read_text())
     assert config['amp'] is True and config.get('amp_dtype') is None  # the default: bfloat16 on CPU
     result = run(parse_args([str(data), '--model', 'cvt_ls_13', '--img-size', '64', '--epochs', '1', '-b', '4',
