@@ -1,8 +1,10 @@
-"""The model table (tools/demo.py, `make models`) and lsvision's model listing."""
+"""The model table (tools/demo.py, `make models`), the model listing, and `make demo` against its recorded run."""
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import timm
 
@@ -35,3 +37,52 @@ def test_demo_unknown_model_is_explained(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2
     assert "no lsvision model matches ['no_such_model']; known: " in proc.stderr
+
+
+# `make demo` (tools/train.py with configs/digits_demo.yaml) and the numbers README.md and docs/training.md quote from
+# its recorded run (docs/benchmarks/digits_demo.json, written by tools/record_demo.py)
+
+RECORD = ROOT / 'docs' / 'benchmarks' / 'digits_demo.json'
+VAL_IMAGES = 359  # the digits demo's validation split
+
+
+def _record() -> dict:
+    return json.loads(RECORD.read_text())
+
+
+def _cpu(machine: str) -> str:
+    return machine.split(', ')[0]
+
+
+def test_the_demo_gives_its_recorded_numbers(tmp_path):
+    """The whole demo (its 8 epochs: --time-budget 0, so that a busy machine does not cut it short) gives the recorded
+    top-1, bit for bit on the recording's CPU model; elsewhere float rounding may move an image or two."""
+    from lsvision.bench import machine_description
+    record = _record()
+    proc = subprocess.run([sys.executable, str(ROOT / 'tools' / 'train.py'), '--output', str(tmp_path),
+                           '--time-budget', '0'], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / 'digits_demo' / 'result.json').read_text())
+    for key in ('model', 'model_kwargs', 'params', 'epochs_done', 'num_updates', 'metrics_of'):
+        assert result[key] == record[key], key
+    same_cpu = _cpu(machine_description()) == _cpu(record['machine'])
+    assert result['top1'] == pytest.approx(record['top1'], abs=1e-9 if same_cpu else 2 * 100 / VAL_IMAGES)
+    printed = proc.stdout.strip().splitlines()[0]
+    if same_cpu:  # the printed line up to its time, which the machine's load decides
+        assert printed.rsplit(', ', 1)[0] == record['printed'].rsplit(', ', 1)[0]
+    assert printed.startswith("a CvT-LS built by cvt_ls_13's constructor with the run's model_kwargs (0.")
+
+
+def test_readme_and_training_doc_quote_the_recorded_demo():
+    record = _record()
+    measured = json.loads((ROOT / 'model_cards' / 'measurements.json').read_text())['models']['cvt_ls_13']
+    readme = ' '.join((ROOT / 'README.md').read_text().split('\n## ', 1)[0].split())  # the opening, one line
+    training = ' '.join((ROOT / 'docs' / 'training.md').read_text().split())
+    numbers = f"{record['top1']:.2f} % top-1 after {record['train_seconds']:.0f} s of training on 2 CPU cores"
+    size = f"{record['params'] / 1e6:.2f}M parameters"
+    assert numbers in readme and size in readme  # the README names no load (the recorded run does)
+    assert f"where the registered cvt_ls_13 has {measured['params'] / 1e6:.2f}M" in readme
+    assert '[recorded run](docs/benchmarks/digits_demo.md)' in readme
+    assert f"{numbers} at load average {record['load_average']}," in training and size in training
+    assert '(benchmarks/digits_demo.md)' in training
+    assert record['command'] == 'python tools/train.py' and not record['stopped_by_time_budget']  # make demo's run

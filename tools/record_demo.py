@@ -13,6 +13,7 @@ not depend on the time: the same as `make demo` where the budget is not reached;
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def main(argv=None) -> int:
     config = yaml.safe_load((ROOT / 'configs' / 'digits_demo.yaml').read_text())
     torch.set_num_threads(config['threads'])  # the machine line names the demo's thread count, not this process's
     record.update(command=' '.join(['python tools/train.py', *flags]), commit=commit, machine=machine_description(),
+                  load_average=round(os.getloadavg()[0], 1),  # the last minute's, also in the machine line
                   date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))
     write_json(args.out.with_suffix('.json'), record)
     write_atomic(args.out.with_suffix('.md'), lambda tmp: tmp.write_text(markdown(record)))
