@@ -38,17 +38,19 @@ def git_commit() -> str:
 
 
 def run_demo(out_dir: Path, flags: List[str]) -> dict:
-    """`python tools/train.py --output OUT_DIR [flags]`, as `make demo` runs it: its printed summary and result.json."""
+    """`python tools/train.py --output OUT_DIR [flags]`, as `make demo` runs it: its printed summary and result.json.
+    Its log (stderr, the progress) goes to this process's stderr as it runs."""
     command = [sys.executable, str(ROOT / 'tools' / 'train.py'), '--output', str(out_dir), *flags]
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f'the demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}')
+        raise RuntimeError(f'the demo failed (exit status {proc.returncode}; its log is above)')
     result = json.loads((out_dir / 'digits_demo' / 'result.json').read_text())
     printed = [line for line in proc.stdout.splitlines() if line.strip()][0]  # the summary line
     return dict({k: result[k] for k in RESULT_KEYS}, printed=printed)
 
 
 def markdown(record: dict) -> str:
+    """The record as a page: where and when it was made, and the numbers the docs quote."""
     rows = [['printed', f"`{record['printed']}`"], ['val top-1 (%)', f"{record['top1']:.2f}"],
             ['parameters', f"{record['params']:,}"], ['epochs, updates', f"{record['epochs_done']}, "
                                                                          f"{record['num_updates']}"],
