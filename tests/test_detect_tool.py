@@ -111,6 +111,13 @@ def _error(capsys, argv) -> str:
     return capsys.readouterr().err
 
 
+def test_non_finite_loss_stops_the_run(shapes, tmp_path, caplog):
+    argv = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', '--output', str(tmp_path),
+            *TINY, '--lr', '1e10', '--warmup-iters', '0', '--batch-size', '1', '--epochs', '2']
+    assert detect.main(argv) == 1
+    assert 'the training loss is nan at update' in caplog.text and 'Lower --lr' in caplog.text
+
+
 def test_errors_say_what_to_do(tmp_path, capsys, shapes):
     config = tmp_path / 'typo.yaml'
     config.write_text('model: cvt_ls_13\nlearning_rate: 0.1\n')

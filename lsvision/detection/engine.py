@@ -40,7 +40,7 @@ from timm.utils import init_distributed_device, setup_default_logging
 
 from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
-from ..eval.distributed import DatasetShard, all_gather, shard_range
+from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..eval.report import write_json, write_markdown
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
 from ..train.data import derive_seed, seed_everything
@@ -139,23 +139,19 @@ def evaluate_detector(model: nn.Module, dataset: CocoInstances, device: torch.de
             outputs = model([image.to(device, non_blocking=True) for image in images])
         for output, target in zip(outputs, targets):
             detections.extend(detections_to_coco(output, target['image_id'], dataset.category_ids))
-        if log_every and (step + 1) % log_every == 0 and dist_rank() == 0:
+        if log_every and (step + 1) % log_every == 0 and rank_and_world()[0] == 0:
             rate = (step + 1) / (time.perf_counter() - t0)
             _logger.info(f'eval: {step + 1}/{len(indices)} images of this process, {rate:.1f} img/s, ETA '
                          f'{timedelta(seconds=round((len(indices) - step - 1) / rate))}')
     detections = [d for part in all_gather(detections) for d in part]
     result = [None]
-    if dist_rank() == 0:
+    if rank_and_world()[0] == 0:
         result = [coco_evaluate(dataset.coco, detections, iou_types, image_ids=dataset.image_ids)]
         for scores in result[0].values():
             scores.update(images=len(dataset), detections=len(detections))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if rank_and_world()[1] > 1:
         dist.broadcast_object_list(result, src=0)
     return result[0], detections
-
-
-def dist_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _demo_data(args: argparse.Namespace) -> None:
@@ -222,7 +218,9 @@ class _Training:
                                                   num_workers=args.workers, collate_fn=collate_detection,
                                                   pin_memory=device.type == 'cuda', drop_last=False)
         self.updates_per_epoch = len(self.loader)
-        self.optimizer = create_optimizer_v2(_unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay)
+        # weight decay on every parameter, biases and norms included, as mmdetection's plain AdamW of the PVT recipes
+        self.optimizer = create_optimizer_v2(_unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+                                             filter_bias_and_bn=False)
         self.scheduler = MultiStepLRScheduler(
             self.optimizer, decay_t=[m * self.updates_per_epoch for m in args.decay_milestones],
             decay_rate=args.decay_rate, warmup_t=args.warmup_iters, warmup_lr_init=args.lr * args.warmup_ratio,
@@ -260,6 +258,13 @@ class _Training:
         with _autocast(self.args, self.device):
             losses = self.model(images, targets)
         loss = sum(losses.values())
+        values = {k: float(v.detach()) for k, v in losses.items()}  # one read of the device per update
+        values['loss'] = float(loss.detach())
+        if not math.isfinite(values['loss']):  # before the update: the weights stay those of the last good step
+            raise NonFiniteLossError(
+                f'the training loss is {values["loss"]} at update {self.num_updates + 1} (epoch {self.epoch}): '
+                f"{values}; the run directory's last.pth.tar (if an epoch finished) holds the last good epoch. Lower "
+                '--lr, set --clip-grad, or use --no-amp')
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -276,13 +281,6 @@ class _Training:
         all_reduce_grc_caches(self.grc)
         self.num_updates += 1
         self.scheduler.step_update(self.num_updates)
-        values = {k: float(v.detach()) for k, v in losses.items()}  # one read of the device per update
-        values['loss'] = float(loss.detach())
-        if not math.isfinite(values['loss']):
-            raise NonFiniteLossError(
-                f'the training loss is {values["loss"]} at update {self.num_updates} (epoch {self.epoch}): '
-                f'{values}; the last checkpoint holds the last good state. Lower --lr, set --clip-grad, or '
-                'use --no-amp')
         return values
 
     def train_epoch(self, deadline: Optional[float]) -> Tuple[Dict[str, float], bool]:
@@ -312,7 +310,7 @@ class _Training:
 
 def _agree(flag: bool, device: torch.device) -> bool:
     """True on every process when it is true on any (a time budget must stop all processes at the same step)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_and_world()[1] == 1:
         return flag
     value = torch.tensor(float(flag), device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
