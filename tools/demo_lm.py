@@ -9,6 +9,7 @@ perplexity with the memory / cache carried over the held-out files' streams.
 """
 import argparse
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -33,9 +34,11 @@ def honest_note(rows, train_tokens: int) -> str:
         "the paper's WikiText-103 gain (Transformer-XL base 24.0 -> 22.9 test perplexity, Cached Transformers "
         'Table 5) is for 151M-parameter models trained for 200k steps of 60 x 150 tokens on 103M tokens; here '
         f'models of {params} parameters saw {epochs} epochs of a {train_tokens:,}-token corpus of short docstring '
-        'paragraphs, far from convergence, where an early lead mostly reflects how many steps fitted in the time; '
-        'one run per model, no seeds varied, and on a shared machine the step counts move with its load. The '
-        "difference here says nothing either way about the paper's 1.1 points.")
+        "paragraphs, far from convergence, where the ranking can still change with training. Transformer-XL's "
+        "memory holds the previous segment's hidden states exactly; the GRC cache holds a gated summary of all "
+        'earlier segments at half the width, whose gates start untrained. One run per model, no seeds varied, and '
+        'on a shared machine the step counts move with its load. The difference here says nothing either way '
+        "about the paper's 1.1 points.")
 
 
 
@@ -56,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')  # progress
     args.threads = args.threads or auto_threads()
     torch.set_num_threads(args.threads)
     corpus = stdlib_docstrings()
