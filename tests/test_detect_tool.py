@@ -56,6 +56,11 @@ def test_resume_is_exact(shapes, tmp_path):
     assert set(straight['metrics']) == {'bbox', 'segm'} and straight['metrics']['bbox']['images'] == 3
     report = (tmp_path / 'a' / 'run' / 'report.md').read_text()
     assert '| box |' in report and '| mask |' in report and 'pycocotools' in report
+    # --checkpoint takes the detector (and data, amp) the checkpoint records; a flag that changes it is explained
+    assert detect.main(['--eval-only', '--checkpoint', str(resumed), '--output', str(tmp_path / 'eval')]) == 0
+    assert json.loads((tmp_path / 'eval' / 'result.json').read_text())['metrics'] == end['metrics']
+    with pytest.raises(DetectionSetupError, match='drop the flags and -c that change the detector'):
+        detect.run(detect.parse_args(['--eval-only', '--checkpoint', str(resumed), '--fpn-channels', '8']))
     recorded = yaml.safe_load((tmp_path / 'a' / 'run' / 'args.yaml').read_text())
     assert (recorded['epochs'], recorded['amp']) == (2, True)
 

@@ -118,25 +118,34 @@ def _config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
     return validate_config(cfg, parser, path)
 
 
+def _recorded(flag: str, path: str, parser: argparse.ArgumentParser, required: bool) -> Dict[str, Any]:
+    """The arguments a tools/detect.py checkpoint records ({} for other weights files unless `required`)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: no such file (give a run directory's last.pth.tar)")
+    recorded = load_checkpoint(path).get('args')
+    if not isinstance(recorded, dict):
+        if required:
+            raise ConfigError(f'{flag} {path} is not a tools/detect.py checkpoint (it records no run arguments)')
+        return {}
+    return validate_config(recorded, parser, path)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The resumed run's recorded arguments, then the config (-c), then the command line: the later wins."""
+    """The arguments a checkpoint records (--resume, or --checkpoint: the detector it holds, not its output place),
+    then the config (-c), then the command line: the later wins."""
     parser = build_parser()
     argv: List[str] = list(sys.argv[1:] if argv is None else argv)
     first = argparse.ArgumentParser(add_help=False)
-    first.add_argument('-c', '--config', default='')
-    first.add_argument('--resume', default='')
-    first.add_argument('--data-dir', default='')
+    for flag in ('-c', '--resume', '--checkpoint', '--data-dir'):
+        first.add_argument(flag, default='')
     known, _ = first.parse_known_args(argv)
     cfg: Dict[str, Any] = {}
     if known.resume:
-        if not os.path.isfile(known.resume):
-            raise ConfigError(f"--resume {known.resume}: no such file (give a run directory's last.pth.tar)")
-        recorded = load_checkpoint(known.resume).get('args')
-        if not isinstance(recorded, dict):
-            raise ConfigError(f'--resume {known.resume} is not a tools/detect.py checkpoint (it records no run '
-                              'arguments)')
-        cfg.update(validate_config(recorded, parser, known.resume))
-    config = known.config or ('' if known.resume or known.data_dir else DEMO_CONFIG)
+        cfg.update(_recorded('--resume', known.resume, parser, required=True))
+    elif known.checkpoint:
+        recorded = _recorded('--checkpoint', known.checkpoint, parser, required=False)
+        cfg.update({k: v for k, v in recorded.items() if k not in ('output', 'experiment')})
+    config = known.c or ('' if cfg or known.resume or known.data_dir else DEMO_CONFIG)
     if config:
         cfg.update(_config(config, parser))
     parser.set_defaults(**cfg)

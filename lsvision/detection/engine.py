@@ -435,7 +435,15 @@ def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: CocoInstance
                    device: torch.device) -> Dict[str, Any]:
     if args.checkpoint:
         ckpt = load_checkpoint(args.checkpoint)
-        _unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
+        try:
+            _unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
+        except RuntimeError as e:
+            recorded = ckpt.get('args') or {}
+            raise DetectionSetupError(
+                f'--checkpoint {args.checkpoint} holds another detector than --detector {args.detector} --model '
+                f'{args.model} with these settings (it records --model {recorded.get("model", "?")}, --fpn-channels '
+                f'{recorded.get("fpn_channels", "?")}): drop the flags and -c that change the detector, so that the '
+                f'recorded ones are used. ({str(e).splitlines()[0]})') from None
     elif args.rank == 0:
         _logger.warning('--eval-only without --checkpoint scores the untrained detector (backbone weights: '
                         f'{args.backbone_weights or "random"})')
