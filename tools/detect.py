@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=8 tools/detect.py -c configs/detection/mask_rcnn_pvt_small_grc_1x.yaml \\
         --data-dir /data/coco --backbone-weights pretrained --amp
     python tools/detect.py --resume output/detect/<run>/last.pth.tar          # continue a stopped run exactly
-    python tools/detect.py -c <config> --data-dir /data/coco --eval-only --checkpoint <run>/last.pth.tar
+    python tools/detect.py --eval-only --checkpoint output/detect/<run>/last.pth.tar    # the detector it records
 
 --data-dir is a COCO tree: annotations/instances_<split>.json and an image folder <split>/ for --train-split and
 --val-split (train2017 and val2017 by default). Without --data-dir (and no config), the demo preset
