@@ -185,6 +185,10 @@ def test_bad_image_files_are_named_then_skipped(tmp_path):
         assert text in message
     ds = CocoInstances(str(ann), str(tmp_path / 'images'), skip_bad=True)
     assert ds.image_ids == [3] and ds.stats.left_out_images == [1, 2, 4]
+    del data['images'][2]['height']
+    ann.write_text(json.dumps(data))
+    with pytest.raises(CocoDataError, match=r'malformed image entry: image 3 \(3.png\): no height in its entry'):
+        CocoInstances(str(ann), str(tmp_path / 'images'))
 
 
 def test_missing_files_and_class_count(tmp_path):

@@ -51,8 +51,8 @@ class CocoDataError(ValueError):
 
 @dataclass
 class CocoProblem:
-    """One bad input: its kind (`missing image`, `unreadable image`, `size mismatch`, `malformed bbox`, `unknown
-    category`, `malformed polygon`, `malformed RLE`), the image, and what is wrong."""
+    """One bad input: its kind (`malformed image entry`, `missing image`, `unreadable image`, `size mismatch`,
+    `malformed bbox`, `unknown category`, `malformed polygon`, `malformed RLE`), the image, and what is wrong."""
     kind: str
     image_id: int
     file_name: str
@@ -144,6 +144,9 @@ def _annotation_problems(coco: COCO, image: Dict[str, Any], category_ids: set) -
 
 def _image_problem(image: Dict[str, Any], image_dir: str) -> Optional[CocoProblem]:
     name = image.get('file_name', '')
+    fields = [k for k in ('file_name', 'height', 'width') if k not in image]
+    if fields:
+        return CocoProblem('malformed image entry', image['id'], name, f'no {", ".join(fields)} in its entry')
     path = os.path.join(image_dir, name)
     if not os.path.isfile(path):
         return CocoProblem('missing image', image['id'], name, f'no file {path}')
