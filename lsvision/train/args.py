@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--interpolation', default='', type=str, metavar='NAME')
     group.add_argument('-b', '--batch-size', type=int, default=128, metavar='N', help='batch size per process')
     group.add_argument('-vb', '--validation-batch-size', type=int, default=None, metavar='N')
+    group.add_argument('--drop-last', action=Flag, default=True,
+                       help="drop each epoch's partial last training batch (timm's train.py); --no-drop-last keeps "
+                            'it (cut to an even size under Mixup / CutMix), so a small folder loses no image')
     group.add_argument('--channels-last', action=Flag, default=False)
     group.add_argument('--grad-accum-steps', type=int, default=1, metavar='N')
     group.add_argument('--grad-checkpointing', action=Flag, default=False)
@@ -178,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--decay-milestones', default=[90, 180, 270], type=int, nargs='+')
     group.add_argument('--decay-epochs', type=float, default=90)
     group.add_argument('--warmup-epochs', type=int, default=5)
+    group.add_argument('--warmup-steps', type=int, default=0, metavar='N',
+                       help='linear warmup over the first N optimizer updates instead of --warmup-epochs (0 = use '
+                            '--warmup-epochs); needs --sched-on-updates')
     group.add_argument('--warmup-prefix', action=Flag, default=False)
     group.add_argument('--cooldown-epochs', type=int, default=0)
     group.add_argument('--patience-epochs', type=int, default=10)

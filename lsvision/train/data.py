@@ -6,8 +6,10 @@ any position, and each sample's augmentation is seeded from (seed, epoch, rank, 
 neither on the number of workers nor on where the run was interrupted.
 """
 import logging
+import os
 import random
-from typing import Any, Iterator, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -16,11 +18,18 @@ from PIL import Image
 
 from timm.data.dataset import ImageDataset
 from timm.data.distributed_sampler import RepeatAugSampler
+from timm.data.readers.reader_image_folder import find_images_and_targets
+from timm.utils.misc import natural_key
 
-__all__ = ['ResumableSampler', 'SeededTrainDataset', 'derive_seed']
+__all__ = ['ResumableSampler', 'SeededTrainDataset', 'TrainBatchSampler', 'TrainSetupError', 'SplitScan', 'derive_seed',
+           'scan_split', 'split_problems', 'class_counts_text']
 
 _logger = logging.getLogger(__name__)
 _MAX_SKIPPED_IN_A_ROW = 20
+
+
+class TrainSetupError(ValueError):
+    """Arguments, data or checkpoint that cannot be used as given (the message says why and what to do)."""
 
 
 def derive_seed(*parts: int) -> int:
@@ -163,3 +172,146 @@ def num_classes_of(dataset: torch.utils.data.Dataset) -> Optional[int]:
         return len(set(class_to_idx.values()))
     classes = getattr(dataset, 'classes', None)
     return len(classes) if classes else None
+
+
+class TrainBatchSampler(torch.utils.data.Sampler):
+    """Batches of a `ResumableSampler`; what happens to the epoch's last, partial batch is explicit.
+
+    With ``drop_last`` (timm's train.py) the partial batch is dropped. Without it the batch is kept, cut down to a
+    multiple of ``multiple_of`` (2 under Mixup / CutMix, which pair each image with another in its batch), so at most
+    ``multiple_of - 1`` images are left out of an epoch. All batches but the last are full, so a resumed epoch starts
+    at ``batch * batch_size`` in the sampler's order.
+
+    Args:
+        sampler: The epoch's order.
+        batch_size: Images per batch.
+        drop_last: Drop the partial last batch.
+        multiple_of: The size the kept last batch is cut to a multiple of.
+    """
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool, multiple_of: int = 1):
+        self.sampler, self.batch_size, self.drop_last, self.multiple_of = sampler, batch_size, drop_last, multiple_of
+
+    def _last(self, n: int) -> int:
+        """How many of the ``n`` samples left after the full batches form the last batch."""
+        return 0 if self.drop_last else n - n % self.multiple_of
+
+    def batches_per_epoch(self) -> int:
+        """Batches in a whole epoch (from its first sample)."""
+        full, rest = divmod(self.sampler.full_len(), self.batch_size)
+        return full + (self._last(rest) > 0)
+
+    def used_per_epoch(self) -> int:
+        """Samples a whole epoch trains on (the rest are left out of it)."""
+        full, rest = divmod(self.sampler.full_len(), self.batch_size)
+        return full * self.batch_size + self._last(rest)
+
+    def __iter__(self) -> Iterator[List[Tuple[int, int, int]]]:
+        batch = []
+        for item in self.sampler:
+            batch.append(item)
+            if len(batch) == self.batch_size:
+                yield batch
+                batch = []
+        keep = self._last(len(batch))
+        if keep:
+            yield batch[:keep]
+
+    def __len__(self) -> int:
+        full, rest = divmod(len(self.sampler), self.batch_size)
+        return full + (self._last(rest) > 0)
+
+
+@dataclass
+class SplitScan:
+    """The class folders of one split of an image folder, as timm's folder reader sees them.
+
+    Attributes:
+        root: The split folder.
+        counts: Class folder name -> images timm reads in it (its file types, sub-folders included), in class order.
+        empty: Class folders (directly in ``root``) without one image timm reads.
+        loose: Images directly in ``root``, outside any class folder.
+    """
+    root: str
+    counts: Dict[str, int]
+    empty: List[str] = field(default_factory=list)
+    loose: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def scan_split(root: str) -> SplitScan:
+    """The class folders of an image-folder split and their image counts, by timm's own scan
+    (`find_images_and_targets`: a class is the leaf folder an image lies in)."""
+    samples, class_to_idx = find_images_and_targets(root)
+    per_index = np.bincount([t for _, t in samples], minlength=len(class_to_idx)) if samples else []
+    counts = {name: int(per_index[i]) for name, i in class_to_idx.items()}
+    loose = counts.pop('', 0)
+    folders = sorted((d for d in os.listdir(root) if not d.startswith('.') and os.path.isdir(os.path.join(root, d))),
+                     key=natural_key)
+    return SplitScan(root, counts, [d for d in folders if d not in counts], loose)
+
+
+def _listed(names: Sequence[str], n: int = 8) -> str:
+    return ', '.join(names[:n]) + (f', ... ({len(names)} in all)' if len(names) > n else '')
+
+
+def split_problems(train: SplitScan, val: SplitScan, class_map: Optional[Dict[str, int]] = None,
+                   class_map_name: str = '') -> List[str]:
+    """What makes the two splits unusable together, each with its fix ([] when they agree).
+
+    Validation must score the classes the model trains on, under the same labels: every class needs images in both
+    splits (an empty folder would be dropped by timm's scan and shift the labels that follow it). With a class map
+    the classes are the map's, and a folder the map does not name would be dropped silently.
+    """
+    problems = []
+    for scan in (train, val):
+        if scan.empty:
+            paths = [os.path.join(scan.root, d) for d in scan.empty]
+            problems.append(
+                f'empty class folder(s) {_listed(paths)}: no image in them, so timm would drop the class and the '
+                "splits' labels would not match. Put images of the class in them, or remove the class from both "
+                f'splits (the folder of that name in {train.root} and in {val.root})')
+        if scan.loose:
+            problems.append(f'{scan.loose} image(s) lie directly in {scan.root}, outside any class folder; move them '
+                            'into the folder of their class')
+    classes = list(class_map) if class_map else list(train.counts)
+    if class_map:
+        for scan in (train, val):
+            unnamed = [c for c in scan.counts if c not in class_map]
+            if unnamed:
+                problems.append(f'class folder(s) {_listed(unnamed)} in {scan.root} are not in --class-map '
+                                f'{class_map_name}; add them to it, or move them out of {scan.root}')
+        absent = [c for c in classes if c not in train.counts and c not in train.empty]
+        if absent:
+            problems.append(f'--class-map {class_map_name} names class(es) {_listed(absent)} that have no folder in '
+                            f'{train.root}; add their training images as {train.root}/<class>/, or remove them from '
+                            'the class map')
+    else:
+        extra = [c for c in val.counts if c not in train.counts and c not in train.empty]
+        if extra:
+            problems.append(
+                f'validation class folder(s) {_listed(extra)} in {val.root} have no training folder in {train.root} '
+                f'(the training classes: {_listed(classes)}), so the model has no output for them. Add their training '
+                f'images as {train.root}/<class>/, or move the folder(s) out of {val.root}')
+    missing = [c for c in classes if c not in val.counts and c not in val.empty and c in train.counts]
+    if missing:
+        problems.append(
+            f'training class(es) {_listed(missing)} have no validation folder in {val.root}, so validation would not '
+            f'score them. Add held-out images of each as {val.root}/<class>/, or move the training folder(s) out of '
+            f'{train.root}')
+    return problems
+
+
+def class_counts_text(scan: SplitScan, n: int = 20) -> str:
+    """`162 images in 4 classes (cat 40, dog 41, ...)`: every class up to ``n`` classes, else the range and the
+    smallest classes."""
+    items = list(scan.counts.items())
+    text = f'{scan.total} images in {len(items)} classes'
+    if len(items) <= n:
+        return text + ' (' + ', '.join(f'{name} {count}' for name, count in items) + ')'
+    smallest = sorted(items, key=lambda item: item[1])[:5]
+    return (text + f', {smallest[0][1]}-{max(c for _, c in items)} a class (fewest: '
+            + ', '.join(f'{name} {count}' for name, count in smallest) + ')')

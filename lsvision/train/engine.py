@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.utils.data
 
 import timm
-from timm.data import Mixup, create_dataset, create_loader, create_transform, resolve_data_config
+from timm.data import ImageDataset, Mixup, create_dataset, create_loader, create_transform, resolve_data_config
 from timm.data.dataset_factory import _search_split
 from timm.data.loader import PrefetchLoader, fast_collate
 from timm.layers import convert_sync_batchnorm
@@ -50,7 +50,9 @@ from timm.utils import (
 )
 
 from ..data.digits import export_digits
-from ..eval.distributed import DatasetShard, shard_range
+from ..eval.dataset import META_LABEL, EvalImageDataset, ImageChecks
+from ..eval.distributed import DatasetShard, all_gather, shard_range
+from ..eval.runner import usable_cores
 from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
 from .args import args_to_dict, args_to_yaml
@@ -58,10 +60,15 @@ from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_a
 from .data import (
     ResumableSampler,
     SeededTrainDataset,
+    TrainBatchSampler,
+    TrainSetupError,
+    class_counts_text,
     class_names_of,
     derive_seed,
     num_classes_of,
+    scan_split,
     seed_everything,
+    split_problems,
 )
 from .weights import describe_load, file_num_classes, file_tensor_shapes, recorded_loads
 
@@ -75,10 +82,6 @@ _logger = logging.getLogger('train')
 
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
-
-
-class TrainSetupError(ValueError):
-    """Arguments, data or checkpoint that cannot be used as given (the message says why and what to do)."""
 
 
 class _NonFiniteWindow(Exception):
@@ -177,15 +180,21 @@ def _check_model_name(name: str) -> None:
                           "timm.list_models('*part-of-the-name*') lists the names"))
 
 
-def _check_splits(args: argparse.Namespace) -> None:
-    """Refuse a folder dataset whose splits timm would resolve to overlapping folders.
+def _is_folder(args: argparse.Namespace) -> bool:
+    """Whether the dataset is an image folder (timm's folder reader, or torchvision's ImageFolder)."""
+    return args.dataset.lower() in ('', 'folder', 'image_folder', 'torch/folder', 'torch/image_folder')
+
+
+def _check_splits(args: argparse.Namespace) -> Tuple[str, str]:
+    """Refuse a folder dataset whose splits timm would resolve to overlapping folders; returns (train folder, val
+    folder), ('', '') for other datasets.
 
     timm's split search falls back to the dataset root when a split folder is missing: with no `val/` folder the run
     would validate on the root, training images included; with no `train/` folder it would train on the root,
     validation images included.
     """
-    if args.dataset.lower() not in ('', 'folder', 'image_folder', 'torch/folder', 'torch/image_folder'):
-        return
+    if not _is_folder(args):
+        return '', ''
     root = os.path.abspath(args.data_dir)
     if not os.path.isdir(root):
         what = 'is a file, not a folder' if os.path.exists(root) else 'does not exist'
@@ -205,6 +214,49 @@ def _check_splits(args: argparse.Namespace) -> None:
             f'no training split in {root}: there is no {args.train_split!r} folder (nor train/, training/), and '
             f'training on {train_root} would train on the validation images {val_root}. Put the training images in '
             f'{os.path.join(root, "train")}/<class>/, or name the folder with --train-split NAME')
+    return train_root, val_root
+
+
+def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: str, primary: bool) -> None:
+    """The two splits' class folders must agree (`split_problems`), checked before anything is built; logs the
+    images per class of each split.
+
+    Raises:
+        TrainSetupError: naming every mismatched, empty or unmapped folder, with the fix.
+    """
+    train, val = scan_split(train_root), scan_split(val_root)
+    class_map = None
+    if args.class_map:
+        from timm.data.readers.class_map import load_class_map
+        class_map = load_class_map(args.class_map, train_root)
+    problems = split_problems(train, val, class_map, args.class_map)
+    if problems:
+        raise TrainSetupError('the training and validation folders do not hold the same classes: '
+                              + '; '.join(problems))
+    if primary:
+        _logger.info(f'training split {train_root}: {class_counts_text(train)}')
+        _logger.info(f'validation split {val_root}: {class_counts_text(val)}')
+
+
+def _check_num_classes(args: argparse.Namespace, dataset_train: Any) -> None:
+    """num_classes from the data when unset; one that the config or --num-classes gives must be the data's.
+
+    Raises:
+        TrainSetupError: the class count cannot be told, or differs from the one given.
+    """
+    found = num_classes_of(dataset_train)
+    if args.num_classes is None:
+        if found is None:
+            raise TrainSetupError('cannot tell the number of classes of this dataset; pass --num-classes')
+        args.num_classes = found
+    elif found is not None and args.num_classes != found:
+        names = class_names_of(dataset_train) or []
+        where = f' {args.data_dir}' if args.data_dir else ''
+        raise TrainSetupError(
+            f'num_classes {args.num_classes} (from --num-classes or the config) but the dataset{where} has {found} '
+            f'classes' + (f' ({", ".join(names[:8])}{", ..." if len(names) > 8 else ""})' if names else '')
+            + f': the model would have {args.num_classes} outputs for {found} classes. Pass --num-classes {found}, '
+            'or leave num_classes unset (it is then taken from the data)')
 
 
 def fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> bool:
@@ -442,16 +494,28 @@ class _LossWindow:
 
 @torch.no_grad()
 def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argparse.Namespace, device: torch.device,
-             autocast: Any) -> Dict[str, float]:
+             autocast: Any, images: Optional[EvalImageDataset] = None) -> Dict[str, float]:
     """Loss, top-1 and top-5 over the whole validation set, summed across processes.
 
-    Under torchrun each process's ``loader`` holds its own shard of the set (`DatasetShard`, no padding), so every
-    image is scored exactly once and the result equals one process's evaluation of the same weights.
+    Under torchrun each process's ``loader`` holds its own shard of the set (no padding), so every image is scored
+    exactly once and the result equals one process's evaluation of the same weights. With ``images`` (an image
+    folder read by `EvalImageDataset`), an unreadable image is left out and named, never replaced by another, as
+    tools/validate.py does.
+
+    Raises:
+        TrainSetupError: no validation image could be read.
     """
     model.eval()
     criterion = nn.CrossEntropyLoss(reduction='sum')
+    checks = ImageChecks('validation', images) if images is not None else None
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top1 hits, top5 hits, count
     for input, target in loader:  # on the device already with the prefetcher
+        if checks is not None:  # [label, index, readable, width, height] per image: keep the readable ones
+            keep = checks.keep(target)
+            target = target[keep.to(target.device), META_LABEL]
+            input = input[keep.to(input.device)]
+            if not len(target):
+                continue
         input, target = input.to(device, non_blocking=True), target.to(device, non_blocking=True)
         if args.channels_last:
             input = input.contiguous(memory_format=torch.channels_last)
@@ -469,9 +533,19 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
     if args.distributed:
         dist.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
+    skipped = []
+    if checks is not None:
+        checks.merge(all_gather(checks.state()))  # the unreadable images of every process, in file order
+        skipped = checks.skipped
     if getattr(args, 'rank', 0) == 0:
         _logger.info(f'validation: {int(n)} images scored' + (f' by {args.world_size} processes (each image once)'
-                                                             if args.distributed else ''))
+                                                             if args.distributed else '')
+                     + (f'; {len(skipped)} unreadable left out: ' + ', '.join(f'{s["file"]} ({s["reason"]})'
+                                                                          for s in skipped[:5])
+                        + (', ...' if len(skipped) > 5 else '') if skipped else ''))
+    if not n:
+        raise TrainSetupError('no validation image could be read' + (f' (e.g. {skipped[0]["file"]}: '
+                                                                      f'{skipped[0]["reason"]})' if skipped else ''))
     return {'loss': loss / n, 'top1': 100 * top1 / n, 'top5': 100 * top5 / n}
 
 
@@ -488,6 +562,9 @@ def _setup(args: argparse.Namespace) -> torch.device:
     if args.resplit and args.no_prefetcher:
         raise TrainSetupError('--resplit leaves the first half of each batch unerased, which the prefetcher does; '
                               'drop --no-prefetcher or --resplit')
+    if args.warmup_steps and not args.sched_on_updates:
+        raise TrainSetupError(f'--warmup-steps {args.warmup_steps} counts optimizer updates, so the schedule must step '
+                              'on updates: add --sched-on-updates (or use --warmup-epochs)')
     if args.threads:
         torch.set_num_threads(args.threads)
     _check_model_name(args.model)
@@ -510,9 +587,10 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
         if args.distributed:
             dist.barrier()
         args.data_dir = export_digits()['root']
-    _check_splits(args)
-    class_map = args.class_map or ''
-    dataset_kwargs = dict(root=args.data_dir, class_map=class_map, download=args.dataset_download,
+    train_root, val_root = _check_splits(args)
+    if train_root:
+        _check_folder_classes(args, train_root, val_root, primary)
+    dataset_kwargs = dict(root=args.data_dir, class_map=args.class_map or '', download=args.dataset_download,
                           batch_size=args.batch_size, seed=args.seed)
     if args.input_img_mode:
         dataset_kwargs['input_img_mode'] = args.input_img_mode
@@ -520,12 +598,12 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
         dataset_kwargs.update(input_key=args.input_key, target_key=args.target_key)
     dataset_train = create_dataset(args.dataset, split=args.train_split, is_training=True,
                                    repeats=args.epoch_repeats, num_samples=args.train_num_samples, **dataset_kwargs)
+    train_classes = getattr(getattr(dataset_train, 'reader', None), 'class_to_idx', None)
+    if train_root and train_classes:  # validation labels are the training split's, never its own folders' order
+        dataset_kwargs['class_map'] = dict(train_classes)
     dataset_eval = create_dataset(args.dataset, split=args.val_split, is_training=False,
                                   num_samples=args.val_num_samples, **dataset_kwargs)
-    if args.num_classes is None:
-        args.num_classes = num_classes_of(dataset_train)
-        if args.num_classes is None:
-            raise TrainSetupError('cannot tell the number of classes of this dataset; pass --num-classes')
+    _check_num_classes(args, dataset_train)
     return dataset_train, dataset_eval, class_names_of(dataset_train)  # class names: for validate.py's folder suite
 
 
@@ -555,17 +633,45 @@ def _model_on_device(args: argparse.Namespace, device: torch.device, primary: bo
 
 @dataclass
 class _Loaders:
-    """The training loader (its resumable sampler, the seeded batch erasing) and the validation loader."""
+    """The training loader (its resumable sampler, the seeded batch erasing) and the validation loader, with the
+    dataset of validation images (an image folder's: scored once each, unreadable ones named; else None)."""
     train: Any
     sampler: ResumableSampler
     batch_erasing: Optional[_SeededBatchErasing]
     batches_per_epoch: int
     eval: Any
+    eval_images: Optional[EvalImageDataset] = None
 
 
-def _loaders(args: argparse.Namespace, dataset_train: Any, dataset_eval: Any, data_config: Dict[str, Any],
-             device: torch.device, primary: bool) -> _Loaders:
-    """The transforms and loaders: a resumable seeded training order, and a validation shard per process."""
+def _workers(args: argparse.Namespace, primary: bool) -> int:
+    """Loader workers per process: --workers, but not more than the CPU cores this process may use (above them
+    torch warns and the workers only compete for the cores)."""
+    cores = usable_cores()
+    if args.workers <= cores:
+        return args.workers
+    if primary:
+        _logger.info(f'loader workers: {cores} (--workers {args.workers} capped at the {cores} usable CPU cores)')
+    return cores
+
+
+def _epoch_text(batch_sampler: TrainBatchSampler, args: argparse.Namespace) -> str:
+    """What one epoch trains on: batches, images, and the images it leaves out (and why)."""
+    total, used = batch_sampler.sampler.full_len(), batch_sampler.used_per_epoch()
+    per = ' per process' if args.world_size > 1 else ''
+    text = (f'each epoch: {batch_sampler.batches_per_epoch()} batches of up to {args.batch_size}{per}, {used} of '
+            f'{total} training images{per}')
+    if used == total:
+        return text + ' (none left out)'
+    why = ('drop_last drops the partial last batch; --no-drop-last keeps it' if args.drop_last
+           else 'Mixup / CutMix need an even last batch')
+    return text + f'; {total - used} left out ({why}), different ones each epoch'
+
+
+def _train_loader(args: argparse.Namespace, dataset_train: Any, data_config: Dict[str, Any], device: torch.device,
+                  workers: int, primary: bool) -> Tuple[Any, ResumableSampler, TrainBatchSampler,
+                                                        Optional[_SeededBatchErasing]]:
+    """The training transform and loader: a resumable seeded order in batches (`TrainBatchSampler`), and timm's
+    PrefetchLoader with its seeded random erasing."""
     prefetch = not args.no_prefetcher
     dataset_train.transform = create_transform(
         data_config['input_size'], is_training=True, no_aug=args.no_aug, train_crop_mode=args.train_crop_mode,
@@ -576,10 +682,12 @@ def _loaders(args: argparse.Namespace, dataset_train: Any, dataset_eval: Any, da
         re_prob=args.reprob, re_mode=args.remode, re_count=args.recount, re_num_splits=0, use_prefetcher=prefetch)
     sampler = ResumableSampler(dataset_train, num_replicas=args.world_size, rank=args.rank, seed=args.seed,
                                num_repeats=args.aug_repeats)
+    mixup = args.mixup > 0 or args.cutmix > 0. or args.cutmix_minmax is not None
+    batch_sampler = TrainBatchSampler(sampler, args.batch_size, args.drop_last, multiple_of=2 if mixup else 1)
     loader_train = torch.utils.data.DataLoader(
-        SeededTrainDataset(dataset_train, seed=args.seed, rank=args.rank), batch_size=args.batch_size,
-        sampler=sampler, num_workers=args.workers, pin_memory=args.pin_mem, drop_last=True,
-        persistent_workers=args.workers > 0, collate_fn=fast_collate if prefetch else None)
+        SeededTrainDataset(dataset_train, seed=args.seed, rank=args.rank), batch_sampler=batch_sampler,
+        num_workers=workers, pin_memory=args.pin_mem, persistent_workers=workers > 0,
+        collate_fn=fast_collate if prefetch else None)
     batch_erasing = None
     if prefetch:  # uint8 batches, normalised (and randomly erased) on the device, as timm's train.py
         loader_train = PrefetchLoader(
@@ -589,26 +697,43 @@ def _loaders(args: argparse.Namespace, dataset_train: Any, dataset_eval: Any, da
         if loader_train.random_erasing is not None:
             batch_erasing = loader_train.random_erasing = _SeededBatchErasing(
                 loader_train.random_erasing, args.seed, args.rank)
-    batches_per_epoch = sampler.full_len() // args.batch_size
     if primary:
         _logger.info('data: ' + ('timm PrefetchLoader (normalisation' + (', random erasing' if args.reprob else '')
                                  + f' on {device.type})' if prefetch else 'normalised in the loader workers')
-                     + f', pin_memory {args.pin_mem}')
-    if batches_per_epoch == 0:
+                     + f', pin_memory {args.pin_mem}, {workers} loader worker(s)')
+    if batch_sampler.batches_per_epoch() == 0:
         raise TrainSetupError(f'the training split has {sampler.full_len()} samples per process, fewer than one batch '
-                              f'of {args.batch_size}; lower --batch-size')
+                              f'of {args.batch_size}; lower --batch-size, or --no-drop-last to train on a partial '
+                              'batch')
+    if primary:
+        _logger.info(_epoch_text(batch_sampler, args))
+    return loader_train, sampler, batch_sampler, batch_erasing
+
+
+def _loaders(args: argparse.Namespace, dataset_train: Any, dataset_eval: Any, data_config: Dict[str, Any],
+             device: torch.device, primary: bool) -> _Loaders:
+    """The transforms and loaders: a resumable seeded training order, and a validation shard per process."""
+    workers = _workers(args, primary)
+    loader_train, sampler, batch_sampler, batch_erasing = _train_loader(args, dataset_train, data_config, device,
+                                                                        workers, primary)
     # under torchrun each process scores its own contiguous shard of the val set: timm's distributed sampler would
     # pad the set to a multiple of the processes and score the padding twice. Iterable (streaming) datasets split
-    # themselves across processes in timm's readers.
-    eval_set = dataset_eval
-    if args.distributed and not isinstance(dataset_eval, torch.utils.data.IterableDataset):
+    # themselves across processes in timm's readers. An image folder's images are read by lsvision.eval's dataset,
+    # which marks an unreadable image instead of replacing it with the next one (timm's ImageDataset does).
+    eval_set, eval_images = dataset_eval, None
+    samples = getattr(getattr(dataset_eval, 'reader', None), 'samples', None)
+    if _is_folder(args) and isinstance(dataset_eval, ImageDataset) and samples is not None:
+        eval_set = eval_images = EvalImageDataset(
+            dataset_eval.reader.root, samples, input_img_mode=dataset_eval.input_img_mode or 'RGB',
+            indices=shard_range(len(samples), args.rank, args.world_size) if args.distributed else None)
+    elif args.distributed and not isinstance(dataset_eval, torch.utils.data.IterableDataset):
         eval_set = DatasetShard(dataset_eval, shard_range(len(dataset_eval), args.rank, args.world_size))
     loader_eval = create_loader(
         eval_set, input_size=data_config['input_size'], batch_size=args.validation_batch_size or args.batch_size,
         is_training=False, interpolation=data_config['interpolation'], mean=data_config['mean'],
-        std=data_config['std'], num_workers=args.workers, distributed=args.distributed and eval_set is dataset_eval,
-        crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=prefetch)
-    return _Loaders(loader_train, sampler, batch_erasing, batches_per_epoch, loader_eval)
+        std=data_config['std'], num_workers=workers, distributed=args.distributed and eval_set is dataset_eval,
+        crop_pct=data_config['crop_pct'], pin_memory=args.pin_mem, device=device, use_prefetcher=not args.no_prefetcher)
+    return _Loaders(loader_train, sampler, batch_erasing, batch_sampler.batches_per_epoch(), loader_eval, eval_images)
 
 
 def _loss_and_mixup(args: argparse.Namespace, device: torch.device) -> Tuple[nn.Module, Optional[Mixup]]:
@@ -648,6 +773,10 @@ def _optimization(args: argparse.Namespace, model: nn.Module, device: torch.devi
     """timm's optimizer, precision, EMA and schedule (stepped per update with gradient accumulation)."""
     _resolve_lr(args)
     optimizer = create_optimizer_v2(model, **optimizer_kwargs(cfg=args), **(args.opt_kwargs or {}))
+    scales = sorted({group.get('lr_scale', 1.0) for group in optimizer.param_groups})
+    if args.layer_decay and primary:
+        _logger.info(f'layer-wise lr decay {args.layer_decay}: {len(scales)} layer groups, from the head at lr '
+                     f'{args.lr:.3g} down to {scales[0]:.2g} x lr at the stem')
     if args.amp_dtype is None:
         args.amp_dtype = 'bfloat16' if device.type == 'cpu' else 'float16'
     if args.amp and device.type == 'cpu' and primary:
@@ -664,13 +793,30 @@ def _optimization(args: argparse.Namespace, model: nn.Module, device: torch.devi
         model_ema = ModelEmaV3(model, decay=args.model_ema_decay, use_warmup=args.model_ema_warmup,
                                device='cpu' if args.model_ema_force_cpu else None)
     updates_per_epoch = (batches_per_epoch + args.grad_accum_steps - 1) // args.grad_accum_steps
-    lr_scheduler, num_epochs = create_scheduler_v2(
-        optimizer, **scheduler_kwargs(args, decreasing_metric=args.eval_metric == 'loss'),
-        updates_per_epoch=updates_per_epoch)
-    if primary and args.warmup_epochs > 0 and args.warmup_epochs >= num_epochs:
-        _logger.warning(f'--warmup-epochs {args.warmup_epochs} is not shorter than the run ({num_epochs} epochs): the '
-                        f'lr rises from {args.warmup_lr:g} and never reaches {args.lr:.3g}; lower --warmup-epochs')
+    sched_kwargs = scheduler_kwargs(args, decreasing_metric=args.eval_metric == 'loss')
+    if args.warmup_steps:  # timm counts warmup in epochs: this many epochs are warmup_steps updates
+        sched_kwargs['warmup_epochs'] = args.warmup_steps / updates_per_epoch
+    lr_scheduler, num_epochs = create_scheduler_v2(optimizer, **sched_kwargs, updates_per_epoch=updates_per_epoch)
+    if primary:
+        _warn_long_warmup(args, num_epochs, updates_per_epoch)
     return _Optimization(optimizer, autocast, scaler, model_ema, lr_scheduler, num_epochs)
+
+
+def _warn_long_warmup(args: argparse.Namespace, num_epochs: int, updates_per_epoch: int) -> None:
+    """A warmup as long as the run never reaches the lr (the ImageNet recipes' 5 epochs on a folder of a few
+    batches); the line says what the warmup is in updates."""
+    if args.warmup_steps:
+        warmup, total, flag = args.warmup_steps, num_epochs * updates_per_epoch, f'--warmup-steps {args.warmup_steps}'
+        unit = 'updates'
+    else:
+        warmup, total, flag = args.warmup_epochs, num_epochs, f'--warmup-epochs {args.warmup_epochs}'
+        unit = 'epochs'
+    if warmup > 0 and warmup >= total:
+        _logger.warning(f'{flag} is not shorter than the run ({total} {unit}): the lr rises from {args.warmup_lr:g} '
+                        f'and never reaches {args.lr:.3g}; lower {flag.split()[0]}')
+    elif warmup > 0:
+        _logger.info(f'lr warmup: {warmup} {unit} ({warmup * (1 if args.warmup_steps else updates_per_epoch)} of the '
+                     f"run's {num_epochs * updates_per_epoch} updates) from {args.warmup_lr:g} to {args.lr:.3g}")
 
 
 def _run_directory(args: argparse.Namespace, data_config: Dict[str, Any], primary: bool) -> str:
@@ -824,6 +970,12 @@ def train_step(model: nn.Module, criterion: nn.Module, opt: _Optimization, input
     return loss, need_update
 
 
+def _top_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr the log reports: the largest of the parameter groups' (the head's under --layer-decay, where the
+    groups below it get less)."""
+    return max(group['lr'] for group in optimizer.param_groups)
+
+
 class _Run:
     """The training loop of a set-up run: epochs of train steps, evaluation, summary and checkpoints.
 
@@ -892,7 +1044,7 @@ class _Run:
         return NonFiniteLossError(
             f'non-finite training loss ({"nan or inf" if e.loss is None else e.loss}) at '
             f'{epoch_label(epoch, self.num_epochs)}, batch {e.batch_idx + 1}/{self.batches_per_epoch} '
-            f'(lr {self.opt.optimizer.param_groups[0]["lr"]:.3g}); found at batch '
+            f'(lr {_top_lr(self.opt.optimizer):.3g}); found at batch '
             f'{done}/{self.batches_per_epoch} (the loss is read every --log-interval {self.args.log_interval} '
             'batches), no checkpoint written since. '
             + (f'Last good checkpoint: {max(last_good, key=os.path.getmtime)}. ' if last_good
@@ -904,13 +1056,13 @@ class _Run:
         args, model_ema = self.args, self.opt.model_ema
         if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
             distribute_bn(self.model, args.world_size, args.dist_bn == 'reduce')
-        raw = validate(self.model, self.loaders.eval, args, self.device, self.opt.autocast)
+        raw = validate(self.model, self.loaders.eval, args, self.device, self.opt.autocast, self.loaders.eval_images)
         if model_ema is None:
             self.eval_metrics, self.model_metrics, self.ema_metrics = raw, raw, None
             return
         if args.distributed and args.dist_bn in ('broadcast', 'reduce'):
             distribute_bn(model_ema, args.world_size, args.dist_bn == 'reduce')
-        ema = validate(model_ema, self.loaders.eval, args, self.device, self.opt.autocast)
+        ema = validate(model_ema, self.loaders.eval, args, self.device, self.opt.autocast, self.loaders.eval_images)
         self.eval_metrics, self.model_metrics, self.ema_metrics = ema, raw, ema
 
     def _after_update(self) -> None:
@@ -967,7 +1119,7 @@ class _Run:
         if self.mixup_fn is not None and args.mixup_off_epoch and epoch >= args.mixup_off_epoch:
             self.mixup_fn.mixup_enabled = False
         self.model.train()
-        self.step_lr = self.opt.optimizer.param_groups[0]['lr']
+        self.step_lr = _top_lr(self.opt.optimizer)
         bar = None
         if self.use_bar:
             from tqdm import tqdm
@@ -986,7 +1138,7 @@ class _Run:
                 input, target = self.mixup_fn(input, target)
             if args.channels_last:
                 input = input.contiguous(memory_format=torch.channels_last)
-            lr = self.opt.optimizer.param_groups[0]['lr']  # of this batch's update, if it makes one
+            lr = _top_lr(self.opt.optimizer)  # of this batch's update, if it makes one
             loss, updated = train_step(self.model, self.criterion, self.opt, input, target, batch_idx,
                                        self.batches_per_epoch, args)
             self.losses.add(loss, input.shape[0], batch_idx)  # on the device: no wait for it here
