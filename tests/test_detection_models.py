@@ -40,10 +40,10 @@ NO_GRADIENT = ('attn.rel_pos_g2g', 'attn.grc.linear_reset.')
 
 
 def tiny_mask_rcnn(name: str, **kwargs) -> MaskRCNN:
-    """Mask R-CNN on the tiny config of `name` with small heads and few proposals (min_size 96)."""
+    """Mask R-CNN on the tiny config of `name` with small heads and few proposals (min_size 64)."""
     torch.manual_seed(0)
     return detection.mask_rcnn(
-        name, num_classes=None, model_kwargs=FAMILIES[name], fpn_channels=FPN, min_size=96, max_size=160,
+        name, num_classes=None, model_kwargs=FAMILIES[name], fpn_channels=FPN, min_size=64, max_size=128,
         rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32, rpn_pre_nms_top_n_test=64,
         rpn_post_nms_top_n_test=32, rpn_batch_size_per_image=32, box_batch_size_per_image=16,
         box_detections_per_img=8, box_head=TwoMLPHead(FPN * 7 * 7, 32),
@@ -52,7 +52,7 @@ def tiny_mask_rcnn(name: str, **kwargs) -> MaskRCNN:
 
 
 def images_and_targets():
-    """Two images whose resized sizes (96 x 141 and 129 x 96) are no multiple of 32, with a box and an exact mask
+    """Two images whose resized sizes (64 x 93 and 85 x 64) are no multiple of 32, with a box and an exact mask
     for each of two objects."""
     g = torch.Generator().manual_seed(0)
     images = [torch.rand(3, 75, 110, generator=g), torch.rand(3, 94, 70, generator=g)]
@@ -67,8 +67,33 @@ def images_and_targets():
     return images, targets
 
 
+def check_grc_caches(model: MaskRCNN, images, targets, detections) -> None:
+    """After a training forward and an evaluation (`detections`): training forwards store the batch's cache update
+    (the next forward sees it); evaluation neither reads other images into the cache nor changes it, so detections
+    are a function of weights, caches and images; the DDP all-reduce of `detection.grc_layers` is a no-op without a
+    process group."""
+    layers = detection.grc_layers(model)
+    assert layers == grc_modules(model.backbone.body) and layers
+    before = grc_caches(model)
+    with torch.no_grad():
+        model.train()(images, targets)
+        after = grc_caches(model)
+        assert all(not torch.equal(a, b) for a, b in zip(before, after))
+        again = model.eval()(images)
+    assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
+    assert any(not torch.equal(a['scores'], b['scores']) for a, b in zip(detections, again))  # the new caches
+    with torch.no_grad():
+        repeat = model(images)
+    for a, b in zip(again, repeat):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    detection.all_reduce_grc_caches(layers)
+    assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
+
+
 @pytest.mark.parametrize('name', list(FAMILIES))
 def test_mask_rcnn_trains_and_detects(name):
+    """Train mode: losses, and a gradient in every backbone tensor; eval mode: boxes, labels, scores and masks at
+    each image's size (GRC models: their caches, see check_grc_caches)."""
     model = tiny_mask_rcnn(name)
     assert isinstance(model, MaskRCNN)
     images, targets = images_and_targets()
@@ -86,6 +111,8 @@ def test_mask_rcnn_trains_and_detects(name):
     model.eval()
     with torch.no_grad():
         detections = model(images)
+    if grc_modules(model):
+        check_grc_caches(model, images, targets, detections)
     for det, img in zip(detections, images):
         n = det['boxes'].shape[0]
         assert det['boxes'].shape == (n, 4) and det['labels'].shape == det['scores'].shape == (n,)
@@ -94,25 +121,24 @@ def test_mask_rcnn_trains_and_detects(name):
             assert det['boxes'][:, 2].max() <= img.shape[2] and det['boxes'][:, 3].max() <= img.shape[1]
 
 
-@pytest.mark.parametrize('name', ['cvt_ls_13', 'swin_tiny_patch4_window7_224_grc'])
-def test_fpn_levels_at_any_size(name):
-    """Five levels at strides 4-64 (R-CNN) and 8-128 (RetinaNet) on an input no stride divides; a three-stage
-    backbone (CvT-LS) gets its two coarsest levels by subsampling."""
+@pytest.mark.parametrize('name,levels', [('cvt_ls_13', 'rcnn'), ('cvt_ls_13', 'retinanet'),
+                                         ('swin_tiny_patch4_window7_224_grc', 'rcnn')])
+def test_fpn_levels_at_any_size(name, levels):
+    """Five levels at strides 4-64 (R-CNN) or 8-128 (RetinaNet) on an input no stride divides (Swin: padded to
+    whole patches); a three-stage backbone (CvT-LS) gets its coarsest levels from its last one."""
     torch.manual_seed(0)
-    x = torch.randn(1, 3, 100, 150)
-    rcnn = detection.backbone_with_fpn(name, model_kwargs=FAMILIES[name], out_channels=FPN).eval()
-    retina = detection.backbone_with_fpn(name, model_kwargs=FAMILIES[name], out_channels=FPN,
-                                         levels='retinanet').eval()
+    backbone = detection.backbone_with_fpn(name, model_kwargs=FAMILIES[name], out_channels=FPN, levels=levels).eval()
+    names, strides = {'rcnn': (['0', '1', '2', '3', 'pool'], [4, 8, 16, 32, 64]),
+                      'retinanet': (['p3', 'p4', 'p5', 'p6', 'p7'], [8, 16, 32, 64, 128])}[levels]
+    assert backbone.strides == strides and backbone.out_channels == FPN
     with torch.no_grad():
-        for backbone, names in ((rcnn, ['0', '1', '2', '3', 'pool']), (retina, ['p3', 'p4', 'p5', 'p6', 'p7'])):
-            levels = backbone(x)
-            assert list(levels) == names and backbone.out_channels == FPN
-            shapes = [tuple(v.shape[2:]) for v in levels.values()]
-            s = backbone.strides[0]
-            assert shapes[0][0] in (100 // s, -(-100 // s)) and shapes[0][1] in (150 // s, -(-150 // s))
-            for (h, w), (h2, w2) in zip(shapes, shapes[1:]):  # each level halves (rounding up) the one before
-                assert (h2, w2) == ((h + 1) // 2, (w + 1) // 2)
-    assert rcnn.strides == [4, 8, 16, 32, 64] and retina.strides == [8, 16, 32, 64, 128]
+        out = backbone(torch.randn(1, 3, 50, 75))
+    assert list(out) == names and all(v.shape[:2] == (1, FPN) for v in out.values())
+    shapes = [tuple(v.shape[2:]) for v in out.values()]
+    s = strides[0]
+    assert shapes[0][0] in (50 // s, -(-50 // s)) and shapes[0][1] in (75 // s, -(-75 // s))
+    for (h, w), (h2, w2) in zip(shapes, shapes[1:]):  # each level halves (rounding up) the one before
+        assert (h2, w2) == ((h + 1) // 2, (w + 1) // 2)
 
 
 def test_extra_levels_are_torchvisions():
@@ -135,8 +161,11 @@ def test_faster_rcnn_and_retinanet_train():
     images, targets = images_and_targets()
     for build, cls in ((detection.faster_rcnn, FasterRCNN), (detection.retinanet, RetinaNet)):
         torch.manual_seed(0)
-        model = build('cvt_ls_13', num_classes=NUM_CLASSES, model_kwargs=FAMILIES['cvt_ls_13'], fpn_channels=FPN,
-                      min_size=96, max_size=160)
+        small = dict(rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32, rpn_batch_size_per_image=32,
+                     box_batch_size_per_image=16, box_head=TwoMLPHead(FPN * 7 * 7, 32),
+                     box_predictor=FastRCNNPredictor(32, NUM_CLASSES)) if cls is FasterRCNN else {}
+        model = build('cvt_ls_13', num_classes=None if small else NUM_CLASSES, model_kwargs=FAMILIES['cvt_ls_13'],
+                      fpn_channels=FPN, min_size=64, max_size=128, **small)
         assert isinstance(model, cls)
         losses = model.train()(images, [{k: v for k, v in t.items() if k != 'masks'} for t in targets])
         assert losses and all(v.isfinite() for v in losses.values())
@@ -204,28 +233,6 @@ def test_pretrained_without_released_weights_is_explained(tmp_path):
         assert isinstance(tiny_mask_rcnn('cvt_ls_13', backbone_weights=weights), MaskRCNN)
 
 
-def test_grc_caches_in_detection():
-    """Training forwards store the batch's cache update (the next forward sees it); evaluation neither reads
-    other images into the cache nor changes it, so detections are a function of weights, caches and images."""
-    model = tiny_mask_rcnn('pvt_tiny_grc')
-    layers = detection.grc_layers(model)
-    assert layers == grc_modules(model.backbone.body) and len(layers) == 4
-    images, targets = images_and_targets()
-    before = grc_caches(model)
-    model.train()(images, targets)
-    after = grc_caches(model)
-    assert all(not torch.equal(a, b) for a, b in zip(before, after))
-    model.eval()
-    with torch.no_grad():
-        first = model(images)
-        second = model(images)
-    assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
-    for a, b in zip(first, second):
-        assert all(torch.equal(a[k], b[k]) for k in a)
-    detection.all_reduce_grc_caches(layers)  # no process group: a no-op
-    assert all(torch.equal(a, b) for a, b in zip(after, grc_caches(model)))
-
-
 def test_detector_input_size():
     """The resolution benchmark measures what the detector's transform makes of its image sizes."""
     assert detection_bench.detector_input_size(800, 1333) == (800, 1344)
@@ -234,7 +241,7 @@ def test_detector_input_size():
 
 def test_bench_train_step_on_fpn_levels():
     """lsvision.bench's train step takes a dict of levels (the sum of their means) and updates with AdamW (SGD at
-    lr 0 leaves the weights as they were); the suite's jobs measure in this process too."""
+    lr 0 leaves the weights as they were)."""
     build = functools.partial(detection.backbone_with_fpn, 'cvt_ls_13', model_kwargs=FAMILIES['cvt_ls_13'],
                               out_channels=FPN)
     for optimizer in ('sgd', 'adamw'):
@@ -247,7 +254,5 @@ def test_bench_train_step_on_fpn_levels():
         moved = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
         assert all(moved) if optimizer == 'adamw' else not any(moved)
         assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
-    row = bench.measure(job)
-    assert row['kind'] == 'train' and row['input_size'] == [3, 40, 56] and row['timing']['passes'] >= 1
     with pytest.raises(ValueError, match="optimizer must be 'sgd' or 'adamw', got 'adam'"):
         bench.Job(label='x', build=build, optimizer='adam')
