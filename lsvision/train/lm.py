@@ -352,7 +352,8 @@ class _Trainer:
         else:
             left = f'ETA {(cfg.max_steps - self.step) / max(rate, 1e-9) / 60:.1f} min'
         lr = self.optimizer.param_groups[0]['lr']
-        _logger.info(f'step {self.step}/{cfg.max_steps} | epoch {self.epoch} | lr {lr:.3g}'
+        of = '' if cfg.time_budget_s else f'/{cfg.max_steps}'
+        _logger.info(f'step {self.step}{of} | epoch {self.epoch} | lr {lr:.3g}'
                      f' | loss {loss:.3f} | ppl {math.exp(min(loss, 700.)):.1f} | {tokens:,.0f} tok/s | {left}')
 
     def train(self) -> bool:
