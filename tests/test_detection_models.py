@@ -256,3 +256,21 @@ def test_bench_train_step_on_fpn_levels():
         assert all(p.grad is None for p in model.parameters())  # zeroed for the next step
     with pytest.raises(ValueError, match="optimizer must be 'sgd' or 'adamw', got 'adam'"):
         bench.Job(label='x', build=build, optimizer='adam')
+
+
+def _run(label: str, seconds: float, peak: float, image: str = '800x1333'):
+    """One process's row as lsvision.bench.measure returns it (one timed pass)."""
+    return dict(label=label, params=1, input_size=[3, 800, 1344], batch_size=1, pid=0, peak_mib=peak, image=image,
+                timing=dict(bench.timing_stats([seconds], 1), cpu_per_pass_s=seconds))
+
+
+def test_report_has_the_ratios_to_the_baseline():
+    """The report's summary: each model's forward / train time and memory, and their ratios to the baseline's
+    ('-' for what was not measured, here the training of the forward-only run)."""
+    rows = [dict(bench.combine({'inference': [_run(name, t, m)]}), spec=name, point=[800, 1333], baseline='cvt_13')
+            for name, t, m in (('cvt_ls_13', 2.0, 100.), ('cvt_13', 8.0, 400.))]
+    bench.add_ratios(rows)
+    text = detection_bench.report_markdown(rows, 'T', 'python tools/bench_detection.py', 'abc1234', 'a machine')
+    assert 'Produced by `python tools/bench_detection.py` at commit `abc1234`.' in text
+    assert '| cvt_ls_13 | 800x1333 | 800x1344 | 2000 | 100 | 0.25x | 0.25x | - | - | - | - |' in text
+    assert '| cvt_13 | 800x1333 | 800x1344 | 8000 | 400 | 1.00x | 1.00x | - | - | - | - |' in text

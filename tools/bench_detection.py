@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--baseline', default=BASELINE, help='the model the ratios are to')
     parser.add_argument('--sizes', nargs='+', type=parse_size, default=list(IMAGE_SIZES), metavar='HxW',
                         help='image sizes')
+    parser.add_argument('--bench', choices=['inference', 'train', 'both'], default='both',
+                        help='forward, AdamW training step, or both')
     parser.add_argument('--device', default='cpu', help='cpu or cuda')
     parser.add_argument('--amp', choices=sorted(bench.AMP_DTYPES), default=None, help='autocast dtype')
     parser.add_argument('--repeats', type=int, default=2, help='fresh processes per model, size and kind')
@@ -74,8 +76,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         log(f'Wrote {args.out / args.name}.{{json,csv,md}}' + ('' if done else ' (partial)'))
         return text
 
-    rows = run_suite(args.models, args.sizes, args.baseline, args.device, args.amp, args.repeats, args.budget_s,
-                     args.warmup, args.threads, log=log, on_size=write)
+    kinds = ['inference', 'train'] if args.bench == 'both' else [args.bench]
+    rows = run_suite(args.models, args.sizes, args.baseline, kinds, args.device, args.amp, args.repeats,
+                     args.budget_s, args.warmup, args.threads, log=log, on_size=write)
     print(write(rows, done=True))
     return 0
 

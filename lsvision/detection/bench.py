@@ -34,19 +34,20 @@ def detector_input_size(height: int, width: int) -> Tuple[int, int]:
     return tuple(images.tensors.shape[-2:])
 
 
-def _jobs(name: str, size: Tuple[int, int], device: str, amp: Optional[str], budget_s: float, warmup: int,
-          threads: Optional[int]) -> List[bench.Job]:
+def _jobs(name: str, size: Tuple[int, int], kinds: Sequence[str], device: str, amp: Optional[str], budget_s: float,
+          warmup: int, threads: Optional[int]) -> List[bench.Job]:
     h, w = detector_input_size(*size)
     return [bench.Job(
         label=name, build=functools.partial(backbone_with_fpn, name), inputs=[((3, h, w), None)], kind=kind,
         warmup=warmup, budget_s=budget_s, device=device, amp=amp, optimizer='adamw', threads=threads,
-        timeout_s=3600., extra=dict(image=f'{size[0]}x{size[1]}')) for kind in ('inference', 'train')]
+        timeout_s=3600., extra=dict(image=f'{size[0]}x{size[1]}')) for kind in kinds]
 
 
 def run_suite(
         models: Sequence[str] = MODELS,
         sizes: Sequence[Tuple[int, int]] = IMAGE_SIZES,
         baseline: str = BASELINE,
+        kinds: Sequence[str] = ('inference', 'train'),
         device: str = 'cpu',
         amp: Optional[str] = None,
         repeats: int = 2,
@@ -63,6 +64,7 @@ def run_suite(
         models: timm names of backbones with feature maps (the baseline is added when missing).
         sizes: Image sizes (height, width); each is measured at the detector's padded input size.
         baseline: The model the ratios are to.
+        kinds: What to measure: 'inference' (forward) and / or 'train' (AdamW step).
         device: 'cpu' or 'cuda'.
         amp: None, 'bfloat16' or 'float16' autocast.
         repeats: Fresh processes per model, size and kind, in alternating model order.
@@ -78,9 +80,8 @@ def run_suite(
         if log:
             log(f'{size[0]}x{size[1]} images (input {"x".join(map(str, detector_input_size(*size)))}): '
                 f'{", ".join(specs)}')
-        jobs = {s: _jobs(s, size, device, amp, budget_s, warmup, threads) for s in specs}
-        by_kind = {kind: bench.run_jobs([jobs[s][k] for s in specs], repeats, log=log)
-                   for k, kind in enumerate(('inference', 'train'))}
+        jobs = {s: _jobs(s, size, kinds, device, amp, budget_s, warmup, threads) for s in specs}
+        by_kind = {kind: bench.run_jobs([jobs[s][k] for s in specs], repeats, log=log) for k, kind in enumerate(kinds)}
         rows += [dict(bench.combine({kind: runs[i] for kind, runs in by_kind.items()}), spec=spec,
                       point=list(size), baseline=baseline) for i, spec in enumerate(specs)]
         bench.add_ratios(rows)
@@ -101,13 +102,13 @@ def report_markdown(rows: Sequence[Dict[str, Any]], title: str, command: str, co
                     note: str = '') -> str:
     """The report: what was measured, the summary of ratios to the baseline, and the full table."""
     baseline = rows[0]['baseline'] if rows else BASELINE
-    summary = [[r['label'], r['image'], 'x'.join(map(str, r['input_size'][1:])),
-                f"{r['latency_ms']:.0f}", f"{r['peak_mib']:.0f}" if r.get('peak_mib') is not None else '-',
-                _ratio(r, 'latency'), f"{r['peak_ratio']:.2f}x" if r.get('peak_ratio') else '-',
-                f"{r['train_step_ms']:.0f}",
-                f"{r['train_memory_mib']:.0f}" if r.get('train_memory_mib') is not None else '-',
-                _ratio(r, 'train_step'), f"{r['train_memory_ratio']:.2f}x" if r.get('train_memory_ratio') else '-']
-               for r in rows]
+    def cell(row: Dict[str, Any], key: str, fmt: str) -> str:  # '-' where not measured; 'x' after a ratio
+        return '-' if row.get(key) is None else format(row[key], fmt) + ('x' if key.endswith('_ratio') else '')
+
+    summary = [[r['label'], r['image'], 'x'.join(map(str, r['input_size'][1:])), cell(r, 'latency_ms', '.0f'),
+                cell(r, 'peak_mib', '.0f'), _ratio(r, 'latency'), cell(r, 'peak_ratio', '.2f'),
+                cell(r, 'train_step_ms', '.0f'), cell(r, 'train_memory_mib', '.0f'), _ratio(r, 'train_step'),
+                cell(r, 'train_memory_ratio', '.2f')] for r in rows]
     header = ['backbone + FPN', 'image', 'input', 'forward ms', 'forward MiB', f'forward time / {baseline}',
               f'forward mem. / {baseline}', 'train step ms', 'train MiB', f'train time / {baseline}',
               f'train mem. / {baseline}']
