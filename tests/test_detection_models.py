@@ -1,11 +1,12 @@
 """lsvision.detection's detectors: torchvision's Mask R-CNN (and Faster R-CNN, RetinaNet) on every hierarchical
 family's timm features, at sizes the detector's transform does not round to the backbone's strides; backbone weights
 from files, and the errors for files and weights that cannot load."""
+import argparse
 import functools
 
 import pytest
 import torch
-from _helpers import TINY_CONFIGS, grc_caches, grc_modules
+from _helpers import TINY_CONFIGS, grc_caches, grc_modules, load_tool
 from safetensors.torch import save_file
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
@@ -274,3 +275,13 @@ def test_report_has_the_ratios_to_the_baseline():
     assert 'Produced by `python tools/bench_detection.py` at commit `abc1234`.' in text
     assert '| cvt_ls_13 | 800x1333 | 800x1344 | 2000 | 100 | 0.25x | 0.25x | - | - | - | - |' in text
     assert '| cvt_13 | 800x1333 | 800x1344 | 8000 | 400 | 1.00x | 1.00x | - | - | - | - |' in text
+
+
+def test_bench_detection_command_line():
+    tool = load_tool('bench_detection')
+    args = tool.build_parser().parse_args(['--sizes', '800x1333', '1024x1024', '--bench', 'inference'])
+    assert args.sizes == [(800, 1333), (1024, 1024)] and args.models == list(detection_bench.MODELS)
+    with pytest.raises(SystemExit):
+        tool.build_parser().parse_args(['--sizes', '800'])
+    with pytest.raises(argparse.ArgumentTypeError, match="'800' is not HEIGHTxWIDTH, e.g. 800x1333"):
+        tool.parse_size('800')
