@@ -56,6 +56,19 @@ def test_resume_is_exact(shapes, tmp_path):
     assert set(straight['metrics']) == {'bbox', 'segm'} and straight['metrics']['bbox']['images'] == 3
     report = (tmp_path / 'a' / 'run' / 'report.md').read_text()
     assert '| box |' in report and '| mask |' in report and 'pycocotools' in report
+    # killed mid-epoch: the recovery checkpoint of update 3 (epoch 1, batch 1 of 2) resumes to the same weights
+    with pytest.raises(SystemExit, match='stopped after 3 updates'):
+        _train(shapes, tmp_path / 'c', '--epochs', '2', '--experiment', 'run', '--amp', '--recovery-interval', '1',
+               '--stop-after-updates', '3')
+    recovery = tmp_path / 'c' / 'run' / 'recovery.pth.tar'
+    assert torch.load(recovery, weights_only=True)['next_batch'] == 1
+    assert detect.main(['--resume', str(recovery)]) == 0
+    c = torch.load(tmp_path / 'c' / 'run' / 'last.pth.tar', weights_only=True)
+    assert all(torch.equal(value, c['state_dict'][key]) for key, value in a['state_dict'].items())
+    history = json.loads((tmp_path / 'c' / 'run' / 'result.json').read_text())['history']
+    untimed = [[{k: v for k, v in epoch.items() if k != 'train_seconds'} for epoch in h]
+               for h in (history, end['history'])]
+    assert untimed[0] == untimed[1]  # the epoch's mean losses too
     # --checkpoint takes the detector (and data, amp) the checkpoint records; a flag that changes it is explained
     assert detect.main(['--eval-only', '--checkpoint', str(resumed), '--output', str(tmp_path / 'eval')]) == 0
     assert json.loads((tmp_path / 'eval' / 'result.json').read_text())['metrics'] == end['metrics']

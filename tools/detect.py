@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
                        help='stop training after this many seconds, then evaluate and save (0 = no limit)')
     group.add_argument('--log-interval', type=int, default=20, help='a progress line every N updates')
+    group.add_argument('--recovery-interval', type=int, default=0, metavar='N',
+                       help='also save a mid-epoch checkpoint, recovery.pth.tar, every N updates (0 = off); '
+                            '--resume it to continue exactly')
+    group.add_argument('--stop-after-updates', type=int, default=0,
+                       help=argparse.SUPPRESS)  # testing: stop (SystemExit) after N updates, as if killed
     return parser
 
 

@@ -42,7 +42,7 @@ from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..eval.report import write_json, write_markdown
-from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
+from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed, seed_everything
 from ..train.engine import all_reduce_grc_caches
 from . import models
@@ -214,10 +214,7 @@ class _Training:
         self.model = model
         self.sampler = torch.utils.data.DistributedSampler(train, num_replicas=args.world_size, rank=args.rank,
                                                            shuffle=True, seed=args.seed)
-        self.loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, sampler=self.sampler,
-                                                  num_workers=args.workers, collate_fn=collate_detection,
-                                                  pin_memory=device.type == 'cuda', drop_last=False)
-        self.updates_per_epoch = len(self.loader)
+        self.updates_per_epoch = math.ceil(len(self.sampler) / args.batch_size)
         # weight decay on every parameter, biases and norms included, as mmdetection's plain AdamW of the PVT recipes
         self.optimizer = create_optimizer_v2(_unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                                              filter_bias_and_bn=False)
@@ -228,12 +225,26 @@ class _Training:
         use_scaler = args.amp and _amp_dtype(args, device) == 'float16'
         self.scaler = torch.amp.GradScaler(device.type) if use_scaler else None
         self.epoch, self.num_updates, self.history = 0, 0, []
+        self.batch, self.loss_sums = 0, {}  # batches of this epoch done, and their summed losses
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        """This epoch's batches from `self.batch` on: the sampler's order for the epoch, its first batches skipped
+        when resuming mid-epoch. The loader's own generator (seeded per epoch and process) seeds its workers, so no
+        draw from the global random stream differs between a resumed and an uninterrupted run."""
+        self.sampler.set_epoch(self.epoch)
+        self.train_set.set_epoch(self.epoch)
+        indices = list(self.sampler)[self.batch * self.args.batch_size:]
+        generator = torch.Generator().manual_seed(derive_seed(self.args.seed, self.epoch, self.args.rank))
+        return torch.utils.data.DataLoader(self.train_set, batch_size=self.args.batch_size, sampler=indices,
+                                           num_workers=self.args.workers, collate_fn=collate_detection,
+                                           pin_memory=self.device.type == 'cuda', generator=generator)
 
     def state_dict(self, keeper: CheckpointKeeper) -> Dict[str, Any]:
         rng = all_gather(get_rng_state())  # each process resumes its own random stream
         return dict(state_dict=_unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
                     scaler=self.scaler.state_dict() if self.scaler else None, next_epoch=self.epoch,
-                    num_updates=self.num_updates, rng=rng, history=self.history, keeper=keeper.state_dict(),
+                    next_batch=self.batch, loss_sums=dict(self.loss_sums), num_updates=self.num_updates, rng=rng,
+                    history=self.history, keeper=keeper.state_dict(),
                     args=_recorded_args(self.args), arch=self.args.model, detector=self.args.detector)
 
     def load_state_dict(self, ckpt: Dict[str, Any], keeper: CheckpointKeeper) -> None:
@@ -242,6 +253,7 @@ class _Training:
         if self.scaler is not None and ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
         self.epoch, self.num_updates, self.history = ckpt['next_epoch'], ckpt['num_updates'], ckpt['history']
+        self.batch, self.loss_sums = ckpt.get('next_batch', 0), dict(ckpt.get('loss_sums', {}))
         keeper.load_state_dict(ckpt.get('keeper', {}))
         self.scheduler.step_update(self.num_updates)
         rng = ckpt['rng']
@@ -283,29 +295,39 @@ class _Training:
         self.scheduler.step_update(self.num_updates)
         return values
 
-    def train_epoch(self, deadline: Optional[float]) -> Tuple[Dict[str, float], bool]:
-        """One epoch (or until `deadline`); the mean losses and whether the deadline stopped it."""
+    def train_epoch(self, deadline: Optional[float], keeper: CheckpointKeeper) -> Tuple[Dict[str, float], bool]:
+        """The rest of this epoch (or until `deadline`): its mean losses and whether the deadline stopped it. Every
+        --recovery-interval updates, a mid-epoch checkpoint (`recovery.pth.tar`) to resume from."""
         self.model.train()
-        self.sampler.set_epoch(self.epoch)
-        self.train_set.set_epoch(self.epoch)
-        sums: Dict[str, float] = {}
-        t0, count, stopped = time.perf_counter(), 0, False
-        for images, targets in self.loader:
+        t0, done_before, stopped = time.perf_counter(), self.batch, False
+        for images, targets in self._loader():
             values = self.step(images, targets)
-            count += 1
+            self.batch += 1
             for k, v in values.items():
-                sums[k] = sums.get(k, 0.0) + v
-            if self.args.rank == 0 and (count % self.args.log_interval == 0 or count == self.updates_per_epoch):
-                rate = count / (time.perf_counter() - t0)
-                _logger.info(f'epoch {self.epoch} ({self.epoch + 1} of {self.args.epochs}) {count}/'
-                             f'{self.updates_per_epoch}: loss {values["loss"]:.4f} (mean {sums["loss"] / count:.4f}),'
-                             f' lr {self.optimizer.param_groups[0]["lr"]:.3g}, {rate * self.args.batch_size:.2f} '
-                             f'img/s per process, epoch ETA '
-                             f'{timedelta(seconds=round((self.updates_per_epoch - count) / rate))}')
+                self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
+            if self.args.rank == 0 and (self.batch % self.args.log_interval == 0
+                                        or self.batch == self.updates_per_epoch):
+                self._log_progress(values, (self.batch - done_before) / (time.perf_counter() - t0))
+            if self.args.recovery_interval and self.batch % self.args.recovery_interval == 0 \
+                    and self.batch < self.updates_per_epoch:
+                state = self.state_dict(keeper)  # a collective: every process builds it
+                if self.args.rank == 0:
+                    save_atomic(state, keeper.path('recovery.pth.tar'))
+            if self.args.stop_after_updates and self.num_updates >= self.args.stop_after_updates:
+                raise SystemExit(f'stopped after {self.num_updates} updates (--stop-after-updates)')
             if deadline is not None and _agree(time.monotonic() > deadline, self.device):
                 stopped = True
                 break
-        return {k: v / max(count, 1) for k, v in sums.items()}, stopped
+        means = {k: v / max(self.batch, 1) for k, v in self.loss_sums.items()}
+        self.batch, self.loss_sums = 0, {}
+        return means, stopped
+
+    def _log_progress(self, values: Dict[str, float], rate: float) -> None:
+        _logger.info(f'epoch {self.epoch} ({self.epoch + 1} of {self.args.epochs}) {self.batch}/'
+                     f'{self.updates_per_epoch}: loss {values["loss"]:.4f} (mean '
+                     f'{self.loss_sums["loss"] / self.batch:.4f}), lr {self.optimizer.param_groups[0]["lr"]:.3g}, '
+                     f'{rate * self.args.batch_size:.2f} img/s per process, epoch ETA '
+                     f'{timedelta(seconds=round((self.updates_per_epoch - self.batch) / rate))}')
 
 
 def _agree(flag: bool, device: torch.device) -> bool:
@@ -321,7 +343,7 @@ def _recorded_args(args: argparse.Namespace) -> Dict[str, Any]:
     """The arguments a checkpoint and args.yaml record (the run's, not this machine's: no device, no torchrun
     place)."""
     skip = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume', 'eval_only',
-            'checkpoint'}
+            'checkpoint', 'stop_after_updates'}
     return {k: v for k, v in vars(args).items() if k not in skip and not k.startswith('_')}
 
 
@@ -355,7 +377,7 @@ def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: C
     evaluation, stopped = None, False
     while run.epoch < args.epochs and not stopped:
         t0 = time.perf_counter()
-        losses, stopped = run.train_epoch(deadline)
+        losses, stopped = run.train_epoch(deadline, keeper)
         last = stopped or run.epoch + 1 == args.epochs
         evaluation = None
         if last or (args.eval_interval and (run.epoch + 1) % args.eval_interval == 0):
