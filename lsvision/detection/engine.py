@@ -6,7 +6,7 @@ optimizer factory), a linear warmup over the first updates and step decay at giv
 shard of each epoch (`DistributedSampler`, reshuffled per epoch from the seed), the model is wrapped in DDP, and the
 GRC caches are averaged after every optimizer step (`all_reduce_grc_caches`). A checkpoint holds everything a resumed
 run needs (weights, optimizer, scaler, schedule position, every process's RNG state), so `--resume` continues as if
-never stopped; runs are resumed at epoch boundaries.
+never stopped, from the end of an epoch or from a mid-epoch `recovery.pth.tar` (`--recovery-interval`).
 
 Evaluation scores every image once: each process takes a contiguous shard of the images (batch 1, as mmdetection's
 test loop, so no image is padded to another's size), the detections are gathered, and rank 0 scores them with
