@@ -146,12 +146,15 @@ class BackboneWithFPN(nn.Module):
         return self.fpn(OrderedDict(zip(self.level_names, feats)))
 
 
-def _pretrained_error(name: str, error: BaseException) -> NoPretrainedWeightsError:
+def _pretrained_error(name: str, module: str) -> NoPretrainedWeightsError:
+    """The error for 'pretrained' without released weights, with the two ways on (instead of timm's, which says to
+    create the model with pretrained=False)."""
+    where = f'{model_card(name)} says where its weights come from' if module.startswith('lsvision.') else \
+        f"timm.list_pretrained('{name}*') lists released ones"
     return NoPretrainedWeightsError(
-        f"backbone_weights='pretrained': {name} has no released weights ({model_card(name)} says where weights "
-        f"come from; timm.list_pretrained('{name}*') lists released ones). Pass backbone_weights=None to start from "
-        "random weights, or backbone_weights='/path/to/weights' (safetensors, a .pth state dict or a "
-        f'tools/train.py checkpoint of {name}). ({error})')
+        f"backbone_weights='pretrained': {name} has no released weights ({where}). Pass backbone_weights=None to "
+        "start from random weights, or backbone_weights='/path/to/weights' (safetensors, a .pth state dict or a "
+        f'tools/train.py checkpoint of {name}).')
 
 
 def create_backbone(
@@ -182,12 +185,12 @@ def create_backbone(
     if backbone_weights == 'pretrained':
         try:
             return timm.create_model(name, pretrained=True, **kwargs)
-        except NoPretrainedWeightsError as e:
-            raise _pretrained_error(name, e) from None
+        except NoPretrainedWeightsError:
+            raise _pretrained_error(name, module) from None
         except RuntimeError as e:  # timm's own models: "No pretrained weights exist for ..."
             if 'No pretrained weights exist' not in str(e):
                 raise
-            raise _pretrained_error(name, e) from None
+            raise _pretrained_error(name, module) from None
     path = os.fspath(backbone_weights)
     if not os.path.isfile(path):
         raise FileNotFoundError(
