@@ -38,6 +38,10 @@ def test_wt103_base_parameter_counts_match_the_paper():
     assert sum(p.numel() for p in grc.parameters()) == expected + 16 * grc_layer
     assert [g.cache.shape for g in grc.grc_layers()] == [torch.Size([1, 150, dm])] * 16
     assert all(g.pe is None for g in grc.grc_layers())
+    # the GRC model keeps Transformer-XL's names and shapes: an uncached checkpoint loads with only `.grc.` missing
+    plain, cached = base.state_dict(), grc.state_dict()
+    assert all(cached[k].shape == v.shape for k, v in plain.items())
+    assert set(cached) - set(plain) and all('.attn.grc.' in k for k in set(cached) - set(plain))
 
 
 def test_adaptive_softmax_is_a_distribution_and_nll_reads_it():
