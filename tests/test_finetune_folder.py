@@ -1,54 +1,85 @@
-"""README's "Fine-tune on your own folder": its three commands (train, resume, evaluate) as written, on a tiny
-3-class folder, in fresh processes. Only the data path, the output root, the epochs (10 -> 1, 20 -> 2), the size
-(64 -> 32 px) and a tiny model width are changed for a CPU test; the config is the real configs/cvt_ls_13.yaml."""
+"""README's "Fine-tune on your own folder": its commands (train, resume, evaluate, and the offline train line) as
+written, on a tiny 3-class folder, in fresh processes without network (HF_HUB_OFFLINE=1). The weights file is a tiny
+cvt_13 configuration's, saved as a plain state dict with an ImageNet head (as a released file); only the data path,
+the output root, the file name, the epochs (10 -> 1, 20 -> 2), the size (32 px) and the model's width are changed for
+a CPU test. The config is the real configs/finetune.yaml."""
 import json
+import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
-from test_folder_eval import CLASSES, TINY, independent_top1, write_folder
+from _helpers import TINY_FAMILIES, model_kwargs_args
+from test_folder_eval import CLASSES, independent_top1, write_folder
+
+import timm
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL_RUN = ['-b', '6', '-j', '0', '--progress', 'log', *TINY]
+TINY_CVT = TINY_FAMILIES['cvt_13']
+SMALL_RUN = ['-j', '0', '--progress', 'log', '--img-size', '32', '--model-kwargs', *model_kwargs_args(TINY_CVT)]
 
 
 def _readme_commands():
     section = (ROOT / 'README.md').read_text().split('## Fine-tune on your own folder', 1)
     assert len(section) == 2, 'README.md lost its "## Fine-tune on your own folder" section'
-    block = re.search(r'```bash\n(.*?)```', section[1], flags=re.S).group(1)
-    commands = [shlex.split(line) for line in block.splitlines() if line.strip() and not line.startswith('#')]
-    assert [c[1] for c in commands] == ['tools/train.py', 'tools/train.py', 'tools/validate.py'], commands
+    section = section[1].split('\n## ', 1)[0]
+    blocks = re.findall(r'```bash\n(.*?)```', section, flags=re.S)
+    commands = [shlex.split(line) for block in blocks for line in block.splitlines()
+                if line.strip() and not line.startswith('#')]
+    assert [c[1] for c in commands] == ['tools/train.py'] * 2 + ['tools/validate.py', 'tools/train.py'], commands
     return commands
 
 
-def _adapted(command, data: Path, out: Path):
-    """The README's command with this test's data and output places, and a short run."""
-    replace = {'my_data': str(data), 'my_data/val': str(data / 'val'), 'output/train': str(out), '64': '32',
-               '10': '1', '20': '2'}
+def _adapted(command, data: Path, out: Path, weights: Path):
+    """The README's command with this test's data, output and weights places, and a short run."""
+    replace = {'my_data': str(data), 'my_data/val': str(data / 'val'), 'output/train': str(out), '20': '2',
+               'cvt_13.bin': str(weights)}
     args = [replace.get(a, a) for a in command[1:]]
     args = [a.replace('output/train/', f'{out}/') for a in args]
     if command[1] == 'tools/train.py':
-        args += SMALL_RUN
+        args += SMALL_RUN + ([] if '--epochs' in args else ['--epochs', '1'])
     else:
         args += ['--workers', '0', '--no-progress', '--out-dir', str(out / 'eval')]
     return [sys.executable, *args]
 
 
-def test_readme_fine_tune_commands_train_resume_and_evaluate(tmp_path):
+def _run(command):
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, HF_HUB_OFFLINE='1', PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, (command, done.stderr[-3000:])
+    return done
+
+
+def test_readme_fine_tune_commands_train_resume_and_evaluate_offline(tmp_path):
     data = write_folder(tmp_path / 'my_data', per_class=(6, 3))
     out = tmp_path / 'output' / 'train'
-    train, resume, validate = (_adapted(c, data, out) for c in _readme_commands())
-    for command in (train, resume, validate):
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (command, done.stderr[-3000:])
+    weights = tmp_path / 'cvt_13.bin'
+    torch.save(timm.create_model('cvt_13', **TINY_CVT).state_dict(), weights)  # 1000 classes, as released
+    online, resume, validate, offline = _readme_commands()
+    # the download line is the offline line without its file: the test (no network) runs the offline one
+    at = offline.index('--pretrained-path')
+    assert online == offline[:at] + offline[at + 2:]
+    start = time.time()
+    trained = _run(_adapted(offline, data, out, weights))
+    assert time.time() - start < 120  # no hub retries: the file is read, nothing is downloaded
+    assert f'loaded pretrained weights from {weights}' in trained.stderr
+    assert 'new (not in the file): head.weight, head.bias; left out of the file: head.weight [1000, 64]' in \
+        trained.stderr
+    assert f"training split {data / 'train'}: 18 images in 3 classes (circle 6, square 6, triangle 6)" in \
+        trained.stderr
+    assert 'each epoch: 1 batches of up to 32, 18 of 18 training images (none left out)' in trained.stderr
+    _run(_adapted(resume, data, out, weights))
+    _run(_adapted(validate, data, out, weights))
     run_dir = out / 'my_run'
     args = yaml.safe_load((run_dir / 'args.yaml').read_text())
-    assert args['img_size'] == 32 and args['input_size'] in (None, [3, 32, 32])  # the flag beat the config
-    assert args['epochs'] == 2 and args['aa'] and args['mixup'] == 0.8  # the rest is the config's
+    assert args['img_size'] == 32 and args['model'] == 'cvt_13' and args['pretrained']
+    assert args['epochs'] == 2 and args['layer_decay'] == 0.65 and args['mixup'] == 0  # the rest is the config's
     last = torch.load(run_dir / 'last.pth.tar', weights_only=True)
     assert last['args']['epochs'] == 2 and last['next_epoch'] == 2  # resumed: the second epoch ran
     with open(run_dir / 'summary.csv') as f:
@@ -59,3 +90,5 @@ def test_readme_fine_tune_commands_train_resume_and_evaluate(tmp_path):
     assert folder['protocol']['input_size'] == [3, 32, 32]
     top1, _ = independent_top1(run_dir, run_dir / 'last.pth.tar', data / 'val')
     assert folder['top1'] == top1
+    # one number per checkpoint: training's last validation (float32, as the recipe trains) is validate.py's
+    assert json.loads((run_dir / 'result.json').read_text())['top1'] == pytest.approx(top1, abs=1e-9)

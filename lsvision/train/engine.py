@@ -40,7 +40,6 @@ from timm.optim import create_optimizer_v2, optimizer_kwargs
 from timm.scheduler import create_scheduler_v2, scheduler_kwargs
 from timm.utils import (
     ModelEmaV3,
-    accuracy,
     dispatch_clip_grad,
     distribute_bn,
     get_outdir,
@@ -524,12 +523,12 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
         with autocast():
             output = model(input)
         output = output.float()
-        k = min(5, output.shape[-1])
-        top1, topk = accuracy(output, target, topk=(1, k))
+        # hits counted exactly (timm's `accuracy` returns float32 percentages, off in the 7th digit)
+        hits = output.topk(min(5, output.shape[-1]), dim=1).indices.eq(target[:, None])
         n = input.shape[0]
         # summed on the device: one read at the end, not one per batch
-        totals += torch.stack([criterion(output, target).double(), top1.double() * n / 100,
-                               topk.double() * n / 100, torch.full((), n, dtype=torch.float64, device=device)])
+        totals += torch.stack([criterion(output, target).double(), hits[:, 0].sum().double(),
+                               hits.any(dim=1).sum().double(), torch.full((), n, dtype=torch.float64, device=device)])
     if args.distributed:
         dist.all_reduce(totals)
     loss, top1, top5, n = totals.tolist()
