@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import lsvision.sequence as seq
-from lsvision.sequence.transformer_xl import AdaptiveLogSoftmax, GrcStreamState, TxlState
+from lsvision.layers import sinusoid_positions
+from lsvision.sequence.transformer_xl import AdaptiveLogSoftmax, GrcStreamState, RelPartialLearnableAttention, TxlState
 
 TINY = dict(vocab_size=40, dim=32, depth=2, num_heads=2, head_dim=16, mlp_hidden=48, cutoffs=(8, 20), drop=0.)
 
@@ -59,6 +60,36 @@ def test_adaptive_softmax_is_a_distribution_and_nll_reads_it():
     torch.testing.assert_close(plain.log_prob(hidden, weight), F.log_softmax(hidden @ weight.t(), -1))
     with pytest.raises(ValueError, match='cutoffs=\\(\\) for a plain softmax'):
         AdaptiveLogSoftmax(16, 40, (20, 8))
+
+
+def _rel_shift(x):
+    """The authors' `_rel_shift` (pad a zero column, re-view, drop the first row), restated batch-first."""
+    B, H, q, k = x.shape
+    padded = torch.cat([x.new_zeros(B, H, q, 1), x], dim=-1).view(B, H, k + 1, q)
+    return padded[:, :, 1:].reshape(B, H, q, k)
+
+
+def test_relative_attention_equals_the_authors_formulation():
+    torch.manual_seed(0)
+    B, L, M, D, H, dh = 2, 5, 3, 16, 2, 8
+    attn = RelPartialLearnableAttention(D, H, dh).double()
+    x, mem = torch.randn(B, L, D, dtype=torch.float64), torch.randn(B, M, D, dtype=torch.float64)
+    u, v = torch.randn(H, dh, dtype=torch.float64), torch.randn(H, dh, dtype=torch.float64)
+    pos_emb = sinusoid_positions(torch.arange(M + L - 1, -1, -1.), D, torch.float64)
+    keep = torch.ones(L, M + L, dtype=torch.bool).tril(M)[None]
+    out = attn(x, pos_emb, u, v, keep, mem)
+    # mem_transformer.py: AC = (q + r_w_bias) k, BD = rel_shift((q + r_r_bias) r_net(pos)), (AC + BD) * scale, the
+    # keys past i + M masked, softmax over the keys, then o_net
+    heads = lambda t: t.view(B, -1, H, dh).transpose(1, 2)  # noqa: E731
+    w = attn.qkv.weight
+    q, k, val = heads(x @ w[:D].t()), heads(torch.cat([mem, x], 1) @ w[D:2 * D].t()), heads(
+        torch.cat([mem, x], 1) @ w[2 * D:].t())
+    r = (pos_emb @ attn.r_net.weight.t()).view(M + L, H, dh).transpose(0, 1)
+    ac = (q + u[:, None]) @ k.transpose(-1, -2)
+    bd = _rel_shift((q + v[:, None]) @ r.transpose(-1, -2)[None])
+    score = ((ac + bd) * dh ** -0.5).masked_fill(~keep[:, None], float('-inf'))
+    ref = (score.softmax(-1) @ val).transpose(1, 2).reshape(B, L, H * dh) @ attn.proj.weight.t()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
 def _segments(n: int, length: int, batch: int = 2, seed: int = 1):
