@@ -1,12 +1,13 @@
 """Write configs/<model>.yaml (the paper training recipe of every registered lsvision model) from the tables below.
 
-    python tools/make_configs.py            # rewrites configs/*.yaml (except digits_demo.yaml)
+    python tools/make_configs.py            # rewrites configs/<model>.yaml (not digits_demo.yaml, finetune.yaml)
 
 Recipes are per-process batch sizes with lr_base given at the papers' reference batch (lr_base_size), so
 `lr = lr_base * global_batch / lr_base_size` reproduces the paper's lr at the paper's global batch on any number
 of GPUs. Sources: NVIDIA/transformer-ls `imagenet/launch/*` (ViL-LS), the Transformer-LS paper's App. E (CvT-LS),
 microsoft/CvT `experiments/imagenet/cvt/*.yaml` (CvT), and the base models' papers for the GRC models (a GRC model
-trains with its base model's recipe).
+trains with its base model's recipe). configs/digits_demo.yaml (the demo) and configs/finetune.yaml (a pretrained
+model on a small folder) are written by hand.
 """
 import argparse
 import os
@@ -40,7 +41,7 @@ RECIPES: Dict[str, Tuple[str, Dict[str, Any]]] = {
             'cutmix 1.0, random erasing 0.25, label smoothing 0.1, AMP',
             dict(_ADAMW, **_AUG, batch_size=256, lr_base=2.5e-4, lr_base_size=256, cooldown_epochs=10,
                  drop_path=0.1)),
-    'vil_ls': ('ViL-LS (official MsViT launch scripts, long_short.md section 2): AdamW lr 8e-4 at batch 1024, '
+    'vil_ls': ('ViL-LS (NVIDIA/transformer-ls imagenet/launch/*): AdamW lr 8e-4 at batch 1024, '
                'wd 0.1, cosine 300 epochs, 5 warmup, label smoothing 0.1, mixup 0.8 / cutmix 1.0, '
                'RandAugment m9-mstd0.5-inc1, random erasing 0.25, AMP',
                dict(_ADAMW, **_AUG, batch_size=128, lr_base=8.0e-4, lr_base_size=1024, weight_decay=0.1)),
