@@ -1,99 +1,310 @@
 #!/usr/bin/env python3
-"""The GPU check for the day a CUDA device is lent (`make gpu-check`, under 8 minutes on one GPU).
+"""The GPU check for the day a CUDA device is lent (`make gpu-check`): under 8 minutes on one H100 / H200.
 
-1. tests/test_cuda.py: the real kernels against the dense references (fp32 / bf16 / fp16, forward and backward).
-2. A training-step benchmark (torch.utils.benchmark, `torch.cuda.max_memory_allocated`): cvt_ls_13 against cvt_13 and
-   Swin-T at 224 / 384 / 768 px, vil_ls_medium_384 against its full-attention counterpart.
-3. The results in docs/benchmarks/gpu.md (device name, commit) and docs/benchmarks/gpu.json.
+What issue 53 needs measured, most important first, each model and point in a fresh process (`lsvision.bench`:
+torch.utils.benchmark, which synchronizes CUDA; peak `max_memory_allocated` above the memory in use before the first
+step), within one time budget (`--budget-s`; every point has its own time-out, a point that no longer fits is skipped,
+and the report is rewritten after every point, so a cut run leaves what it measured):
 
-`--dry-run` lists what it would run. Self-contained on torch.utils.benchmark (no lsvision benchmark module).
+1. tests/test_cuda.py (the CUDA kernels and the flex path against the dense references).
+2. cvt_ls_13 against cvt_13, eager, bf16 autocast: training steps (AdamW) at 384 b64 and 1024 b8, inference (no grad)
+   at 224 b32 (the paper's) and 1024 b8: the issue's targets.
+3. The same points with cvt_ls_13's FlexAttention path (`span_kernel='flex'`, segment order, 128-blocks).
+4. The floors: both models with every attention a no-op (`@noattn`), and a torch.profiler summary of one cvt_ls_13
+   training step at 384 b64.
+5. torch.compile: both models compiled (default mode; inference also with CUDA graphs, 'reduce-overhead', as the
+   FlexAttention maintainers advise for small batches).
+6. Swin-T, vil_ls_medium against its full-attention version, the rest of the grid (training at 224 b256, inference
+   at 224 b256), and the flex path's other token order and block sizes.
+
+Writes docs/benchmarks/gpu.json and gpu.md (device, torch, commit, every point, the ratios against the issue's targets
+and the floors). `--dry-run` runs all of it on the CPU at tiny sizes (tiny models, 64 px, batch 2, float32, so each
+point differing only in size runs once; in this process; compiled points eagerly, `torch.compiler.set_stance(
+'force_eager')`; test_cuda.py collected, not run; the flex path's training points skipped: FlexAttention has no CPU
+backward) into a scratch folder, so that the GPU session cannot fail on a typo (tests/test_gpu_check.py runs it).
 """
 import argparse
+import contextlib
+import datetime
+import functools
+import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Dict, List, Tuple
-
-from lsvision.bench import write_atomic, write_json
+from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
-# (label, model name, model kwargs, image size, batch)
-CASES: List[Tuple[str, str, Dict, int, int]] = [
-    (f'{name} @ {size}', name, {'img_size': size} if name.startswith('swin') else {}, size, batch)
-    for size, batch in ((224, 32), (384, 8), (768, 2))
-    for name in ('cvt_ls_13', 'cvt_13', 'swin_tiny_patch4_window7_224')
-] + [
-    ('vil_ls_medium_384', 'vil_ls_medium_384', {}, 384, 4),
-    ('vil_ls_medium_384, full attention', 'vil_ls_medium_384', {'attn_types': ('full',) * 4}, 384, 4),
-]
+sys.path.insert(0, str(ROOT))  # lsvision from this checkout when run as a script
+
+from lsvision.bench import Job, measure, run_fresh, write_atomic, write_json  # noqa: E402
+
+SWIN = 'swin_tiny_patch4_window7_224'
+# the issue's targets: cvt_ls_13 / cvt_13 time at (kind, size, batch); activation memory <= 0.95 at every point
+TIME_TARGETS = {('inference', 224, 32): 0.68, ('inference', 1024, 8): 0.4, ('train', 384, 64): 0.9,
+                ('train', 1024, 8): 0.5}
+MEMORY_TARGET = 0.95
+# tiny stand-ins of the dry run (lsvision's test configs)
+TINY_KWARGS = {
+    'cvt_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1)),
+    'cvt_ls_13': dict(embed_dims=(16, 32, 64), num_heads=(1, 2, 4), depths=(1, 1, 1), window_sizes=(4, 2, 2),
+                      dp_ranks=(4, 2, 2)),
+    'vil_ls_medium': dict(embed_dims=(8, 16, 32, 64), num_heads=(1, 2, 4, 8), depths=(1, 1, 1, 1)),
+    SWIN: dict(embed_dim=32, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4)),
+}
 
 
-def plan() -> List[str]:
-    steps = [f'{sys.executable} -m pytest -q tests/test_cuda.py']
-    steps += [f'train step (SGD, bf16 autocast) {label}: batch {batch}' for label, _, _, _, batch in CASES]
-    steps.append('write docs/benchmarks/gpu.md and docs/benchmarks/gpu.json')
-    return steps
+def build_model(spec: str, kernel: str = 'auto', order: str = 'segment', block: int = 128, tiny: bool = False,
+                img_size: Optional[int] = None) -> Any:
+    """A model of `lsvision.bench.create_model`'s spec with its long-short kernel set (`set_span_kernel`)."""
+    import lsvision  # noqa: F401  (registers the models in the measuring process)
+    from lsvision.bench import create_model, split_spec
+    from lsvision.layers import set_span_kernel
+    name, _ = split_spec(spec)
+    kwargs: Dict[str, Any] = dict(TINY_KWARGS.get(name, {})) if tiny else {}
+    if name == SWIN and img_size is not None:
+        kwargs['img_size'] = img_size  # timm's Swin is built for one input size
+    model = create_model(spec, **kwargs)
+    set_span_kernel(model, kernel, order, block)
+    return model
 
 
-def train_step_stats(name: str, kwargs: Dict, size: int, batch: int) -> Dict:
-    """Median time of one training step and its peak CUDA memory."""
+def _point(model: str, kind: str, size: int, batch: int, kernel: str = 'auto', order: str = 'segment',
+           block: int = 128, compile: Optional[str] = None) -> Dict[str, Any]:
+    return dict(model=model, kind=kind, size=size, batch=batch, kernel=kernel, order=order, block=block,
+                compile=compile)
+
+
+def plan() -> List[Dict[str, Any]]:
+    """Every point, most important first (see the module docstring)."""
+    pair = ('cvt_ls_13', 'cvt_13')
+    targets = [('train', 384, 64), ('train', 1024, 8), ('inference', 224, 32), ('inference', 1024, 8)]
+    points = [_point(m, *t) for t in targets for m in pair]
+    points += [_point('cvt_ls_13', *t, kernel='flex') for t in targets]
+    points += [_point(m, *t) for t in targets[:3] for m in ('cvt_ls_13@noattn', 'cvt_13@noattn')]
+    points.append(dict(_point('cvt_ls_13', 'train', 384, 64), profile=True))
+    points += [_point(m, *t, compile='default') for t in (targets[0], targets[2]) for m in pair]
+    points += [_point(m, 'inference', 224, 32, compile='reduce-overhead') for m in pair]
+    points += [_point(SWIN, 'train', 224, 256), _point(SWIN, 'inference', 224, 32)]
+    points += [_point(m, k, 224, b) for k, b in (('train', 64), ('inference', 32))
+               for m in ('vil_ls_medium', 'vil_ls_medium@full')]
+    points += [_point(m, k, 224, 256) for k in ('train', 'inference') for m in pair]
+    points += [_point('cvt_ls_13', 'train', 1024, 8, kernel='flex', order=o, block=b)
+               for o, b in (('raster', 128), ('segment', 64))]
+    points += [_point(m, *t, compile='default') for t in (targets[1], targets[3]) for m in pair]
+    points += [_point(SWIN, k, s, b) for k, s, b in (('train', 384, 64), ('inference', 224, 256))]
+    return points
+
+
+def label(p: Dict[str, Any]) -> str:
+    kernel = '' if p['kernel'] == 'auto' else f", flex {p['order']} {p['block']}"
+    compiled = f", compiled {p['compile']}" if p['compile'] else ''
+    return f"{p['model']}{kernel}{compiled} {p['kind']} {p['size']} b{p['batch']}"
+
+
+def _job(p: Dict[str, Any], dry_run: bool, timeout_s: float) -> Job:
+    tiny = dict(size=64, batch=2) if dry_run else {}
+    size, batch = tiny.get('size', p['size']), tiny.get('batch', p['batch'])
+    build = functools.partial(build_model, p['model'], p['kernel'], p['order'], 16 if dry_run else p['block'],
+                              dry_run, size)
+    return Job(label=label(p), build=build, img_size=size, batch_size=batch, kind=p['kind'],
+               device='cpu' if dry_run else 'cuda', amp=None if dry_run else 'bfloat16', compile=p['compile'],
+               optimizer='adamw', warmup=1 if dry_run else 3, budget_s=0.05 if dry_run else 1.0, timeout_s=timeout_s,
+               extra=dict(point=p))
+
+
+def profile_step(job: Job) -> Dict[str, Any]:
+    """torch.profiler of one training step after warm-up: the operators with the most device (CPU: host) time."""
     import torch
-    import torch.utils.benchmark as benchmark
+    from torch.profiler import ProfilerActivity, profile
 
-    import timm
-
-    import lsvision  # noqa: F401  (registers the models)
-    model = timm.create_model(name, num_classes=1000, **kwargs).cuda().train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.randn(batch, 3, size, size, device='cuda')
-    y = torch.randint(0, 1000, (batch,), device='cuda')
-
-    def step():
-        with torch.autocast('cuda', dtype=torch.bfloat16):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    measured = benchmark.Timer('step()', globals={'step': step}).blocked_autorange(min_run_time=3)
-    return {'median_ms': measured.median * 1e3, 'iqr_ms': measured.iqr * 1e3,
-            'peak_mem_mib': torch.cuda.max_memory_allocated() / 2 ** 20}
+    from lsvision.bench import _inputs, _step
+    device = torch.device(job.device)
+    model = job.build().to(device)
+    step = _step(model, _inputs(model, job, device), job, device)
+    for _ in range(job.warmup):
+        step()
+    cuda = device.type == 'cuda'
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = 'cuda_time_total' if cuda else 'cpu_time_total'
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
+    total_us = sum(getattr(e, 'device_time' if cuda else 'self_cpu_time_total', 0) for e in prof.key_averages())
+    kernels = sum(1 for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
+    return dict(label=job.label, table=table, total_ms=total_us / 1e3, kernels=kernels, sort_by=key)
 
 
-def write_report(results: Dict[str, Dict], device: str, commit: str, out_dir: Path) -> None:
-    write_json(out_dir / 'gpu.json', {'device': device, 'commit': commit, 'results': results})
-    lines = ['# GPU training-step benchmark', '', f'`make gpu-check` on {device}, commit {commit}: one SGD step '
-             'under bf16 autocast, median of torch.utils.benchmark blocked_autorange.', '',
-             '| model | median ms | IQR ms | peak MiB |', '|---|---|---|---|']
-    lines += [f"| {label} | {r['median_ms']:.1f} | {r['iqr_ms']:.1f} | {r['peak_mem_mib']:.0f} |"
-              for label, r in results.items()]
+def _git(*args: str) -> str:
+    return subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+def _median_ms(row: Dict[str, Any]) -> Optional[float]:
+    return row['timing']['median_s'] * 1e3 if 'timing' in row else None
+
+
+def ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """cvt_ls_13 (each kernel and compile mode) against cvt_13 in the same mode at each point, with the issue's target
+    and the floor (cvt_ls_13 with every attention a no-op, against cvt_13)."""
+    by_key = {(r['point']['model'], r['point']['kernel'], r['point']['order'], r['point']['block'],
+               r['point']['compile'], r['point']['kind'], r['point']['size'], r['point']['batch']): r
+              for r in rows if 'timing' in r}
+    out = []
+    for (model, _, _, _, compiled, kind, size, batch), row in by_key.items():
+        if model != 'cvt_ls_13':
+            continue
+        base = by_key.get(('cvt_13', 'auto', 'segment', 128, compiled, kind, size, batch))
+        if base is None:
+            continue
+        floor = by_key.get(('cvt_ls_13@noattn', 'auto', 'segment', 128, None, kind, size, batch))
+        peak, base_peak = row.get('peak_mib'), base.get('peak_mib')
+        out.append(dict(
+            point=f'{kind} {size} b{batch}', variant=label(row['point']).split(f' {kind}')[0],
+            time_ratio=_median_ms(row) / _median_ms(base), target=TIME_TARGETS.get((kind, size, batch)),
+            memory_ratio=peak / base_peak if peak and base_peak else None, memory_target=MEMORY_TARGET,
+            floor_ratio=_median_ms(floor) / _median_ms(base) if floor and not compiled else None))
+    return out
+
+
+def _fmt(value: Optional[float], spec: str = '.2f') -> str:
+    return '' if value is None else format(value, spec)
+
+
+def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], tests: Dict[str, Any],
+                 profile_result: Optional[Dict[str, Any]]) -> None:
+    """gpu.json and gpu.md in `out_dir`, atomically (rewritten after every point)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rat = ratios(rows)
+    write_json(out_dir / 'gpu.json', dict(meta, tests=tests, results=rows, ratios=rat, profile=profile_result,
+                                          time_targets={f'{k} {s} b{b}': v for (k, s, b), v in TIME_TARGETS.items()},
+                                          memory_target=MEMORY_TARGET))
+    lines = [
+        '# GPU check (issue 53)', '',
+        f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}"
+        f"{' (dry run: CPU, tiny models; no number here means anything)' if meta['dry_run'] else ''}. bf16 autocast; "
+        'training steps with AdamW; medians of torch.utils.benchmark blocked_autorange, each point in a fresh '
+        'process; peak memory above the memory in use before the first step (CUDA max_memory_allocated).', '',
+        f"tests/test_cuda.py: exit code {tests.get('returncode')} ({tests.get('summary', '')})", '',
+        '## cvt_ls_13 against cvt_13', '',
+        '| point | cvt_ls_13 variant | time ratio | target | floor (no attention) | memory ratio |',
+        '|---|---|---:|---:|---:|---:|']
+    for r in rat:
+        lines.append(f"| {r['point']} | {r['variant']} | {_fmt(r['time_ratio'])} | {_fmt(r['target'])} | "
+                     f"{_fmt(r['floor_ratio'])} | {_fmt(r['memory_ratio'])} (<= {MEMORY_TARGET}) |")
+    lines += ['', '## Every point', '', '| point | median ms | p10-p90 ms | peak MiB | error |',
+              '|---|---:|---:|---:|---|']
+    for r in rows:
+        t = r.get('timing')
+        spread = f"{t['p10_s'] * 1e3:.1f}-{t['p90_s'] * 1e3:.1f}" if t else ''
+        lines.append(f"| {r['label']} | {_fmt(_median_ms(r), '.1f')} | {spread} | {_fmt(r.get('peak_mib'), '.0f')} | "
+                     f"{r.get('error', '')[:160]} |")
+    if profile_result:
+        lines += ['', f"## torch.profiler: {profile_result['label']}", '',
+                  f"{profile_result['kernels']} CUDA kernels, {profile_result['total_ms']:.1f} ms "
+                  f"(sorted by {profile_result['sort_by']})", '', '```', profile_result['table'], '```']
     write_atomic(out_dir / 'gpu.md', lambda tmp: tmp.write_text('\n'.join(lines) + '\n'))
 
 
-def main(argv=None) -> int:
+def run_tests(dry_run: bool, timeout_s: float) -> Dict[str, Any]:
+    """tests/test_cuda.py (dry run: collected only, which catches import errors and typos in the test file)."""
+    cmd = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'tests/test_cuda.py']
+    if dry_run:
+        cmd.append('--collect-only')
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return dict(returncode=None, summary=f'over its time-out of {timeout_s:.0f} s')
+    lines = proc.stdout.strip().splitlines()
+    return dict(returncode=proc.returncode, summary=lines[-1] if lines else proc.stderr[-300:], tail=lines[-40:])
+
+
+def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: float, out_dir: Path,
+               meta: Dict[str, Any], tests: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
+    """Every point that fits in the budget (each in a fresh process; the dry run in this one), the report rewritten
+    after each. Returns the rows and the profile summary."""
+    deadline = start + args.budget_s
+    rows: List[Dict[str, Any]] = []
+    profile_result = None
+    for p in points:
+        slow = p['compile'] is not None or p['kernel'] == 'flex'
+        timeout = args.compiled_timeout_s if slow else args.point_timeout_s
+        left = deadline - time.monotonic()
+        if args.dry_run and p['kernel'] == 'flex' and p['kind'] == 'train':
+            rows.append(dict(label=label(p), point=p, error='skipped: FlexAttention has no CPU backward'))
+            continue
+        if left < min(timeout, 30.):
+            rows.append(dict(label=label(p), point=p, error=f'skipped: {left:.0f} s of the budget left'))
+            continue
+        job = _job(p, args.dry_run, min(timeout, left))
+        t0 = time.monotonic()
+        # each point in a fresh process; the dry run runs them all in this one (its children would import torch
+        # ~20 times: lsvision.bench's fresh-process plumbing has tests of its own)
+        run = (lambda job, fn=measure: fn(job)) if args.dry_run else run_fresh
+        try:
+            if p.get('profile'):
+                profile_result = run(job, profile_step)
+                row = dict(label=label(p) + ' (profiled)', point=p, profiled=True)
+            else:
+                row = run(job)
+        except Exception as e:  # one point's failure (time-out, out of memory) is its row, and the check goes on
+            row = dict(label=label(p), point=p, error=str(e)[-500:])
+        row['wall_s'] = round(time.monotonic() - t0, 1)
+        rows.append(row)
+        ms = _median_ms(row)
+        result = 'error ' + row['error'] if 'error' in row else 'profiled' if ms is None else f'{ms:.1f} ms'
+        print(f"{row['label']}: {result} ({row['wall_s']} s, {time.monotonic() - start:.0f} s in)", flush=True)
+        write_report(out_dir, meta, rows, tests, profile_result)
+    return rows, profile_result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--dry-run', action='store_true', help='list what would run, run nothing')
-    parser.add_argument('--out-dir', default=str(ROOT / 'docs' / 'benchmarks'))
+    parser.add_argument('--dry-run', action='store_true',
+                        help='run everything on the CPU at tiny sizes (writes into --out-dir; default a scratch dir)')
+    parser.add_argument('--out-dir', default=None, help='default docs/benchmarks (dry run: output/gpu_check_dry_run)')
+    parser.add_argument('--budget-s', type=float, default=450., help='seconds for the whole check (default 7.5 min)')
+    parser.add_argument('--tests-timeout-s', type=float, default=150.)
+    parser.add_argument('--point-timeout-s', type=float, default=75., help='time-out of an eager point')
+    parser.add_argument('--compiled-timeout-s', type=float, default=200., help='time-out of a compiled or flex point')
+    parser.add_argument('--list', action='store_true', help='list the points in order and exit')
     args = parser.parse_args(argv)
-    if args.dry_run:
-        print('\n'.join(plan()))
+    points = plan()
+    if args.dry_run:  # at one tiny size, points that differ in size and batch only are the same: the first runs
+        seen = set()
+        keep = []
+        for p in points:
+            # compiled points run eagerly here: one a compile mode checks it
+            ignored = ('size', 'batch', 'kind') if p['compile'] else ('size', 'batch')
+            key = tuple((k, v) for k, v in p.items() if k not in ignored)
+            if key not in seen:
+                seen.add(key)
+                keep.append(p)
+        points = keep
+    if args.list:
+        print('\n'.join(label(p) for p in points))
         return 0
+    start = time.monotonic()
     import torch
-    if not torch.cuda.is_available():
-        print('gpu-check needs a CUDA device (use --dry-run to list the steps)', file=sys.stderr)
+    if not args.dry_run and not torch.cuda.is_available():
+        print('gpu-check needs a CUDA device (--dry-run runs it on the CPU at tiny sizes)', file=sys.stderr)
         return 2
-    rc = subprocess.call([sys.executable, '-m', 'pytest', '-q', 'tests/test_cuda.py'], cwd=ROOT)
-    results = {}
-    for label, name, kwargs, size, batch in CASES:
-        results[label] = train_step_stats(name, kwargs, size, batch)
-        print(f'{label}: {results[label]}', flush=True)
-    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    write_report(results, torch.cuda.get_device_name(), commit, Path(args.out_dir))
-    return rc
+    out_dir = Path(args.out_dir or ROOT / ('output/gpu_check_dry_run' if args.dry_run else 'docs/benchmarks'))
+    meta = dict(device=platform.processor() or 'cpu' if args.dry_run else torch.cuda.get_device_name(),
+                torch=torch.__version__, commit=_git('rev-parse', '--short', 'HEAD'),
+                dirty=bool(_git('status', '--porcelain', '--untracked-files=no')), dry_run=args.dry_run,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+                command='python tools/gpu_check.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
+                budget_s=args.budget_s)
+    tests = run_tests(args.dry_run, min(args.tests_timeout_s, args.budget_s / 3))
+    print(f"tests/test_cuda.py: {tests['summary']}", flush=True)
+    # the dry run's compiled points run eagerly: inductor on the CPU is not what it checks
+    with torch.compiler.set_stance('force_eager') if args.dry_run else contextlib.nullcontext():
+        rows, profile_result = run_points(points, args, start, out_dir, meta, tests)
+    meta['wall_s'] = round(time.monotonic() - start, 1)
+    write_report(out_dir, meta, rows, tests, profile_result)
+    print(f'wrote {out_dir / "gpu.md"} and gpu.json ({meta["wall_s"]} s)')
+    return 0 if tests.get('returncode') == 0 else 1
 
 
 if __name__ == '__main__':
