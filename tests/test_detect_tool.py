@@ -2,6 +2,8 @@
 evaluation under two processes (torchrun, gloo) equal to one. A tiny CvT-LS Mask R-CNN on 64 x 64 generated shapes."""
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +155,22 @@ def test_errors_say_what_to_do(tmp_path, capsys, shapes):
     assert detect.main(data + ['--num-classes', '4']) == 0  # the hint, followed
     with pytest.raises(DetectionSetupError, match='did you mean cvt_ls_13'):
         detect.run(detect.parse_args(data + ['--model', 'cvt_ls13']))
+
+
+def test_documented_commands_parse(monkeypatch):
+    """Every `tools/detect.py ...` line of the README, the Makefile, docs/detection.md and the tool's docstring
+    parses with the current tool (lines with placeholders, <run> or ..., left out)."""
+    commands = []
+    texts = [(ROOT / name).read_text() for name in ('README.md', 'Makefile', 'docs/detection.md')] + [detect.__doc__]
+    for text in texts:
+        text = re.sub(r'\\+\n\s*', ' ', text)  # continued lines
+        commands += [m.group(1) for m in re.finditer(r'(?:python|torchrun[^`\n]*) tools/detect\.py([^`\n#]*)', text)]
+    monkeypatch.chdir(ROOT)  # the commands' config paths are relative to the checkout
+    checked = 0
+    for line in commands:
+        if '<' in line or '...' in line or '--help' in line:
+            continue
+        args = detect.parse_args(shlex.split(line))
+        assert args.model, line
+        checked += 1
+    assert checked >= 4
