@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,7 +139,7 @@ def test_non_finite_loss_stops_the_run(shapes, tmp_path, caplog):
     assert 'the training loss is nan at update' in caplog.text and 'Lower --lr' in caplog.text
 
 
-def test_errors_say_what_to_do(tmp_path, capsys, shapes):
+def test_errors_say_what_to_do(tmp_path, capsys, caplog, shapes):
     config = tmp_path / 'typo.yaml'
     config.write_text('model: cvt_ls_13\nlearning_rate: 0.1\n')
     err = _error(capsys, ['-c', str(config)])
@@ -153,6 +154,17 @@ def test_errors_say_what_to_do(tmp_path, capsys, shapes):
     with pytest.raises(CocoDataError, match='pass --num-classes 4'):
         detect.run(detect.parse_args(data + ['--num-classes', '81']))
     assert detect.main(data + ['--num-classes', '4']) == 0  # the hint, followed
+    broken = tmp_path / 'broken'
+    shutil.copytree(shapes, broken)
+    (broken / 'val' / '000002.png').write_text('not an image')
+    argv = ['--data-dir', str(broken), *data[2:], '--output', str(tmp_path / 'skipped')]
+    assert detect.main(argv) == 2
+    assert 'unreadable image: image 2 (000002.png)' in caplog.text and '--skip-bad-images' in caplog.text
+    assert detect.main(argv + ['--skip-bad-images']) == 0  # the hint, followed: scored without that image
+    report = json.loads((tmp_path / 'skipped' / 'result.json').read_text())
+    assert report['val']['left_out_images'] == [2] and report['metrics']['bbox']['images'] == 2
+    markdown = (tmp_path / 'skipped' / 'report.md').read_text()
+    assert 'Left out as bad input (1 images): unreadable image: image 2' in markdown
     with pytest.raises(DetectionSetupError, match='did you mean cvt_ls_13'):
         detect.run(detect.parse_args(data + ['--model', 'cvt_ls13']))
 
