@@ -71,7 +71,7 @@ class GrcStreamState(NamedTuple):
     pending: torch.Tensor
 
 
-LMState = Union[TxlState, GrcStreamState]
+StreamState = Union[TxlState, GrcStreamState]  # what a TransformerXL carries from segment to segment
 
 
 def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -320,7 +320,7 @@ class TransformerXL(nn.Module):
     def grc_layers(self) -> List[GatedRecurrentCache1d]:
         return [b.attn.grc for b in self.blocks if isinstance(b.attn, RelGrcAttention)]
 
-    def init_state(self, batch_size: int, device=None, dtype: Optional[torch.dtype] = None) -> LMState:
+    def init_state(self, batch_size: int, device=None, dtype: Optional[torch.dtype] = None) -> StreamState:
         """The state at the start of B streams: an empty memory ('xl'), or each layer's `cache` buffer (zeros unless
         loaded otherwise) with no pending summary ('grc')."""
         device = device if device is not None else self.embed.weight.device
@@ -366,8 +366,8 @@ class TransformerXL(nn.Module):
         order = order[:, max(0, order.shape[1] - self.mem_len):]
         return cat.gather(1, order[..., None].expand(-1, -1, cat.shape[2])), ok.gather(1, order)
 
-    def forward_features(self, ids: torch.Tensor, state: Optional[LMState] = None,
-                         mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, LMState]:
+    def forward_features(self, ids: torch.Tensor, state: Optional[StreamState] = None,
+                         mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, StreamState]:
         """Last hidden states (B, L, D) and the next state."""
         B, L = ids.shape
         valid = None if mask is None else mask.to(torch.bool)
@@ -416,8 +416,8 @@ class TransformerXL(nn.Module):
             x = block(x, out)
         return self.drop(x), GrcStreamState(tuple(caches), tuple(summaries), pending)
 
-    def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, state: Optional[LMState] = None,
-                mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, LMState]:
+    def forward(self, ids: torch.Tensor, targets: Optional[torch.Tensor] = None, state: Optional[StreamState] = None,
+                mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, StreamState]:
         """
         Args:
             ids: Word ids (B, L).
