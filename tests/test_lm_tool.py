@@ -109,6 +109,10 @@ def test_wikitext_run_reports_and_resumes_exactly(tmp_path):
         assert torch.equal(resumed['model'][k], v), k
     streams = load_checkpoint(str(tmp_path / 'split' / 'streams-rank0.pth'))
     assert streams['state']['kind'] == 'grc' and streams['step'] == 6
+    # resuming at the checkpoint's step only evaluates, with the evaluation settings given: one stream here
+    assert _train(tmp_path, 'split', '--resume', 'auto', '--max-steps', '6', '--eval-batch-size', '1') == 0
+    again = json.loads((tmp_path / 'split' / 'result.json').read_text())
+    assert again['steps'] == 6 and again['eval_batch_size'] == 1 and again['test']['tokens'] == len(corpus.test) - 1
 
 
 def test_bad_input_is_explained_and_the_hint_works(tmp_path, capsys):

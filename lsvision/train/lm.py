@@ -412,7 +412,11 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
         path = os.path.join(cfg.output, 'last.pth.tar') if cfg.resume == 'auto' else cfg.resume
         resume = load_checkpoint(path)
         resume['path'] = path
-        keep = ('max_steps', 'time_budget_s', 'output', 'resume', 'log_interval', 'eval_interval', 'save_interval')
+        # what may change on resume: where to stop, the run's bookkeeping, and how to evaluate (a --max-steps at or
+        # below the checkpoint's step only evaluates, e.g. with the authors' --eval-* settings)
+        keep = ('max_steps', 'time_budget_s', 'output', 'resume', 'log_interval', 'eval_interval', 'save_interval',
+                'eval_tgt_len', 'eval_batch_size', 'eval_mem_len', 'eval_clamp_len', 'eval_same_length',
+                'eval_max_tokens')
         cfg = dataclasses.replace(LMConfig(**resume['config']), **{k: getattr(cfg, k) for k in keep})
     cfg.check()
     procs = init_eval_processes(cfg.device)
