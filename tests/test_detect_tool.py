@@ -72,6 +72,11 @@ def test_resume_is_exact(shapes, tmp_path):
     untimed = [[{k: v for k, v in epoch.items() if k != 'train_seconds'} for epoch in h]
                for h in (history, end['history'])]
     assert untimed[0] == untimed[1]  # the epoch's mean losses too
+    # stopped by the time budget after its first update: its recovery checkpoint resumes to the same weights
+    _train(shapes, tmp_path / 'd', '--epochs', '2', '--experiment', 'run', '--amp', '--time-budget', '1e-9')
+    assert detect.main(['--resume', str(tmp_path / 'd' / 'run' / 'recovery.pth.tar'), '--time-budget', '0']) == 0
+    d = torch.load(tmp_path / 'd' / 'run' / 'last.pth.tar', weights_only=True)
+    assert all(torch.equal(value, d['state_dict'][key]) for key, value in a['state_dict'].items())
     # --checkpoint takes the detector (and data, amp) the checkpoint records; a flag that changes it is explained
     assert detect.main(['--eval-only', '--checkpoint', str(resumed), '--output', str(tmp_path / 'eval')]) == 0
     assert json.loads((tmp_path / 'eval' / 'result.json').read_text())['metrics'] == end['metrics']

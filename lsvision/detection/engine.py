@@ -297,7 +297,8 @@ class _Training:
 
     def train_epoch(self, deadline: Optional[float], keeper: CheckpointKeeper) -> Tuple[Dict[str, float], bool]:
         """The rest of this epoch (or until `deadline`): its mean losses and whether the deadline stopped it. Every
-        --recovery-interval updates, a mid-epoch checkpoint (`recovery.pth.tar`) to resume from."""
+        --recovery-interval updates, and where the deadline stops it, a mid-epoch checkpoint (`recovery.pth.tar`) to
+        resume from."""
         self.model.train()
         t0, done_before, stopped = time.perf_counter(), self.batch, False
         for images, targets in self._loader():
@@ -308,15 +309,15 @@ class _Training:
             if self.args.rank == 0 and (self.batch % self.args.log_interval == 0
                                         or self.batch == self.updates_per_epoch):
                 self._log_progress(values, (self.batch - done_before) / (time.perf_counter() - t0))
-            if self.args.recovery_interval and self.batch % self.args.recovery_interval == 0 \
-                    and self.batch < self.updates_per_epoch:
+            stopped = deadline is not None and _agree(time.monotonic() > deadline, self.device)
+            recover = self.args.recovery_interval and self.batch % self.args.recovery_interval == 0
+            if (recover or stopped) and self.batch < self.updates_per_epoch:  # stopped by the budget: resumable too
                 state = self.state_dict(keeper)  # a collective: every process builds it
                 if self.args.rank == 0:
                     save_atomic(state, keeper.path('recovery.pth.tar'))
             if self.args.stop_after_updates and self.num_updates >= self.args.stop_after_updates:
                 raise SystemExit(f'stopped after {self.num_updates} updates (--stop-after-updates)')
-            if deadline is not None and _agree(time.monotonic() > deadline, self.device):
-                stopped = True
+            if stopped:
                 break
         means = {k: v / max(self.batch, 1) for k, v in self.loss_sums.items()}
         self.batch, self.loss_sums = 0, {}
