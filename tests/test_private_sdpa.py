@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from _helpers import load_tool, perturb
+from _helpers import perturb
 from fake_cuda import FAKE_CUDA, KernelCounter, fake_cuda
 from test_span_attention import LAYERS
 
@@ -123,16 +123,3 @@ def test_fake_cuda_fused_attention_refuses_what_the_meta_kernel_would_take():
         assert out.shape == q.shape  # the meta kernel's answer
         with pytest.raises(ValueError, match='head dim 12 is not a multiple of 8'):
             fused_attention(q, k, v, None, 0.25)
-
-
-def test_gpu_check_dry_run_lists_the_tests_and_every_benchmark(tmp_path, capsys):
-    tool = load_tool('gpu_check')
-    assert tool.main(['--dry-run']) == 0
-    out = capsys.readouterr().out
-    assert 'tests/test_cuda.py' in out and 'vil_ls_medium_384, full attention' in out
-    for size in (224, 384, 768):
-        for name in ('cvt_ls_13', 'cvt_13', 'swin_tiny_patch4_window7_224'):
-            assert f'{name} @ {size}' in out
-    tool.write_report({'cvt_ls_13 @ 224': {'median_ms': 1.0, 'iqr_ms': 0.1, 'peak_mem_mib': 10.0}}, 'dev', 'abc',
-                      tmp_path)
-    assert '| cvt_ls_13 @ 224 | 1.0 | 0.1 | 10 |' in (tmp_path / 'gpu.md').read_text()
