@@ -37,8 +37,10 @@ def test_dry_run_goes_through_every_step_and_writes_the_report(tmp_path):
     assert ('inference 224 b32', 'cvt_ls_13, compiled reduce-overhead') in variants
     assert all(r['time_ratio'] > 0 for r in report['ratios'])
     assert report['profile']['table']
+    assert {(r['model'], r['against']) for r in report['pairs']} == {
+        ('vil_ls_medium', 'vil_ls_medium@full'), ('cvt_ls_13', 'swin_tiny_patch4_window7_224')}
     text = (tmp_path / 'gpu.md').read_text()
-    assert '## cvt_ls_13 against cvt_13' in text and '## torch.profiler' in text
+    assert '## cvt_ls_13 against cvt_13' in text and '## Other comparisons' in text and '## torch.profiler' in text
 
 
 def test_a_spent_budget_still_writes_the_report(tmp_path):

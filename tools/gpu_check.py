@@ -167,6 +167,26 @@ def ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+# the other comparisons of the issue: (model, against), eager, at every point both have
+PAIRS = [('vil_ls_medium', 'vil_ls_medium@full'), ('cvt_ls_13', SWIN)]
+
+
+def pair_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Time and memory of each `PAIRS` model against its counterpart (eager, default kernel) at the same point."""
+    eager = {(r['point']['model'], r['point']['kind'], r['point']['size'], r['point']['batch']): r for r in rows
+             if 'timing' in r and r['point']['kernel'] == 'auto' and not r['point']['compile']}
+    out = []
+    for model, other in PAIRS:
+        for (name, kind, size, batch), row in eager.items():
+            base = eager.get((other, kind, size, batch))
+            if name == model and base is not None:
+                peak, base_peak = row.get('peak_mib'), base.get('peak_mib')
+                out.append(dict(model=model, against=other, point=f'{kind} {size} b{batch}',
+                                time_ratio=_median_ms(row) / _median_ms(base),
+                                memory_ratio=peak / base_peak if peak and base_peak else None))
+    return out
+
+
 def _fmt(value: Optional[float], spec: str = '.2f') -> str:
     return '' if value is None else format(value, spec)
 
@@ -175,16 +195,17 @@ def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]]
                  profile_result: Optional[Dict[str, Any]]) -> None:
     """gpu.json and gpu.md in `out_dir`, atomically (rewritten after every point)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rat = ratios(rows)
-    write_json(out_dir / 'gpu.json', dict(meta, tests=tests, results=rows, ratios=rat, profile=profile_result,
+    rat, pairs = ratios(rows), pair_ratios(rows)
+    write_json(out_dir / 'gpu.json', dict(meta, tests=tests, results=rows, ratios=rat, pairs=pairs,
+                                          profile=profile_result,
                                           time_targets={f'{k} {s} b{b}': v for (k, s, b), v in TIME_TARGETS.items()},
                                           memory_target=MEMORY_TARGET))
     lines = [
         '# GPU check (issue 53)', '',
         f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, commit {meta['commit']}, {meta['date']}"
-        f"{' (dry run: CPU, tiny models; no number here means anything)' if meta['dry_run'] else ''}. bf16 autocast; "
-        'training steps with AdamW; medians of torch.utils.benchmark blocked_autorange, each point in a fresh '
-        'process; peak memory above the memory in use before the first step (CUDA max_memory_allocated).', '',
+        f"{' (dry run: CPU, tiny models, float32; no number here means anything)' if meta['dry_run'] else ''}. "
+        'bf16 autocast; training steps with AdamW; medians of torch.utils.benchmark blocked_autorange, each point in '
+        'a fresh process; peak memory above the memory in use before the first step (CUDA max_memory_allocated).', '',
         f"tests/test_cuda.py: exit code {tests.get('returncode')} ({tests.get('summary', '')})", '',
         '## cvt_ls_13 against cvt_13', '',
         '| point | cvt_ls_13 variant | time ratio | target | floor (no attention) | memory ratio |',
@@ -199,6 +220,10 @@ def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]]
         spread = f"{t['p10_s'] * 1e3:.1f}-{t['p90_s'] * 1e3:.1f}" if t else ''
         lines.append(f"| {r['label']} | {_fmt(_median_ms(r), '.1f')} | {spread} | {_fmt(r.get('peak_mib'), '.0f')} | "
                      f"{r.get('error', '')[:160]} |")
+    lines += ['', '## Other comparisons (eager)', '', '| model | against | point | time ratio | memory ratio |',
+              '|---|---|---|---:|---:|']
+    lines += [f"| {r['model']} | {r['against']} | {r['point']} | {_fmt(r['time_ratio'])} | {_fmt(r['memory_ratio'])} |"
+              for r in pairs]
     if profile_result:
         lines += ['', f"## torch.profiler: {profile_result['label']}", '',
                   f"{profile_result['kernels']} CUDA kernels, {profile_result['total_ms']:.1f} ms "
