@@ -13,6 +13,8 @@ import pytest
 import torch
 import yaml
 
+import timm
+
 from lsvision.data import DIGITS_CLASSES, export_digits
 from lsvision.train import load_checkpoint, load_config, parse_args, run
 
@@ -40,8 +42,11 @@ def _copy(digits: Path, root: Path, split: str, name: str, files) -> None:
 
 @pytest.fixture(scope='module')
 def pretrained(tmp_path_factory):
+    return pretrain(tmp_path_factory.mktemp('finetune'))
+
+
+def pretrain(tmp: Path, seed: int = 0):
     """(the small folder, a weights file of the demo's model trained on the other digits images, 10 classes)."""
-    tmp = tmp_path_factory.mktemp('finetune')
     digits = Path(export_digits(str(tmp / 'digits'), img_size=16)['root'])
     pre, folder = tmp / 'pretrain', tmp / 'folder'
     for name in DIGITS_CLASSES:
@@ -54,35 +59,37 @@ def pretrained(tmp_path_factory):
             _copy(digits, folder, 'train', name, train[:FOLDER_TRAIN])
             _copy(digits, folder, 'val', name, val[:FOLDER_VAL])
     result = run(parse_args([str(pre), *_demo_model(), '--opt', 'adamw', '--lr', '4e-3', '--warmup-epochs', '0',
-                             '-b', '32', '--scale', '0.7', '1', '--hflip', '0', '--sched-on-updates', '--epochs', '3',
-                             '--output', str(tmp / 'out'), '--experiment', 'pretrain']))
+                             '-b', '32', '--scale', '0.7', '1', '--hflip', '0', '--sched-on-updates', '--epochs', '4',
+                             '--seed', str(seed), '--output', str(tmp / 'out'), '--experiment', 'pretrain']))
     weights = tmp / 'digits_cvt_ls.pth'
     torch.save(load_checkpoint(result['last_checkpoint'])['state_dict'], weights)  # a plain state dict
     return folder, weights
 
 
-def _fine_tune(folder: Path, out: Path, *weights: str) -> dict:
+def fine_tune(folder: Path, out: Path, *flags: str) -> dict:
     return run(parse_args([str(folder), '-c', str(RECIPE), *_demo_model(), '--hflip', '0', '--epochs', '4',
-                           '--output', str(out), '--experiment', 'run', *weights]))
+                           '--output', str(out), '--experiment', 'run', *flags]))
 
 
 def test_recipe_fine_tunes_from_weights_and_not_from_random_init(pretrained, tmp_path, caplog):
     folder, weights = pretrained
     with caplog.at_level(logging.INFO):
-        tuned = _fine_tune(folder, tmp_path / 'tuned', '--pretrained-path', str(weights))
+        tuned = fine_tune(folder, tmp_path / 'tuned', '--pretrained-path', str(weights))
     assert f'loaded pretrained weights from {weights}: ' in caplog.text
     assert 'new (not in the file): head.weight, head.bias; left out of the file: head.weight [10, 128] (the ' \
            'model: [4, 128])' in caplog.text  # the new head: the folder's 4 classes
     assert "lr warmup: 10 updates (10 of the run's 12 updates)" in caplog.text  # 96 images: 3 updates an epoch
-    scratch = _fine_tune(folder, tmp_path / 'scratch', '--no-pretrained')
-    assert tuned['top1'] >= 75, tuned  # chance: 25 %
+    scratch = fine_tune(folder, tmp_path / 'scratch', '--no-pretrained')
+    # chance is 25 %; pretraining seeds 0 and 1 x fine-tuning seeds 0 and 42 gave 72-90 % from weights and 25 % from
+    # random weights (the recipe's layer decay leaves random early layers nearly still)
+    assert tuned['top1'] >= 60, tuned
     assert scratch['top1'] <= 40, scratch
 
 
 def test_recipe_is_a_fine_tuning_recipe():
     recipe = load_config(str(RECIPE))
     args = parse_args(['-c', str(RECIPE)])
-    assert args.pretrained and args.model == 'cvt_13'  # a model with released weights (its card's source)
+    assert args.pretrained and timm.models.get_pretrained_cfg(args.model).hf_hub_id  # a model with released weights
     assert args.mixup == 0 and args.cutmix == 0 and not args.aa and args.reprob == 0  # parse_args' defaults
     assert not recipe['drop_last'] and recipe['warmup_steps'] > 0 and recipe['sched_on_updates']
     assert 'warmup_epochs' not in recipe and recipe['layer_decay'] < 1

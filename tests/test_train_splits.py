@@ -110,6 +110,9 @@ def test_validation_uses_the_training_class_map(folder, tmp_path):
     (folder / 'val' / 'class0' / '000.png').rename(folder / 'val' / 'class2' / '000.png')
     message = _refused(folder, '--class-map', str(order))
     assert f"class folder(s) class2 in {folder / 'val'} are not in --class-map {order}" in message
+    assert _refused(folder, '--class-map', 'nothing.txt') == (
+        f'--class-map nothing.txt: no such file (nor in {folder / "train"}); give a .txt file with one class folder '
+        'name a line, in label order')
 
 
 def test_log_counts_each_split_per_class_and_what_an_epoch_leaves_out(folder, caplog):

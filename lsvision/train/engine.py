@@ -227,6 +227,9 @@ def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: s
     class_map = None
     if args.class_map:
         from timm.data.readers.class_map import load_class_map
+        if not os.path.isfile(args.class_map) and not os.path.isfile(os.path.join(train_root, args.class_map)):
+            raise TrainSetupError(f'--class-map {args.class_map}: no such file (nor in {train_root}); give a .txt file '
+                                  'with one class folder name a line, in label order')
         class_map = load_class_map(args.class_map, train_root)
     problems = split_problems(train, val, class_map, args.class_map)
     if problems:
