@@ -273,12 +273,22 @@ def test_report_has_the_ratios_to_the_baseline():
     bench.add_ratios(rows)
     text = detection_bench.report_markdown(rows, 'T', 'python tools/bench_detection.py', 'abc1234', 'a machine')
     assert 'Produced by `python tools/bench_detection.py` at commit `abc1234`.' in text
-    assert '| cvt_ls_13 | 800x1333 | 800x1344 | 2000 | 100 | 0.25x | 0.25x | - | - | - | - |' in text
-    assert '| cvt_13 | 800x1333 | 800x1344 | 8000 | 400 | 1.00x | 1.00x | - | - | - | - |' in text
+    forward, train = text.split('### Forward')[1].split('### Training step (AdamW)')
+    assert '| cvt_ls_13 | 800x1333 | 800x1344 | 2000 | 2000 | 100 | 0.25x | 0.25x | 0.25x |' in forward
+    assert '| cvt_13 | 800x1333 | 800x1344 | 8000 | 8000 | 400 | 1.00x | 1.00x | 1.00x |' in forward
+    assert 'Not measured.' in train.split('###')[0]
 
 
-def test_bench_detection_command_line():
+def test_bench_detection_command_line(tmp_path):
     tool = load_tool('bench_detection')
+    rows = [dict(bench.combine({'inference': [_run('cvt_13', 1.0, 10.)]}), spec='cvt_13', point=[800, 1333],
+                 baseline='cvt_13')]
+    bench.write_reports(rows, tmp_path / 'r', 'old', dict(command='python tools/bench_detection.py', commit='abc1234',
+                                                          note='Loaded.', complete=False))
+    assert tool.main(['--from-json', str(tmp_path / 'r.json')]) == 0  # measures nothing
+    text = (tmp_path / 'r.md').read_text()
+    assert 'at commit `abc1234`' in text and 'Loaded. Partial: 800x1333 measured so far.' in text
+    assert '| cvt_13 | 800x1333 | 800x1344 | 1000 | 1000 | 10 |' in text
     args = tool.build_parser().parse_args(['--sizes', '800x1333', '1024x1024', '--bench', 'inference'])
     assert args.sizes == [(800, 1333), (1024, 1024)] and args.models == list(detection_bench.MODELS)
     with pytest.raises(SystemExit):

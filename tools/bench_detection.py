@@ -18,6 +18,7 @@ from lsvision import bench
 from lsvision.detection.bench import BASELINE, IMAGE_SIZES, MODELS, report_markdown, run_suite
 
 ROOT = Path(__file__).resolve().parents[1]
+TITLE = 'Backbone + FPN at detection resolution: long-short attention against full and spatial-reduction attention'
 
 
 def parse_size(text: str) -> Tuple[int, int]:
@@ -49,11 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--out', type=Path, default=ROOT / 'docs' / 'benchmarks', help='folder of the reports')
     parser.add_argument('--name', default='detection', help='file name of the reports (without suffix)')
     parser.add_argument('--note', default='', help='a sentence for the report (e.g. how loaded the machine was)')
+    parser.add_argument('--from-json', type=Path, default=None, metavar='JSON',
+                        help="write the markdown of a report's JSON again with this tool's layout (measures nothing; "
+                             'its command, commit, machine and note are kept)')
     return parser
+
+
+def rerender(path: Path) -> int:
+    """``--from-json``: the markdown of a stored report (its rows, command, commit, machine, note), beside it."""
+    data = bench.read_report(path)
+    settings = data['settings']
+    note = settings.get('note', '') + ('' if settings.get('complete', True) else ' Partial: ' + ', '.join(
+        sorted({r['image'] for r in data['rows']})) + ' measured so far.')
+    text = report_markdown(data['rows'], TITLE, settings['command'], settings['commit'], data['machine'],
+                           note.strip())
+    bench.write_atomic(path.with_suffix('.md'), lambda tmp: tmp.write_text(text))
+    print(text)
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_json is not None:
+        return rerender(args.from_json)
     command = 'python tools/bench_detection.py ' + shlex.join(sys.argv[1:] if argv is None else argv)
     commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or 'unknown'
@@ -63,7 +82,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     log(f'Machine: {machine}')
-    title = 'Backbone + FPN at detection resolution: long-short attention against full and spatial-reduction attention'
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     settings.update(command=command, commit=commit)
 
@@ -71,7 +89,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         """The reports of the rows so far (after each size: a long run keeps what it measured)."""
         sizes = sorted({r['image'] for r in rows})
         note = args.note + ('' if done else f" Partial: {', '.join(sizes)} measured so far.")
-        text = report_markdown(rows, title, command, commit, machine, note.strip())
+        text = report_markdown(rows, TITLE, command, commit, machine, note.strip())
         bench.write_reports(rows, args.out / args.name, text, {**settings, 'complete': done}, args.device)
         log(f'Wrote {args.out / args.name}.{{json,csv,md}}' + ('' if done else ' (partial)'))
         return text

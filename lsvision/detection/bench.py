@@ -98,20 +98,35 @@ def _ratio(row: Dict[str, Any], key: str) -> str:
     return '-' if pooled is None else f'{pooled:.2f}x'
 
 
+def _kind_table(rows: Sequence[Dict[str, Any]], kind: str, baseline: str) -> str:
+    """One kind's table: wall-clock and CPU time and memory, each with its ratio to the baseline at the same size
+    (wall-clock: paired where there are rounds; CPU time: this process's, steadier on a shared machine)."""
+    prefix, memory = {'inference': ('latency', 'peak_mib'), 'train': ('train_step', 'train_memory_mib')}[kind]
+    cpu = f'{kind}_cpu_ms_per_image'
+
+    def cell(value: Optional[float], fmt: str, unit: str = '') -> str:
+        return '-' if value is None else format(value, fmt) + unit
+
+    lines = []
+    for r in rows:
+        if r.get(f'{prefix}_ms') is None:
+            continue
+        base = next((b for b in rows if b['spec'] == baseline and b['point'] == r['point']), None)
+        cpu_ratio = r[cpu] / base[cpu] if base is not None and base.get(cpu) else None
+        mem_ratio = r.get(memory.replace('_mib', '_ratio'))
+        lines.append([r['label'], r['image'], 'x'.join(map(str, r['input_size'][1:])), cell(r[f'{prefix}_ms'], '.0f'),
+                      cell(r.get(cpu), '.0f'), cell(r.get(memory), '.0f'), _ratio(r, prefix),
+                      cell(cpu_ratio, '.2f', 'x'), cell(mem_ratio, '.2f', 'x')])
+    header = ['backbone + FPN', 'image', 'input', 'wall ms', 'CPU ms', 'MiB', f'wall / {baseline}',
+              f'CPU / {baseline}', f'MiB / {baseline}']
+    return bench.markdown_table(header, lines, left_columns=3) if lines else 'Not measured.'
+
+
 def report_markdown(rows: Sequence[Dict[str, Any]], title: str, command: str, commit: str, machine: str,
                     note: str = '') -> str:
-    """The report: what was measured, the summary of ratios to the baseline, and the full table."""
+    """The report: what was measured, per kind the times and memory with their ratios to the baseline, and every
+    measured field."""
     baseline = rows[0]['baseline'] if rows else BASELINE
-    def cell(row: Dict[str, Any], key: str, fmt: str) -> str:  # '-' where not measured; 'x' after a ratio
-        return '-' if row.get(key) is None else format(row[key], fmt) + ('x' if key.endswith('_ratio') else '')
-
-    summary = [[r['label'], r['image'], 'x'.join(map(str, r['input_size'][1:])), cell(r, 'latency_ms', '.0f'),
-                cell(r, 'peak_mib', '.0f'), _ratio(r, 'latency'), cell(r, 'peak_ratio', '.2f'),
-                cell(r, 'train_step_ms', '.0f'), cell(r, 'train_memory_mib', '.0f'), _ratio(r, 'train_step'),
-                cell(r, 'train_memory_ratio', '.2f')] for r in rows]
-    header = ['backbone + FPN', 'image', 'input', 'forward ms', 'forward MiB', f'forward time / {baseline}',
-              f'forward mem. / {baseline}', 'train step ms', 'train MiB', f'train time / {baseline}',
-              f'train mem. / {baseline}']
     return '\n'.join([
         f'## {title}', '', f'Produced by `{command}` at commit `{commit}`.', '', f'Measured on: {machine}.', '',
         'Backbone + FPN (`lsvision.detection.backbone_with_fpn`, 256 channels, five levels) at batch 1, on the input '
@@ -119,6 +134,7 @@ def report_markdown(rows: Sequence[Dict[str, Any]], title: str, command: str, co
         "inference mode; train step: forward, the sum of the levels' means, backward, AdamW (lr 1e-4, weight decay "
         '0.05; its state counts in the train memory). Memory is the peak above the memory in use once model and '
         'input exist (CPU: resident, CUDA: allocated). Each model, size and kind ran in fresh processes, the models '
-        f'in alternating order. {bench.RATIOS_EXPLAINED}' + (f'\n\n{note}' if note else ''), '',
-        bench.markdown_table(header, summary, left_columns=3), '', '### Every measured field', '',
+        f"in alternating order. {bench.RATIOS_EXPLAINED} CPU ms: the measuring process's CPU time per pass."
+        + (f'\n\n{note}' if note else ''), '', '### Forward', '', _kind_table(rows, 'inference', baseline), '',
+        '### Training step (AdamW)', '', _kind_table(rows, 'train', baseline), '', '### Every measured field', '',
         bench.benchmark_table(rows), ''])
