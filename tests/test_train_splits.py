@@ -170,3 +170,10 @@ def test_loader_workers_are_capped_at_the_usable_cores(caplog):
         assert engine._workers(Namespace(workers=cores + 3), primary=True) == cores
     assert f'loader workers: {cores} (--workers {cores + 3} capped at the {cores} usable CPU cores)' in caplog.text
     assert engine._workers(Namespace(workers=cores), primary=True) == cores
+
+
+def test_many_classes_are_counted_by_range_and_fewest():
+    from lsvision.train.data import SplitScan, class_counts_text
+    scan = SplitScan('/d/train', {f'n{i:02d}': 10 + i for i in range(25)})
+    assert class_counts_text(scan) == ('550 images in 25 classes, 10-34 a class (fewest: n00 10, n01 11, n02 12, n03 '
+                                       '13, n04 14)')
