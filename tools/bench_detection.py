@@ -62,6 +62,7 @@ def rerender(path: Path) -> int:
     settings = data['settings']
     note = settings.get('note', '') + ('' if settings.get('complete', True) else ' Partial: ' + ', '.join(
         sorted({r['image'] for r in data['rows']})) + ' measured so far.')
+    note += f' This markdown was written from {path.name} by `python tools/bench_detection.py --from-json`.'
     text = report_markdown(data['rows'], TITLE, settings['command'], settings['commit'], data['machine'],
                            note.strip())
     bench.write_atomic(path.with_suffix('.md'), lambda tmp: tmp.write_text(text))
