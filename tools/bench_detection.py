@@ -63,8 +63,8 @@ def rerender(path: Path) -> int:
     note = settings.get('note', '') + ('' if settings.get('complete', True) else ' Partial: ' + ', '.join(
         sorted({r['image'] for r in data['rows']})) + ' measured so far.')
     note += f' This markdown was written from {path.name} by `python tools/bench_detection.py --from-json`.'
-    text = report_markdown(data['rows'], TITLE, settings['command'], settings['commit'], data['machine'],
-                           note.strip())
+    machine = f"{data['machine']} (the load average when the JSON was written)"
+    text = report_markdown(data['rows'], TITLE, settings['command'], settings['commit'], machine, note.strip())
     bench.write_atomic(path.with_suffix('.md'), lambda tmp: tmp.write_text(text))
     print(text)
     return 0
