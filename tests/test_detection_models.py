@@ -289,6 +289,10 @@ def test_bench_detection_command_line(tmp_path):
     text = (tmp_path / 'r.md').read_text()
     assert 'at commit `abc1234`' in text and 'Loaded. Partial: 800x1333 measured so far.' in text
     assert '| cvt_13 | 800x1333 | 800x1344 | 1000 | 1000 | 10 |' in text
+    assert 'load average when the JSON was written' in text  # 'old' had no machine line
+    (tmp_path / 'r.md').write_text('Measured on: the machine at the start.\n')
+    tool.main(['--from-json', str(tmp_path / 'r.json')])
+    assert 'Measured on: the machine at the start.' in (tmp_path / 'r.md').read_text()
     args = tool.build_parser().parse_args(['--sizes', '800x1333', '1024x1024', '--bench', 'inference'])
     assert args.sizes == [(800, 1333), (1024, 1024)] and args.models == list(detection_bench.MODELS)
     with pytest.raises(SystemExit):

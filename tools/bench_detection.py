@@ -8,6 +8,7 @@ Writes NAME.{json,csv,md} (default docs/benchmarks/detection.*):
     python tools/bench_detection.py --device cuda --amp bfloat16 --name detection_gpu   # on a GPU
 """
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -63,7 +64,10 @@ def rerender(path: Path) -> int:
     note = settings.get('note', '') + ('' if settings.get('complete', True) else ' Partial: ' + ', '.join(
         sorted({r['image'] for r in data['rows']})) + ' measured so far.')
     note += f' This markdown was written from {path.name} by `python tools/bench_detection.py --from-json`.'
-    machine = f"{data['machine']} (the load average when the JSON was written)"
+    # the machine line the run printed (load average at its start), from its markdown; else the JSON's (at its end)
+    old = path.with_suffix('.md').read_text() if path.with_suffix('.md').is_file() else ''
+    line = re.search(r'^Measured on: (.*)\.$', old, flags=re.M)
+    machine = line.group(1) if line else f"{data['machine']} (the load average when the JSON was written)"
     text = report_markdown(data['rows'], TITLE, settings['command'], settings['commit'], machine, note.strip())
     bench.write_atomic(path.with_suffix('.md'), lambda tmp: tmp.write_text(text))
     print(text)
