@@ -4,8 +4,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import timm
 
 import lsvision
@@ -55,8 +53,8 @@ def _cpu(machine: str) -> str:
 
 
 def test_the_demo_gives_its_recorded_numbers(tmp_path):
-    """The whole demo (its 8 epochs: --time-budget 0, so that a busy machine does not cut it short) gives the recorded
-    top-1, bit for bit on the recording's CPU model; elsewhere float rounding may move an image or two."""
+    """The whole demo (its 8 epochs: --time-budget 0, so that a busy machine does not cut it short) gets the recorded
+    number of validation images right on the recording's CPU model; elsewhere float rounding may move one or two."""
     from lsvision.bench import machine_description
     record = _record()
     proc = subprocess.run([sys.executable, str(ROOT / 'tools' / 'train.py'), '--output', str(tmp_path),
@@ -66,7 +64,8 @@ def test_the_demo_gives_its_recorded_numbers(tmp_path):
     for key in ('model', 'model_kwargs', 'params', 'epochs_done', 'num_updates', 'metrics_of'):
         assert result[key] == record[key], key
     same_cpu = _cpu(machine_description()) == _cpu(record['machine'])
-    assert result['top1'] == pytest.approx(record['top1'], abs=1e-9 if same_cpu else 2 * 100 / VAL_IMAGES)
+    correct, recorded = (round(top1 * VAL_IMAGES / 100) for top1 in (result['top1'], record['top1']))
+    assert correct == recorded if same_cpu else abs(correct - recorded) <= 2, (correct, recorded)
     printed = proc.stdout.strip().splitlines()[0]
     if same_cpu:  # the printed line up to its time, which the machine's load decides
         assert printed.rsplit(', ', 1)[0] == record['printed'].rsplit(', ', 1)[0]
