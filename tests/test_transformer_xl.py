@@ -254,3 +254,11 @@ def test_wrong_state_is_explained_and_the_hint_works():
         xl(s, mask=torch.ones(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="memory must be 'xl'"):
         seq.create_model('txl_tiny', vocab_size=10, memory='lstm')
+
+
+def test_an_id_outside_the_vocabulary_names_its_size():
+    model = tiny('xl')
+    V = model.embed.num_embeddings
+    with pytest.raises(ValueError, match=rf'must be in \[0, {V}\): TransformerXL has a vocabulary of {V} tokens'):
+        model(torch.tensor([[1, V]]))
+    model(torch.tensor([[1, V - 1]]))  # the largest id the message allows runs

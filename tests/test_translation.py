@@ -96,7 +96,7 @@ def test_bad_options_are_explained():
     with pytest.raises(TypeError, match='grc_transformer_iwslt_de_en_prenorm'):
         seq.create_model('transformer_iwslt_de_en_prenorm', grc_ratio=0.5)
     model = tiny(grc=False)
-    with pytest.raises(ValueError, match=r'ids must lie in \[0, 23\)'):
+    with pytest.raises(ValueError, match=r'must be in \[0, 23\): the source embedding has a vocabulary of 23'):
         model(torch.full((1, 3), V), torch.full((1, 2), BOS_ID))
 
 

@@ -76,7 +76,8 @@ def grc_dims(dim: int, num_heads: int, ratio: float, pe: bool = True) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GrcConfig:
-    """The options of a GRC-Attention layer, the same for every block of a model (spec §1.3).
+    """The options of a GRC-Attention layer, the same for every block of a model: where the Cached
+    Transformers paper (arXiv:2312.12742, Eqs. 4-5) and the authors' code differ, each reading is an option.
 
     The models take it as `grc_config`, or as the `grc_*` keyword arguments (`grc_ratio`, `grc_lam_init`, ...:
     the field names with a `grc_` prefix), which `timm.create_model` and the training configs pass.
@@ -340,7 +341,7 @@ class GrcMemoryAttention(FoldableModule):
 
 @register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
 class GatedRecurrentCache(FoldableModule):
-    """The GRC part of a GRC-Attention block (spec steps 2-10): cache, gates, memory attention, mixing, PE.
+    """The GRC part of a GRC-Attention block (the paper's Eqs. 4-5 as the authors' code computes them): cache, gates, memory attention, mixing, PE.
 
     Call it with the attention input X (B, T, D) and the self-attention output o_self (B, T, D); it returns the
     mixed output (B, T, D). The cache update is stored (batch mean, detached) only in train mode; in eval the
@@ -925,7 +926,7 @@ def wrap_attention_with_grc(
         mem_attn_kwargs: Optional[Dict[str, Any]] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
-    """Turn a block's self-attention into its GRC-Attention in place (spec §2), and return it.
+    """Turn a block's self-attention into its GRC-Attention in place (every self-attention layer, as the paper's App. B), and return it.
 
     The module keeps its parameters, buffers, their names and every option it was built with (timm's qk_norm, ...),
     so the base model's weights load as they are, and gains a `GatedRecurrentCache` child `grc` whose cache covers

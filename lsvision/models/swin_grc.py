@@ -10,7 +10,7 @@ timm's `SwinTransformer` is built unchanged, then every block's `WindowAttention
 (1 x 49 x D_m), shared by all windows and images; a train step stores the mean update over the B * nW windows.
 W-MSA and SW-MSA blocks have their own caches. The memory branch is a window attention at width D_m with its own
 relative-position table and no shift mask; the PE conv runs on each window (zero padding at the window borders). The
-authors published no Swin integration: this follows the spec's reading of their `WindowAttention(q, kv, mask)`.
+authors published no Swin integration: this follows lsvision's reading of their `WindowAttention(q, kv, mask)`.
 `set_input_size` resizes the caches (bilinear over the window grid) and the memory branch's relative-position tables
 with the windows. No gradient checkpointing.
 

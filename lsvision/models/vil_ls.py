@@ -17,7 +17,7 @@ size), `set_input_size`, pure bf16/fp16, the timm feature / intermediates API, a
 full attention (`('full',) * 4` is the quadratic ViL-style counterpart used for benchmarking).
 
 Follows the math of NVIDIA/transformer-ls (built on microsoft/vision-longformer); written for lsvision from the
-verified spec, no upstream code copied. Apache-2.0.
+paper and that code's behaviour, no upstream code copied. Apache-2.0.
 """
 import re
 from functools import partial

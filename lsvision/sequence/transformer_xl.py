@@ -47,6 +47,7 @@ from lsvision.layers import (
 from lsvision.layers.softmax import mask_value
 
 from ._registry import register_model
+from ._tokens import check_token_ids
 
 __all__ = ['TransformerXL', 'TxlState', 'GrcStreamState', 'AdaptiveLogSoftmax', 'RelPartialLearnableAttention',
            'RelGrcAttention', 'WT103_VOCAB_SIZE', 'WT103_CUTOFFS']
@@ -369,6 +370,7 @@ class TransformerXL(nn.Module):
     def forward_features(self, ids: torch.Tensor, state: Optional[StreamState] = None,
                          mask: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, StreamState]:
         """Last hidden states (B, L, D) and the next state."""
+        check_token_ids(ids, self.embed.num_embeddings, type(self).__name__)
         B, L = ids.shape
         valid = None if mask is None else mask.to(torch.bool)
         if valid is not None and valid.shape != (B, L):

@@ -36,6 +36,7 @@ from lsvision.layers import GatedRecurrentCache1d, GrcConfig, attach_grc, self_a
 from lsvision.layers.matmul_attention import scaled_dot_product_attention
 
 from ._registry import register_model
+from ._tokens import check_token_ids
 
 __all__ = [
     'DecoderState', 'EncoderOut', 'GrcEncoderSelfAttention', 'SentenceGrc', 'TranslationTransformer',
@@ -340,17 +341,9 @@ class TranslationTransformer(nn.Module):
         x = x + sinusoidal_positions(tokens.shape[1], self.dim, offset, tokens.device, x.dtype)
         return self.drop(x)
 
-    def _check_tokens(self, tokens: torch.Tensor, vocab_size: int, what: str) -> None:
-        if tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int):
-            raise ValueError(f'{what} must be token ids (batch, length) of dtype long, got {tuple(tokens.shape)} '
-                             f'{tokens.dtype}')
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
-            raise ValueError(f'{what} ids must lie in [0, {vocab_size}), got [{int(tokens.min())}, '
-                             f'{int(tokens.max())}]: build the model with the vocabulary the data was encoded with')
-
     def encode(self, src_tokens: torch.Tensor) -> EncoderOut:
         """The encoder on source ids (B, S) (right-padded with `pad_id`)."""
-        self._check_tokens(src_tokens, self.src_vocab_size, 'source')
+        check_token_ids(src_tokens, self.src_vocab_size, 'the source embedding')
         mask = src_tokens != self.pad_id
         x = self._embed(self.encoder_embed_tokens, src_tokens)
         for layer in self.encoder_layers:
@@ -374,7 +367,7 @@ class TranslationTransformer(nn.Module):
             if encoder_out is None:
                 raise ValueError('decode needs encoder_out (or a state from start_state)')
             state = self.start_state(encoder_out)
-        self._check_tokens(prev_tokens, self.tgt_vocab_size, 'decoder input')
+        check_token_ids(prev_tokens, self.tgt_vocab_size, 'the decoder embedding')
         past = state.length
         x = self._embed(self.decoder_embed_tokens, prev_tokens, offset=past)
         keys: List[torch.Tensor] = []
