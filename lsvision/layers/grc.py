@@ -341,7 +341,8 @@ class GrcMemoryAttention(FoldableModule):
 
 @register_notrace_module  # stateful, shape-dependent: a leaf for torch.fx
 class GatedRecurrentCache(FoldableModule):
-    """The GRC part of a GRC-Attention block (the paper's Eqs. 4-5 as the authors' code computes them): cache, gates, memory attention, mixing, PE.
+    """The GRC part of a GRC-Attention block (the paper's Eqs. 4-5 as the authors' code computes them): cache,
+    gates, memory attention, mixing, PE.
 
     Call it with the attention input X (B, T, D) and the self-attention output o_self (B, T, D); it returns the
     mixed output (B, T, D). The cache update is stored (batch mean, detached) only in train mode; in eval the
@@ -926,7 +927,8 @@ def wrap_attention_with_grc(
         mem_attn_kwargs: Optional[Dict[str, Any]] = None,
         init_fn: Optional[Callable[[nn.Module], None]] = None,
 ) -> nn.Module:
-    """Turn a block's self-attention into its GRC-Attention in place (every self-attention layer, as the paper's App. B), and return it.
+    """Turn a block's self-attention into its GRC-Attention in place (every self-attention layer, as the paper's
+    App. B), and return it.
 
     The module keeps its parameters, buffers, their names and every option it was built with (timm's qk_norm, ...),
     so the base model's weights load as they are, and gains a `GatedRecurrentCache` child `grc` whose cache covers

@@ -12,7 +12,6 @@ averaged once per optimizer step, outside DDP's `no_sync` (`all_reduce_grc_cache
 """
 import argparse
 import contextlib
-import difflib
 import importlib.util
 import json
 import logging
@@ -29,7 +28,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.data
 
-import timm
 from timm.data import ImageDataset, Mixup, create_dataset, create_loader, create_transform, resolve_data_config
 from timm.data.dataset_factory import _search_split
 from timm.data.loader import PrefetchLoader, fast_collate
@@ -48,6 +46,7 @@ from timm.utils import (
     update_summary,
 )
 
+from .. import runs
 from ..data.digits import export_digits
 from ..eval.dataset import META_LABEL, EvalImageDataset, ImageChecks
 from ..eval.distributed import DatasetShard, all_gather, shard_range
@@ -172,11 +171,9 @@ def _all_gather_cuda(gathered: list, local: torch.Tensor) -> None:
 
 def _check_model_name(name: str) -> None:
     """An unknown model name is an error that lists the closest registered names (before any data is read)."""
-    if name.startswith(('hf-hub:', 'hf_hub:', 'local-dir:')) or timm.is_model(name):
-        return
-    close = difflib.get_close_matches(name.split('.')[0], timm.list_models(), n=5, cutoff=0.6)
-    raise TrainSetupError(f'unknown model {name!r}; ' + (f'did you mean {", ".join(close)}?' if close else
-                          "timm.list_models('*part-of-the-name*') lists the names"))
+    message = runs.unknown_model_message(name)
+    if message is not None:
+        raise TrainSetupError(message)
 
 
 def _is_folder(args: argparse.Namespace) -> bool:
@@ -262,33 +259,11 @@ def _check_num_classes(args: argparse.Namespace, dataset_train: Any) -> None:
 
 
 def fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, Any]) -> bool:
-    """For a model with a fixed input size (Swin, ViT), pass --img-size / --input-size to it as timm's `img_size=`
-    (models of any input size need nothing). Returns whether `img_size` was added.
-
-    Raises:
-        TrainSetupError: --model-kwargs img_size contradicts --img-size / --input-size.
-    """
-    size = args.input_size[1:] if args.input_size else ([args.img_size] * 2 if args.img_size else None)
-    if size is None:
-        return False
+    """`lsvision.runs.fixed_input_size_kwargs` (the rule evaluation shares), its contradiction a TrainSetupError."""
     try:
-        cfg = get_pretrained_cfg(args.model)
-    except RuntimeError:  # an invalid tag: create_model says so
-        return False
-    if cfg is None or not cfg.fixed_input_size:
-        return False
-    size = tuple(size)
-    if 'img_size' in model_kwargs:
-        given = model_kwargs['img_size']
-        given = tuple(given) if isinstance(given, (list, tuple)) else (given, given)
-        if given != size:
-            raise TrainSetupError(f'--model-kwargs img_size={model_kwargs["img_size"]} but the data is {size[0]}x'
-                                  f'{size[1]} (--img-size / --input-size); give one size')
-        return False
-    if size == tuple(cfg.input_size[1:]):
-        return False
-    model_kwargs['img_size'] = size[0] if size[0] == size[1] else size
-    return True
+        return runs.fixed_input_size_kwargs(args, model_kwargs)
+    except ValueError as e:
+        raise TrainSetupError(str(e)) from None
 
 
 def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Dict[str, Any]]:
