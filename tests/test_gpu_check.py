@@ -33,7 +33,7 @@ def test_dry_run_goes_through_every_step_and_writes_the_report(tmp_path):
         'vil_ls_medium@full'}
     variants = {(r['point'], r['variant']) for r in report['ratios']}
     assert ('inference 224 b32', 'cvt_ls_13, flex segment 128') in variants
-    assert ('train 384 b64', 'cvt_ls_13, compiled default') in variants
+    assert ('inference 224 b32', 'cvt_ls_13, compiled default') in variants
     assert ('inference 224 b32', 'cvt_ls_13, compiled reduce-overhead') in variants
     assert all(r['time_ratio'] > 0 for r in report['ratios'])
     assert report['profile']['table']
