@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from _helpers import TINY_CONFIGS, grc_caches, grc_modules, load_tool
+from _helpers import ROOT, TINY_CONFIGS, grc_caches, grc_modules, load_tool
 from safetensors.torch import save_file
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
@@ -299,3 +299,33 @@ def test_bench_detection_command_line(tmp_path):
         tool.build_parser().parse_args(['--sizes', '800'])
     with pytest.raises(argparse.ArgumentTypeError, match="'800' is not HEIGHTxWIDTH, e.g. 800x1333"):
         tool.parse_size('800')
+
+
+def test_docs_quote_the_benchmark_reports():
+    """docs/detection.md's benchmark numbers are those of the committed reports (CPU-time and memory ratios to
+    cvt_13, memory in GiB)."""
+    docs = ' '.join((ROOT / 'docs' / 'detection.md').read_text().split())
+
+    def rows(name):
+        return {(r['label'], r['image']): r for r in bench.read_report(ROOT / 'docs' / 'benchmarks' / name)['rows']}
+
+    full, second = rows('detection.json'), rows('detection_1024.json')
+    images = ('800x1333', '1024x1024')
+
+    def cpu(table, model, image, kind):
+        key = f'{kind}_cpu_ms_per_image'
+        return f"{table[model, image][key] / table['cvt_13', image][key]:.2f}x"
+
+    assert (f"training step took {cpu(full, 'cvt_ls_13', images[0], 'train')} (800 x 1333) and "
+            f"{cpu(full, 'cvt_ls_13', images[1], 'train')} (1024 x 1024) the CPU time of cvt_13's, its forward "
+            f"{cpu(full, 'cvt_ls_13', images[0], 'inference')} and {cpu(full, 'cvt_ls_13', images[1], 'inference')} "
+            f"({cpu(second, 'cvt_ls_13', images[1], 'inference')} in the second run); PVT-Small's training step "
+            f"{cpu(full, 'pvt_small', images[0], 'train')} and {cpu(full, 'pvt_small', images[1], 'train')}, "
+            f"PVT-Small-GRC's {cpu(full, 'pvt_small_grc', images[0], 'train')} and "
+            f"{cpu(full, 'pvt_small_grc', images[1], 'train')}.") in docs
+    gib = [f"{full[m, i]['train_memory_mib'] / 1024:.1f}" for m in ('cvt_ls_13', 'cvt_13') for i in images]
+    ratios = [f"{full['cvt_ls_13', i][k]:.2f}x" for k in ('train_memory_ratio', 'peak_ratio') for i in images]
+    assert (f'was {gib[0]} and {gib[1]} GiB for cvt_ls_13 against {gib[2]} and {gib[3]} GiB for cvt_13 ({ratios[0]} '
+            f"and {ratios[1]}), the forward's {ratios[2]} and {ratios[3]} of cvt_13's") in docs
+    all_ratios = [r[k] for r in full.values() for k in ('train_memory_ratio', 'peak_ratio')]
+    assert f"within {min(all_ratios):.2f}x-{max(all_ratios):.2f}x of cvt_13's for all four" in docs
