@@ -73,7 +73,7 @@ sweep: install
 cards: install
 	$(PY) tools/benchmark.py cards
 
-# on a machine with a CUDA device: tests/test_cuda.py + a train-step benchmark -> docs/benchmarks/gpu.md (< 8 min)
+# on a machine with a CUDA device: tests/test_cuda.py + training and inference points -> docs/benchmarks/gpu.md (< 8 min)
 gpu-check: install
 	$(PY) tools/gpu_check.py
 
