@@ -12,6 +12,7 @@ registry, for the names of `unknown_model_message`).
 import argparse
 import difflib
 import os
+import subprocess
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -23,6 +24,7 @@ from timm.models import get_pretrained_cfg
 from timm.utils.misc import natural_key
 
 __all__ = [
+    'source_commit',
     'RUN_DATA_KEYS', 'TrainingRun', 'training_run', 'class_names_from_file', 'class_names_of_run',
     'fixed_input_size_kwargs', 'close_names', 'unknown_name_message', 'unknown_model_message', 'name_choice',
 ]
@@ -209,3 +211,13 @@ def name_choice(known: Sequence[str], what: str = 'model') -> Callable[[str], st
             return text
         raise argparse.ArgumentTypeError(unknown_name_message(text, known, what, f'choose from {", ".join(known)}'))
     return parse
+
+
+def source_commit() -> str:
+    """The short git commit of this lsvision checkout, for a report's provenance ('unknown' outside a git checkout)."""
+    try:
+        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or 'unknown'
+    except (OSError, subprocess.SubprocessError):
+        return 'unknown'

@@ -41,9 +41,12 @@ def test_dry_run_goes_through_every_step_and_writes_the_report(tmp_path):
         ('vil_ls_medium', 'vil_ls_medium@full'), ('cvt_ls_13', 'swin_tiny_patch4_window7_224')}
     text = (tmp_path / 'gpu.md').read_text()
     assert '## cvt_ls_13 against cvt_13' in text and '## Other comparisons' in text and '## torch.profiler' in text
+    assert report['detection'] == 'wrote detection_gpu.md'  # the detection benchmark's command runs (on the CPU)
+    assert json.loads((tmp_path / 'detection_gpu.json').read_text())['rows']
 
 
 def test_a_spent_budget_still_writes_the_report(tmp_path):
     assert _run(tmp_path, '--budget-s', '0') == 1  # tests/test_cuda.py did not run
     report = json.loads((tmp_path / 'gpu.json').read_text())
     assert report['results'] and all(r['error'].startswith('skipped:') for r in report['results'])
+    assert report['detection'].startswith('not run: ')

@@ -17,6 +17,8 @@ and the report is rewritten after every point, so a cut run leaves what it measu
    maintainers advise for small batches) at 224 b32.
 6. Swin-T, vil_ls_medium against its full-attention version, the rest of the grid (training at 224 b256, inference
    at 224 b256), the flex path's other token order and block size, compiled at 1024 b8.
+7. With what is left of the budget: issue 54's detection-resolution benchmark (tools/bench_detection.py, cvt_ls_13
+   against cvt_13, bf16) into docs/benchmarks/detection_gpu.{json,md}.
 
 Writes docs/benchmarks/gpu.json and gpu.md (device, torch, commit, every point, the ratios against the issue's targets
 and the floors). `--dry-run` runs all of it on the CPU at tiny sizes (tiny models, 64 px, batch 2, float32, so each
@@ -213,6 +215,8 @@ def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]]
         'bf16 autocast; training steps with AdamW; medians of torch.utils.benchmark blocked_autorange, each point in '
         'a fresh process; peak memory above the memory in use before the first step (CUDA max_memory_allocated).', '',
         f"tests/test_cuda.py: exit code {tests.get('returncode')} ({tests.get('summary', '')})", '',
+        f"Detection at 800x1333 / 1024x1024 (issue 54, [detection_gpu.md](detection_gpu.md)): "
+        f"{meta.get('detection', 'not yet run')}", '',
         '## cvt_ls_13 against cvt_13', '',
         '| point | cvt_ls_13 variant | time ratio | target | floor (no attention) | memory ratio |',
         '|---|---|---:|---:|---:|---:|']
@@ -289,6 +293,29 @@ def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: fl
     return rows, profile_result
 
 
+def detection_command(dry_run: bool, out_dir: Path) -> List[str]:
+    """Issue 54's resolution benchmark (tools/bench_detection.py: backbone + FPN at 800x1333 and 1024x1024, cvt_ls_13
+    against cvt_13) on the GPU, bf16; the dry run: one tiny inference point on the CPU."""
+    cmd = [sys.executable, str(ROOT / 'tools/bench_detection.py'), '--models', 'cvt_ls_13', '--baseline', 'cvt_13',
+           '--out', str(out_dir), '--name', 'detection_gpu', '--repeats', '1']
+    if dry_run:
+        return cmd + ['--sizes', '64x64', '--bench', 'inference', '--warmup', '0', '--budget-s', '0']
+    return cmd + ['--device', 'cuda', '--amp', 'bfloat16', '--warmup', '1', '--budget-s', '2']
+
+
+def run_detection(dry_run: bool, out_dir: Path, deadline: float) -> str:
+    """The detection benchmark with what is left of the budget (last: issue 53's points come first)."""
+    left = deadline - time.monotonic()
+    if left < (1 if dry_run else 60):
+        return f'not run: {left:.0f} s of the budget left (run tools/bench_detection.py --device cuda --amp bfloat16)'
+    try:
+        proc = subprocess.run(detection_command(dry_run, out_dir), cwd=ROOT, capture_output=True, text=True,
+                              timeout=max(left, 60.))
+    except subprocess.TimeoutExpired:
+        return 'over the budget (its report holds the sizes it finished)'
+    return 'wrote detection_gpu.md' if proc.returncode == 0 else f'failed: {proc.stderr.strip()[-300:]}'
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--dry-run', action='store_true',
@@ -334,6 +361,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # the dry run's compiled points run eagerly: inductor on the CPU is not what it checks
     with torch.compiler.set_stance('force_eager') if args.dry_run else contextlib.nullcontext():
         rows, profile_result = run_points(points, args, start, out_dir, meta, tests)
+    meta['detection'] = run_detection(args.dry_run, out_dir, start + args.budget_s)
+    print(f"detection benchmark: {meta['detection']}", flush=True)
     meta['wall_s'] = round(time.monotonic() - start, 1)
     write_report(out_dir, meta, rows, tests, profile_result)
     print(f'wrote {out_dir / "gpu.md"} and gpu.json ({meta["wall_s"]} s)')

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 import platform
-import subprocess
 import time
 from datetime import datetime, timedelta
 from typing import Any, Dict, List, Optional, Tuple
@@ -42,6 +41,7 @@ from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..eval.report import write_json, write_markdown
+from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed, seed_everything
 from ..train.engine import all_reduce_grc_caches
@@ -478,15 +478,6 @@ def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: CocoInstance
     return report
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or 'unknown'
-    except (OSError, subprocess.SubprocessError):
-        return 'unknown'
-
-
 def _report(args: argparse.Namespace, metrics: Dict[str, Any], val: CocoInstances, train: Optional[CocoInstances],
             extra: Dict[str, Any]) -> Dict[str, Any]:
     def data(ds: CocoInstances) -> Dict[str, Any]:
@@ -495,7 +486,7 @@ def _report(args: argparse.Namespace, metrics: Dict[str, Any], val: CocoInstance
     return dict(
         model=args.model, detector=args.detector, metrics=metrics, val=data(val),
         train=data(train) if train is not None else None, args=_recorded_args(args),
-        commit=_commit(), machine=machine_description(args.device), processes=args.world_size,
+        commit=source_commit(), machine=machine_description(args.device), processes=args.world_size,
         host=platform.node(), finished=f'{datetime.now():%Y-%m-%d %H:%M:%S}', **extra)
 
 

@@ -22,7 +22,6 @@ import dataclasses
 import logging
 import math
 import os
-import subprocess
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -42,6 +41,7 @@ from lsvision.data.text_corpus import (
     stream_batches,
 )
 from lsvision.eval.distributed import close_eval_processes, init_eval_processes, shard_range
+from lsvision.runs import source_commit
 from lsvision.sequence.budget_train import lr_factor
 from lsvision.sequence.transformer_xl import GrcStreamState, TransformerXL, TxlState
 
@@ -209,15 +209,6 @@ def evaluate_perplexity(model: nn.Module, data: torch.Tensor, tgt_len: int, batc
     lm.train(was_training)
     nll = float(total[0] / total[1].clamp(min=1))
     return dict(nll=nll, ppl=math.exp(min(nll, 700.)), tokens=int(total[1]))
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or 'unknown'
-    except (OSError, subprocess.SubprocessError):
-        return 'unknown'
 
 
 def _build_model(cfg: LMConfig, vocab_size: int) -> TransformerXL:
@@ -442,7 +433,7 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
             corpus=corpus.source, vocab=len(corpus.vocab), tgt_len=cfg.tgt_len, batch_size=cfg.batch_size,
             steps=trainer.step, epochs=trainer.epoch, train_seconds=round(trainer.train_seconds, 1),
             stopped_by_time_budget=by_budget, eval_batch_size=cfg.eval_batch_size, weights=weights,
-            commit=_git_commit(), machine=machine_description(str(procs.device)), world_size=procs.world_size,
+            commit=source_commit(), machine=machine_description(str(procs.device)), world_size=procs.world_size,
             amp=cfg.amp and cfg.amp_dtype, history=trainer.history, checkpoint=last)
         result['valid'] = trainer.evaluate('valid')
         result['test'] = trainer.evaluate('test')

@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import time
 from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -36,6 +35,7 @@ from lsvision.bench import machine_description, markdown_table, write_atomic, wr
 from lsvision.data.parallel_text import BOS_ID, EOS_ID, PAD_ID, SubwordVocab, read_parallel, write_demo_task
 from lsvision.eval.distributed import all_gather, close_eval_processes, init_eval_processes, shard_range
 from lsvision.layers import GatedRecurrentCache
+from lsvision.runs import source_commit
 from lsvision.sequence.translation import EncoderOut, TranslationTransformer
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
@@ -398,15 +398,6 @@ def _prepare_data(cfg: MTConfig, rank: int, world_size: int, vocab_tensor: Optio
     return _Data(vocab, (ts, tt), (vs, vt), eval_src[:n], eval_ref[:n], dropped)
 
 
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or 'unknown'
-    except (OSError, subprocess.SubprocessError):
-        return 'unknown'
-
-
 def load_translation_checkpoint(path: str, device: str = 'cpu') -> Tuple[TranslationTransformer, SubwordVocab]:
     """The model (eval mode) and vocabulary of a checkpoint written by `run` (last.pt or averaged.pt)."""
     ckpt = load_checkpoint(path)
@@ -640,7 +631,7 @@ def run(cfg: MTConfig) -> Dict[str, Any]:
             source_lang=cfg.source_lang, target_lang=cfg.target_lang, vocab=len(data.vocab), lr=trainer.lr,
             updates=trainer.updates, epochs=trainer.epoch, train_seconds=round(trainer.train_seconds, 1),
             stopped_by_time_budget=by_budget, eval_split=cfg.eval_split, eval_sentences=len(data.eval_sources),
-            beam=cfg.beam, commit=_git_commit(), machine=machine_description(str(procs.device)),
+            beam=cfg.beam, commit=source_commit(), machine=machine_description(str(procs.device)),
             world_size=procs.world_size, amp=cfg.amp and cfg.amp_dtype)
         result['last'] = _score(model, data, cfg, procs.device, 'last')
         saved = _broadcast(trainer.saved, procs.world_size)
