@@ -62,7 +62,7 @@ unit: install
 	$(PY) -m pytest -q -m 'not slow'
 
 # the tests marked slow (the whole digits demo against its record, the larger CvT-LS FLOP counts, the contract
-# runner on a failing fixture model): about 2 min on 2 idle cores, outside make test's 15-minute budget
+# runner on a failing fixture model), outside make test's 15-minute budget
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
