@@ -44,7 +44,7 @@ from ..eval.report import write_json, write_markdown
 from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed, seed_everything
-from ..train.engine import all_reduce_grc_caches
+from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
 from .data import CocoDataError, CocoInstances, collate_detection
@@ -278,18 +278,8 @@ class _Training:
                 f"{values}; the run directory's last.pth.tar (if an epoch finished) holds the last good epoch. Lower "
                 '--lr, set --clip-grad, or use --no-amp')
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.unscale_(self.optimizer)
-        else:
-            loss.backward()
-        if self.args.clip_grad:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        optimizer_update(self.optimizer, self.scaler, self.model.parameters(), self.args.clip_grad or None, 'norm')
         all_reduce_grc_caches(self.grc)
         self.num_updates += 1
         self.scheduler.step_update(self.num_updates)

@@ -46,6 +46,7 @@ from lsvision.sequence.budget_train import lr_factor
 from lsvision.sequence.transformer_xl import GrcStreamState, TransformerXL, TxlState
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from .engine import optimizer_update
 
 __all__ = ['LMConfig', 'LMSetupError', 'run', 'evaluate_perplexity', 'load_corpus', 'state_to_dict',
            'state_from_dict']
@@ -310,18 +311,9 @@ class _Trainer:
         if not torch.isfinite(loss):
             raise FloatingPointError(f'loss is {float(loss)} at step {self.step}; lower --lr or turn off --amp')
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.unscale_(self.optimizer)
-        else:
-            loss.backward()
-        if cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.lm.parameters(), cfg.clip_grad)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        optimizer_update(self.optimizer, self.scaler, self.lm.parameters(),
+                         cfg.clip_grad if cfg.clip_grad > 0 else None, 'norm')
         self.state, self.pos, self.step = state, self.pos + L, self.step + 1
         return float(loss.detach())
 

@@ -39,7 +39,7 @@ from lsvision.runs import source_commit
 from lsvision.sequence.translation import EncoderOut, TranslationTransformer
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
-from .engine import all_reduce_grc_caches
+from .engine import all_reduce_grc_caches, optimizer_update
 
 __all__ = [
     'MTConfig', 'run', 'beam_search', 'greedy_decode', 'translate', 'corpus_bleu', 'average_checkpoints',
@@ -505,19 +505,9 @@ class _Trainer:
             logits = self.ddp(src, prev)
         loss, nll, ntok = label_smoothed_loss(logits, tgt, self.cfg.label_smoothing)
         scaled = loss / max(ntok, 1)
-        if self.scaler is not None:
-            self.scaler.scale(scaled).backward()
-            self.scaler.unscale_(self.opt)
-        else:
-            scaled.backward()
-        if self.cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+        optimizer_update(self.opt, self.scaler, self.model.parameters(),
+                         self.cfg.clip_norm if self.cfg.clip_norm > 0 else None, 'norm')
         if self.cfg.grc_sync_cache:
             all_reduce_grc_caches(self.grc_layers)
         self.updates += 1
