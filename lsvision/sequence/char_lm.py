@@ -23,6 +23,7 @@ from timm.layers import Mlp
 
 from lsvision.layers import CausalLongShortAttention, scaled_dot_product_attention
 
+from ._init import init_normal_lm_weights
 from ._registry import register_model
 from ._tokens import check_token_ids
 
@@ -161,14 +162,9 @@ class CharLM(nn.Module):
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
         """Official `_init_weights`: Linear/Embedding N(0, 0.02), biases 0, LayerNorm weight N(1, 0.02)."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, 'bias', None) is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.normal_(m.weight, mean=1.0, std=0.02)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, CausalLongShortAttention):
+        if init_normal_lm_weights(m):
+            return
+        if isinstance(m, CausalLongShortAttention):
             nn.init.normal_(m.content_bias, std=0.02)
             nn.init.normal_(m.pos_bias, std=0.02)
 

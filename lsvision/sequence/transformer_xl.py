@@ -46,6 +46,7 @@ from lsvision.layers import (
 )
 from lsvision.layers.softmax import mask_value
 
+from ._init import init_normal_lm_weights
 from ._registry import register_model
 from ._tokens import check_token_ids
 
@@ -305,14 +306,9 @@ class TransformerXL(nn.Module):
     def _init_weights(m: nn.Module) -> None:
         """The authors' `weights_init` ('normal', std 0.02): weights N(0, 0.02), biases 0, LayerNorm weight N(1, 0.02),
         u, v and the cluster logits N(0, 0.02)."""
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, 'bias', None) is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.normal_(m.weight, mean=1.0, std=0.02)
-            nn.init.zeros_(m.bias)
-        elif isinstance(m, TransformerXL):
+        if init_normal_lm_weights(m):
+            return
+        if isinstance(m, TransformerXL):
             nn.init.normal_(m.r_w_bias, std=0.02)
             nn.init.normal_(m.r_r_bias, std=0.02)
         elif isinstance(m, AdaptiveLogSoftmax) and m.cluster_weight is not None:
