@@ -6,8 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt 2>/dev/null | cksum | cut -d' ' -f1)
 # models for `make contract` (fnmatch patterns, '*' = all); empty: contract/run.py's default subset
 CONTRACT_MODELS ?=
+# pytest-xdist worker processes for `make unit` (a test file stays in one worker, so its module fixtures run once)
+TEST_WORKERS ?= 2
 
-.PHONY: install demo demo-detect models demo-listops demo-bytelm demo-lm demo-hsw demo-mt bench-hsw test test-slow lint unit contract sweep cards gpu-check clean
+.PHONY: install demo demo-detect models demo-listops demo-bytelm demo-lm demo-hsw demo-mt bench-hsw test lint unit contract sweep cards gpu-check clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,12 +61,7 @@ lint: install
 	$(PY) -m ruff check .
 
 unit: install
-	$(PY) -m pytest -q -m 'not slow'
-
-# the tests marked slow (the whole digits demo against its record, the larger CvT-LS FLOP counts, the contract
-# runner on a failing fixture model), outside make test's 15-minute budget
-test-slow: install
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # timm's own tests/test_models.py (from the sdist of the installed timm, cached in contract/.cache) on our models
 contract: install

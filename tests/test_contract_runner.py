@@ -49,7 +49,6 @@ def test_fetch_without_the_sdist_says_what_to_do(contract_run, tmp_path, monkeyp
     assert not any(tmp_path.rglob('*')), 'a failed fetch leaves nothing in the cache'
 
 
-@pytest.mark.slow  # timm's suite on a fixture model, ~25 s: `make test-slow`
 def test_contract_catches_a_model_that_ignores_num_classes(tmp_path):
     report = tmp_path / 'report.json'
     proc = _run_contract('--models', '*', '--report', str(report), cwd=tmp_path)

@@ -64,12 +64,7 @@ def test_parameter_count(name):
     assert sum(p.numel() for p in model.parameters()) == PARAMS[name]
 
 
-# the larger variants take 15-30 s each: `make test-slow` (cvt_ls_13, cvt_13 and cvt_21 run in make test)
-SLOW_FLOPS = ('cvt_ls_17', 'cvt_ls_21', 'cvt_ls_21s', 'cvt_ls_21_384')
-
-
-@pytest.mark.parametrize('name', [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FLOPS else n
-                                  for n in sorted(GFLOPS)])
+@pytest.mark.parametrize('name', sorted(GFLOPS))
 def test_flops_match_spec(name):
     # FLOPs depend on shapes only: an uninitialized model (no init cost)
     model = timm.create_model(name, device='meta').to_empty(device='cpu')

@@ -54,7 +54,6 @@ def _cpu(machine: str) -> str:
     return machine.split(', ')[0]
 
 
-@pytest.mark.slow  # the whole demo, 8 epochs: `make test-slow`
 def test_the_demo_gives_its_recorded_numbers(tmp_path):
     """The whole demo (its 8 epochs: --time-budget 0, so that a busy machine does not cut it short) gets the recorded
     number of validation images right on the recording's CPU model; elsewhere float rounding may move one or two."""

@@ -153,6 +153,17 @@ def test_benchmark_suggests_model_and_configuration_names(capsys):
     assert _suggestion(err) in benchmark.SEQUENCE_CONFIGS
 
 
+def test_compile_times_and_converter_suggest_model_names(tmp_path, capsys):
+    assert load_tool('compile_times').main(['--model', 'cvt_ls13', '--modes', 'eager']) == 2
+    assert "unknown model 'cvt_ls13'; did you mean cvt_ls_13" in capsys.readouterr().err
+    convert = load_tool('convert_vil_ls')
+    with pytest.raises(SystemExit):
+        convert.parse_args(['in.pth', 'out.safetensors', '--model', 'vil_ls_medum'])
+    err = capsys.readouterr().err
+    assert "unknown model 'vil_ls_medum'; did you mean vil_ls_medium" in err
+    assert convert.parse_args(['in.pth', 'out.safetensors', '--model', _suggestion(err)]).model == 'vil_ls_medium'
+
+
 @pytest.mark.parametrize('tool, typo, meant', [('demo_listops', 'lss', 'ls'), ('demo_bytelm', 'ful', 'full'),
                                                ('demo_hsw', 'hsw-ls', 'hsw_ls')])
 def test_sequence_demos_suggest_model_names(tool, typo, meant, capsys):

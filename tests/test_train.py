@@ -203,6 +203,20 @@ def test_digits_export(tmp_path):
     assert export_digits(str(tmp_path / 'digits'), img_size=16) == info  # reused, not rewritten
 
 
+def test_digits_export_by_several_processes_at_once_is_built_once(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import sklearn.datasets
+    builds = []
+    load = sklearn.datasets.load_digits
+    monkeypatch.setattr(sklearn.datasets, 'load_digits', lambda: builds.append(1) or load())
+    with ThreadPoolExecutor(3) as pool:  # three callers at once, as torchrun's ranks or parallel test workers
+        infos = list(pool.map(lambda _: export_digits(str(tmp_path / 'digits'), img_size=12), range(3)))
+    assert len(builds) == 1 and infos[0] == infos[1] == infos[2]  # one built it, the others waited and reused it
+    assert len(list((tmp_path / 'digits').rglob('*.png'))) == 1797
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['digits', 'digits.lock']  # no temporary tree left
+
+
 @pytest.mark.parametrize('num_repeats', [0, 3])
 def test_resumable_sampler_order_depends_only_on_seed_and_epoch(num_repeats):
     from lsvision.train.data import ResumableSampler

@@ -153,6 +153,11 @@ def main(argv: List[str] = None) -> int:
     if args.child:
         print(json.dumps(_measure(json.loads(args.child))), flush=True)
         return 0
+    from lsvision.runs import unknown_model_message
+    unknown = unknown_model_message(args.model)
+    if unknown:  # before any child process is started
+        print(f'compile_times.py: error: {unknown}', file=sys.stderr)
+        return 2
     rows = []
     cache = tempfile.mkdtemp(prefix='inductor-cache-') if args.warm_cache else None
     for step in args.steps:

@@ -39,6 +39,7 @@ from lsvision.models.vil_ls import (
     official_config,
     resize_rel_pos_tables,
 )
+from lsvision.runs import name_choice
 
 VARIANTS = ('vil_ls_medium', 'vil_ls_base', 'vil_ls_medium_384')
 ARCH_KEYS = (
@@ -56,7 +57,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('checkpoint', type=Path, help='official checkpoint (model_best.pth) or a bare state_dict')
     parser.add_argument('output', type=Path, help='safetensors file to write')
-    parser.add_argument('--model', default=None, choices=VARIANTS,
+    parser.add_argument('--model', default=None, type=name_choice(VARIANTS), metavar='{' + ','.join(VARIANTS) + '}',
                         help='lsvision model to convert for (default: the one the checkpoint shapes match)')
     parser.add_argument('--img-size', type=int, default=None,
                         help='native input size of the target model; full-attention tables are interpolated to it')

@@ -11,13 +11,13 @@ area, iscrowd 0):
 """
 import json
 import os
-import shutil
-import tempfile
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
 from PIL import Image
 from pycocotools import mask as mask_utils
+
+from ._cache import building, publish
 
 __all__ = ['SHAPE_CLASSES', 'generate_coco_shapes', 'default_coco_shapes_root']
 
@@ -129,26 +129,18 @@ def generate_coco_shapes(root: str = '', num_train: int = 400, num_val: int = 50
     paths.update({f'{split}_annotations': os.path.join(root, 'annotations', f'instances_{split}.json')
                   for split in ('train', 'val')})
     stamp = os.path.join(root, 'settings.json')
-    if os.path.isfile(stamp):
-        with open(stamp) as f:
-            if json.load(f) == settings:
-                return paths
-    parent = os.path.dirname(root)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.coco_shapes-', dir=parent)  # built aside, then moved: never half a tree
-    try:
-        os.makedirs(os.path.join(tmp, 'annotations'))
-        rng = np.random.RandomState(seed)
-        height, width = image_size
-        for split, count in (('train', num_train), ('val', num_val)):
-            _write_split(tmp, split, count, rng, height, width, max_objects, tuple(object_sizes))
-        with open(os.path.join(tmp, 'settings.json'), 'w') as f:
-            json.dump(settings, f)
-        if os.path.exists(root):
-            shutil.rmtree(root)
-        os.replace(tmp, root)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
+    with building(root):  # another process generating the same tree: wait for it, then reuse it
+        if os.path.isfile(stamp):
+            with open(stamp) as f:
+                if json.load(f) == settings:
+                    return paths
+        with publish(root, '.coco_shapes-') as tmp:  # built aside, then moved: never half a tree
+            os.makedirs(os.path.join(tmp, 'annotations'))
+            rng = np.random.RandomState(seed)
+            height, width = image_size
+            for split, count in (('train', num_train), ('val', num_val)):
+                _write_split(tmp, split, count, rng, height, width, max_objects, tuple(object_sizes))
+            with open(os.path.join(tmp, 'settings.json'), 'w') as f:
+                json.dump(settings, f)
     return paths
 

@@ -6,12 +6,12 @@ into a fixed stratified train/val split, upsampled, and written as PNGs under `<
 """
 import json
 import os
-import shutil
-import tempfile
 from typing import Dict
 
 import numpy as np
 from PIL import Image
+
+from ._cache import building, publish
 
 __all__ = ['DIGITS_CLASSES', 'export_digits', 'default_digits_root']
 
@@ -60,35 +60,25 @@ def export_digits(
     root = os.path.abspath(root or default_digits_root())
     meta = dict(version=_VERSION, img_size=img_size, val_fraction=val_fraction, seed=seed)
     meta_path = os.path.join(root, 'export.json')
-    if os.path.isfile(meta_path):
-        with open(meta_path) as f:
-            done = json.load(f)
-        if all(done.get(k) == v for k, v in meta.items()):
-            return done
-
-    digits = load_digits()
-    images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # values 0..16 -> 0..255
-    labels = digits.target
-    is_val = _split(labels, val_fraction, seed)
-    # build in a temporary sibling, then rename: a killed export never leaves a half-written tree behind
-    parent = os.path.dirname(root)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix='.digits-', dir=parent)
-    try:
-        for split in ('train', 'val'):
-            for c in DIGITS_CLASSES:
-                os.makedirs(os.path.join(tmp, split, c))
-        for i, (img, label, val) in enumerate(zip(images, labels, is_val)):
-            pil = Image.fromarray(img, mode='L').resize((img_size, img_size), Image.BICUBIC)
-            pil.save(os.path.join(tmp, 'val' if val else 'train', str(label), f'{i:04d}.png'))
-        done = dict(meta, root=root, train=os.path.join(root, 'train'), val=os.path.join(root, 'val'),
-                    num_train=int((~is_val).sum()), num_val=int(is_val.sum()))
-        with open(os.path.join(tmp, 'export.json'), 'w') as f:
-            json.dump(done, f, indent=2)
-        if os.path.isdir(root):
-            shutil.rmtree(root)
-        os.replace(tmp, root)
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp)
+    with building(root):  # another process exporting the same tree: wait for it, then reuse its export
+        if os.path.isfile(meta_path):
+            with open(meta_path) as f:
+                done = json.load(f)
+            if all(done.get(k) == v for k, v in meta.items()):
+                return done
+        digits = load_digits()
+        images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # values 0..16 -> 0..255
+        labels = digits.target
+        is_val = _split(labels, val_fraction, seed)
+        with publish(root, '.digits-') as tmp:  # a killed export never leaves a half-written tree behind
+            for split in ('train', 'val'):
+                for c in DIGITS_CLASSES:
+                    os.makedirs(os.path.join(tmp, split, c))
+            for i, (img, label, val) in enumerate(zip(images, labels, is_val)):
+                pil = Image.fromarray(img, mode='L').resize((img_size, img_size), Image.BICUBIC)
+                pil.save(os.path.join(tmp, 'val' if val else 'train', str(label), f'{i:04d}.png'))
+            done = dict(meta, root=root, train=os.path.join(root, 'train'), val=os.path.join(root, 'val'),
+                        num_train=int((~is_val).sum()), num_val=int(is_val.sum()))
+            with open(os.path.join(tmp, 'export.json'), 'w') as f:
+                json.dump(done, f, indent=2)
     return done
