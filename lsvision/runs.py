@@ -14,9 +14,11 @@ import difflib
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch.nn as nn
 import yaml
+from PIL import Image
 
 import timm
 from timm.data.readers.class_map import load_class_map
@@ -27,6 +29,7 @@ __all__ = [
     'source_commit',
     'RUN_DATA_KEYS', 'TrainingRun', 'training_run', 'class_names_from_file', 'class_names_of_run',
     'fixed_input_size_kwargs', 'close_names', 'unknown_name_message', 'unknown_model_message', 'name_choice',
+    'image_mode_for_channels', 'channels_of_image_mode', 'normalization_for_channels', 'model_input_channels',
 ]
 
 # the run arguments that set the eval preprocessing (timm's resolve_data_config reads them as given to train.py)
@@ -173,6 +176,62 @@ def fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, An
         return False
     model_kwargs['img_size'] = size[0] if size[0] == size[1] else size
     return True
+
+
+_IMAGE_MODES = {1: 'L', 3: 'RGB', 4: 'RGBA'}  # the PIL mode images are read in for a model of N input channels
+
+
+def image_mode_for_channels(in_chans: int) -> str:
+    """The PIL mode a model of ``in_chans`` input channels reads its images in: 'L' for 1, 'RGB' for 3 (timm's
+    train.py and validate.py rule), 'RGBA' for 4.
+
+    Raises:
+        ValueError: No PIL mode of that many channels is read from an image file.
+    """
+    if in_chans not in _IMAGE_MODES:
+        raise ValueError(f'the model takes {in_chans} input channels, and no image file reads as {in_chans} channels '
+                         '(1: grayscale L, 3: RGB, 4: RGBA); create it with in_chans=1, 3 or 4')
+    return _IMAGE_MODES[in_chans]
+
+
+def channels_of_image_mode(mode: str) -> int:
+    """How many channels images read in the PIL ``mode`` have ('L' 1, 'RGB' 3, ...).
+
+    Raises:
+        ValueError: ``mode`` is not a PIL image mode.
+    """
+    try:
+        return Image.getmodebands(mode)
+    except (KeyError, ValueError):
+        raise ValueError(f"{mode!r} is not a PIL image mode (e.g. 'L' grayscale, 'RGB', 'RGBA')") from None
+
+
+def normalization_for_channels(mean: Sequence[float], std: Sequence[float],
+                               in_chans: int) -> Optional[Tuple[List[float], List[float]]]:
+    """None when ``mean`` and ``std`` have one value per input channel; for a 1-channel model normalised with 3
+    values (an RGB model's pretrained config), their averages.
+
+    Raises:
+        ValueError: Any other count, with the flags that set them.
+    """
+    if len(mean) == in_chans and len(std) == in_chans:
+        return None
+    if in_chans == 1 and len(mean) == len(std) == 3:
+        return [sum(mean) / 3], [sum(std) / 3]
+    raise ValueError(f'the model takes {in_chans} input channels but the normalisation has {len(mean)} mean and '
+                     f'{len(std)} std values ({list(mean)}, {list(std)}); give --mean and --std with {in_chans} '
+                     'values each (or one value each, used for every channel)')
+
+
+def model_input_channels(model: nn.Module) -> Optional[int]:
+    """The input channels of a timm image model: its ``in_chans``, else its patch embedding's or first
+    convolution's input channels; None when it has none of them."""
+    if isinstance(getattr(model, 'in_chans', None), int):
+        return model.in_chans
+    proj = getattr(getattr(model, 'patch_embed', None), 'proj', None)
+    if isinstance(proj, nn.Conv2d):
+        return proj.in_channels
+    return next((m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d)), None)
 
 
 def close_names(name: str, known: Sequence[str], n: int = 5) -> List[str]:

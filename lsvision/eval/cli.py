@@ -25,9 +25,19 @@ import torch.nn as nn
 import yaml
 
 import timm
+from timm.data import resolve_model_data_config
 from timm.models import reparameterize_model
 
-from ..runs import TrainingRun, class_names_from_file, training_run, unknown_model_message
+from ..runs import (
+    TrainingRun,
+    channels_of_image_mode,
+    class_names_from_file,
+    image_mode_for_channels,
+    model_input_channels,
+    normalization_for_channels,
+    training_run,
+    unknown_model_message,
+)
 from .distributed import JobProgress, check_paths, init_eval_processes
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
 from .runner import EvalSettings, default_workers, file_sha256
@@ -223,6 +233,26 @@ def _run_settings(settings: EvalSettings, run: Optional[TrainingRun], name: str,
                                input_img_mode=run.args.get('input_img_mode') or settings.input_img_mode)
 
 
+def _fit_to_model_channels(settings: EvalSettings, model: nn.Module) -> EvalSettings:
+    """``settings`` with images and normalisation of the model's input channels: images read in the mode of its
+    channels when the run's (or the default RGB) has another count (grayscale 'L' for 1, timm's validate.py rule), an
+    RGB mean/std averaged for a 1-channel model (`normalization_for_channels`), the input size's channels."""
+    in_chans = model_input_channels(model)
+    if in_chans is None:
+        return settings
+    mode = settings.input_img_mode
+    if channels_of_image_mode(mode) != in_chans:
+        mode = image_mode_for_channels(in_chans)
+    overrides = dict(settings.data_overrides)
+    cfg = resolve_model_data_config(model, args=dict(overrides, in_chans=in_chans))
+    if in_chans != 3 or cfg['input_size'][0] != 3:  # timm reads in_chans from here, or takes a pretrained (3, H, W)
+        overrides['input_size'] = (in_chans, *cfg['input_size'][1:])
+    fitted = normalization_for_channels(cfg['mean'], cfg['std'], in_chans)
+    if fitted:
+        overrides['mean'], overrides['std'] = fitted
+    return dataclasses.replace(settings, input_img_mode=mode, data_overrides=overrides)
+
+
 def run_and_report(
         args: argparse.Namespace,
         tool: str,
@@ -286,7 +316,8 @@ def run_and_report(
             identity['reparam'] = True
         model.to(settings.device)
         identity['precision'] = precision_of(args, run, name, settings.device.type)
-        model_settings = _run_settings(settings, run, name, args.batch_size, identity['precision'])
+        model_settings = _fit_to_model_channels(
+            _run_settings(settings, run, name, args.batch_size, identity['precision']), model)
         identity['batch_size'] = model_settings.batch_size
         if model_settings.input_img_mode != 'RGB':
             identity['input_img_mode'] = model_settings.input_img_mode

@@ -125,8 +125,8 @@ def no_resize_protocol(model: nn.Module, size: int = 224, overrides: Optional[Di
     model_size = tuple(cfg['input_size'][-2:])
     standard = model_size == (size, size)
     return dict(
-        name='no_resize', input_size=[3, *model_size], interpolation=cfg['interpolation'], crop_pct=1.0,
-        crop_mode='center', mean=list(cfg['mean']), std=list(cfg['std']), standard=standard,
+        name='no_resize', input_size=[cfg['input_size'][0], *model_size], interpolation=cfg['interpolation'],
+        crop_pct=1.0, crop_mode='center', mean=list(cfg['mean']), std=list(cfg['std']), standard=standard,
         description=('CenterCrop 224 of the 224x224 images (identity), normalise; no resize (Hendrycks)' if standard
                      else f'NON-STANDARD: the 224x224 images are resized to the model input {model_size} '
                           f"({cfg['interpolation']}), normalise"))

@@ -53,6 +53,7 @@ from ..eval.distributed import DatasetShard, all_gather, shard_range
 from ..eval.runner import usable_cores
 from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
+from ..runs import image_mode_for_channels, normalization_for_channels
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import (
@@ -554,6 +555,31 @@ def _setup(args: argparse.Namespace) -> torch.device:
     return device
 
 
+def _check_input_channels(args: argparse.Namespace) -> None:
+    """Sets ``args.input_img_mode`` to the mode of the model's input channels when it is not given (as timm's
+    train.py: 'L' for --in-chans 1), or says how a given mode, --mean / --std and the channels disagree."""
+    in_chans = (args.input_size[0] if args.input_size else args.in_chans) or 3
+    for flag, values in (('--mean', args.mean), ('--std', args.std)):
+        if values is not None and len(values) not in (1, in_chans):
+            raise TrainSetupError(f'{flag} has {len(values)} values but the model takes {in_chans} input channel(s) '
+                                  f'(--in-chans / --input-size): give {in_chans} value(s), or one for every channel')
+    if args.input_img_mode:
+        try:
+            given = runs.channels_of_image_mode(args.input_img_mode)
+        except ValueError as e:
+            raise TrainSetupError(f'--input-img-mode: {e}') from None
+        if given != in_chans:
+            raise TrainSetupError(
+                f'--input-img-mode {args.input_img_mode} reads images as {given} channel(s), but the model takes '
+                f'{in_chans} (--in-chans / --input-size): leave --input-img-mode out or set --in-chans {given}')
+        return
+    try:
+        mode = image_mode_for_channels(in_chans)
+    except ValueError as e:
+        raise TrainSetupError(f'{e}, or give --input-img-mode with a PIL mode of {in_chans} channels') from None
+    args.input_img_mode = mode if in_chans != 3 else None  # None: timm's default, RGB
+
+
 def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Optional[List[str]]]:
     """(train dataset, val dataset, class names in logit order); the embedded digits when no dataset is named."""
     if not args.data_dir and not args.dataset:
@@ -569,6 +595,7 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
         _check_folder_classes(args, train_root, val_root, primary)
     dataset_kwargs = dict(root=args.data_dir, class_map=args.class_map or '', download=args.dataset_download,
                           batch_size=args.batch_size, seed=args.seed)
+    _check_input_channels(args)
     if args.input_img_mode:
         dataset_kwargs['input_img_mode'] = args.input_img_mode
     if args.input_key or args.target_key:
@@ -596,6 +623,16 @@ def _model_on_device(args: argparse.Namespace, device: torch.device, primary: bo
         _logger.info(f'model {safe_model_name(args.model)}: {sum(p.numel() for p in model.parameters()):,} params, '
                      f'{args.num_classes} classes')
     data_config = resolve_data_config(vars(args), model=model, verbose=primary)
+    try:
+        fitted = normalization_for_channels(data_config['mean'], data_config['std'], data_config['input_size'][0])
+    except ValueError as e:
+        raise TrainSetupError(str(e)) from None
+    if fitted:  # recorded in the run's args, so that evaluation normalises as training did
+        data_config['mean'], data_config['std'] = tuple(fitted[0]), tuple(fitted[1])
+        args.mean, args.std = fitted
+        if primary:
+            _logger.info(f'the model takes 1 input channel: normalised with mean {fitted[0][0]:.4f}, std '
+                         f'{fitted[1][0]:.4f} (the averages of its RGB values; --mean / --std set them)')
     model.to(device)
     if args.channels_last:
         model.to(memory_format=torch.channels_last)
