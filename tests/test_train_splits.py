@@ -4,6 +4,7 @@ names the folders and says how to fix it (each hint followed here: the run then 
 of each split and class and what an epoch leaves out; an unreadable validation image is left out and named."""
 import logging
 import math
+import os
 import shutil
 from argparse import Namespace
 from pathlib import Path
@@ -113,6 +114,28 @@ def test_validation_uses_the_training_class_map(folder, tmp_path):
     assert _refused(folder, '--class-map', 'nothing.txt') == (
         f'--class-map nothing.txt: no such file (nor in {folder / "train"}); give a .txt file with one class folder '
         'name a line, in label order')
+
+
+@pytest.mark.parametrize('class_order', ['', 'class1\nclass0\n'])
+def test_each_split_is_walked_once_into_the_datasets_timm_would_build(folder, tmp_path, monkeypatch, class_order):
+    from timm.data import create_dataset
+    extra = []
+    if class_order:
+        (tmp_path / 'classes.txt').write_text(class_order)
+        extra = ['--class-map', str(tmp_path / 'classes.txt')]
+    args = _args(folder, *extra)
+    engine._setup(args)
+    walked, walk = [], os.walk
+    monkeypatch.setattr(os, 'walk', lambda top, *a, **k: walked.append(os.path.abspath(top)) or walk(top, *a, **k))
+    train, val, names = engine._datasets(args, primary=True)
+    assert sorted(walked) == [str(folder / 'train'), str(folder / 'val')]  # once each (timm's datasets: twice)
+    monkeypatch.setattr(os, 'walk', walk)
+    timm_train = create_dataset('', root=str(folder), split='train', class_map=extra[1] if extra else '')
+    timm_val = create_dataset('', root=str(folder), split='val', class_map=dict(timm_train.reader.class_to_idx))
+    assert train.reader.class_to_idx == val.reader.class_to_idx == timm_train.reader.class_to_idx
+    assert train.reader.samples == timm_train.reader.samples and val.reader.samples == timm_val.reader.samples
+    assert len(train) == 24 and train.input_img_mode == timm_train.input_img_mode
+    assert names == (['class1', 'class0'] if class_order else ['class0', 'class1'])
 
 
 def test_log_counts_each_split_per_class_and_what_an_epoch_leaves_out(folder, caplog):

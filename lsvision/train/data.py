@@ -18,11 +18,12 @@ from PIL import Image
 
 from timm.data.dataset import ImageDataset
 from timm.data.distributed_sampler import RepeatAugSampler
-from timm.data.readers.reader_image_folder import find_images_and_targets
+from timm.data.readers.reader import Reader
+from timm.data.readers.reader_image_folder import ReaderImageFolder, find_images_and_targets
 from timm.utils.misc import natural_key
 
-__all__ = ['ResumableSampler', 'SeededTrainDataset', 'TrainBatchSampler', 'TrainSetupError', 'SplitScan', 'derive_seed',
-           'scan_split', 'split_problems', 'class_counts_text']
+__all__ = ['ResumableSampler', 'SeededTrainDataset', 'TrainBatchSampler', 'TrainSetupError', 'SplitScan',
+           'ScannedFolderReader', 'derive_seed', 'scan_split', 'split_problems', 'class_counts_text']
 
 _logger = logging.getLogger(__name__)
 _MAX_SKIPPED_IN_A_ROW = 20
@@ -231,15 +232,32 @@ class SplitScan:
         counts: Class folder name -> images timm reads in it (its file types, sub-folders included), in class order.
         empty: Class folders (directly in ``root``) without one image timm reads.
         loose: Images directly in ``root``, outside any class folder.
+        samples: (image path, class folder name) in timm's order (natural sort of the paths).
     """
     root: str
     counts: Dict[str, int]
     empty: List[str] = field(default_factory=list)
     loose: int = 0
+    samples: List[Tuple[str, str]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+    def dataset(self, class_to_idx: Dict[str, int], input_img_mode: Optional[str]) -> ImageDataset:
+        """timm's ImageDataset of this split's images under ``class_to_idx`` (a class it does not name is left out),
+        the samples and class map timm's folder reader would find, without walking the folder again."""
+        samples = [(path, class_to_idx[name]) for path, name in self.samples if name in class_to_idx]
+        return ImageDataset(self.root, reader=ScannedFolderReader(self.root, samples, class_to_idx),
+                            input_img_mode=input_img_mode or 'RGB')
+
+
+class ScannedFolderReader(ReaderImageFolder):
+    """timm's folder reader over samples already found (`SplitScan.dataset`): a split is walked once."""
+
+    def __init__(self, root: str, samples: List[Tuple[str, int]], class_to_idx: Dict[str, int]):
+        Reader.__init__(self)
+        self.root, self.samples, self.class_to_idx = root, samples, class_to_idx
 
 
 def scan_split(root: str) -> SplitScan:
@@ -251,7 +269,9 @@ def scan_split(root: str) -> SplitScan:
     loose = counts.pop('', 0)
     folders = sorted((d for d in os.listdir(root) if not d.startswith('.') and os.path.isdir(os.path.join(root, d))),
                      key=natural_key)
-    return SplitScan(root, counts, [d for d in folders if d not in counts], loose)
+    names = {i: name for name, i in class_to_idx.items()}
+    return SplitScan(root, counts, [d for d in folders if d not in counts], loose,
+                     [(path, names[t]) for path, t in samples])
 
 
 def _listed(names: Sequence[str], n: int = 8) -> str:

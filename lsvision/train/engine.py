@@ -59,6 +59,7 @@ from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_a
 from .data import (
     ResumableSampler,
     SeededTrainDataset,
+    SplitScan,
     TrainBatchSampler,
     TrainSetupError,
     class_counts_text,
@@ -214,9 +215,13 @@ def _check_splits(args: argparse.Namespace) -> Tuple[str, str]:
     return train_root, val_root
 
 
-def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: str, primary: bool) -> None:
+def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: str, primary: bool
+                          ) -> Tuple[SplitScan, SplitScan, Optional[Dict[str, int]]]:
     """The two splits' class folders must agree (`split_problems`), checked before anything is built; logs the
     images per class of each split.
+
+    Returns:
+        The two scans and the --class-map (None without one).
 
     Raises:
         TrainSetupError: naming every mismatched, empty or unmapped folder, with the fix.
@@ -236,6 +241,7 @@ def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: s
     if primary:
         _logger.info(f'training split {train_root}: {class_counts_text(train)}')
         _logger.info(f'validation split {val_root}: {class_counts_text(val)}')
+    return train, val, class_map
 
 
 def _check_num_classes(args: argparse.Namespace, dataset_train: Any) -> None:
@@ -592,7 +598,7 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
         args.data_dir = export_digits()['root']
     train_root, val_root = _check_splits(args)
     if train_root:
-        _check_folder_classes(args, train_root, val_root, primary)
+        train_scan, val_scan, class_map = _check_folder_classes(args, train_root, val_root, primary)
     dataset_kwargs = dict(root=args.data_dir, class_map=args.class_map or '', download=args.dataset_download,
                           batch_size=args.batch_size, seed=args.seed)
     _check_input_channels(args)
@@ -600,13 +606,21 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
         dataset_kwargs['input_img_mode'] = args.input_img_mode
     if args.input_key or args.target_key:
         dataset_kwargs.update(input_key=args.input_key, target_key=args.target_key)
-    dataset_train = create_dataset(args.dataset, split=args.train_split, is_training=True,
-                                   repeats=args.epoch_repeats, num_samples=args.train_num_samples, **dataset_kwargs)
-    train_classes = getattr(getattr(dataset_train, 'reader', None), 'class_to_idx', None)
-    if train_root and train_classes:  # validation labels are the training split's, never its own folders' order
-        dataset_kwargs['class_map'] = dict(train_classes)
-    dataset_eval = create_dataset(args.dataset, split=args.val_split, is_training=False,
-                                  num_samples=args.val_num_samples, **dataset_kwargs)
+    if train_root and args.dataset.lower() in ('', 'folder', 'image_folder') and not args.input_key:
+        # timm's folder reader over the scans just made (the same samples and classes; each split walked once); the
+        # validation labels are the training split's, never its own folders' order
+        class_to_idx = class_map or {name: i for i, name in enumerate(train_scan.counts)}
+        dataset_train = train_scan.dataset(class_to_idx, args.input_img_mode)
+        dataset_eval = val_scan.dataset(class_to_idx, args.input_img_mode)
+    else:
+        dataset_train = create_dataset(args.dataset, split=args.train_split, is_training=True,
+                                       repeats=args.epoch_repeats, num_samples=args.train_num_samples,
+                                       **dataset_kwargs)
+        train_classes = getattr(getattr(dataset_train, 'reader', None), 'class_to_idx', None)
+        if train_root and train_classes:  # validation labels are the training split's
+            dataset_kwargs['class_map'] = dict(train_classes)
+        dataset_eval = create_dataset(args.dataset, split=args.val_split, is_training=False,
+                                      num_samples=args.val_num_samples, **dataset_kwargs)
     _check_num_classes(args, dataset_train)
     return dataset_train, dataset_eval, class_names_of(dataset_train)  # class names: for validate.py's folder suite
 
