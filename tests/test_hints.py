@@ -153,6 +153,15 @@ def test_benchmark_suggests_model_and_configuration_names(capsys):
     assert _suggestion(err) in benchmark.SEQUENCE_CONFIGS
 
 
+def test_detection_benchmark_suggests_model_names(tmp_path, capsys):
+    bench = load_tool('bench_detection')
+    assert bench.main(['--models', 'cvt_ls_13', 'cvt_ls13', '--out', str(tmp_path)]) == 2
+    assert "unknown model 'cvt_ls13'; did you mean cvt_ls_13" in capsys.readouterr().err
+    assert bench.main(['--baseline', 'cvt13', '--out', str(tmp_path)]) == 2
+    assert "unknown model 'cvt13'; did you mean cvt_13" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing measured, nothing written
+
+
 def test_compile_times_and_converter_suggest_model_names(tmp_path, capsys):
     assert load_tool('compile_times').main(['--model', 'cvt_ls13', '--modes', 'eager']) == 2
     assert "unknown model 'cvt_ls13'; did you mean cvt_ls_13" in capsys.readouterr().err

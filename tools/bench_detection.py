@@ -10,13 +10,13 @@ Writes NAME.{json,csv,md} (default docs/benchmarks/detection.*):
 import argparse
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from lsvision import bench
 from lsvision.detection.bench import BASELINE, IMAGE_SIZES, MODELS, report_markdown, run_suite
+from lsvision.runs import source_commit, unknown_model_message
 
 ROOT = Path(__file__).resolve().parents[1]
 TITLE = 'Backbone + FPN at detection resolution: long-short attention against full and spatial-reduction attention'
@@ -78,9 +78,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json is not None:
         return rerender(args.from_json)
+    for name in dict.fromkeys([*args.models, args.baseline]):  # before any measuring process starts
+        unknown = unknown_model_message(name)
+        if unknown:
+            print(f'bench_detection.py: error: {unknown}', file=sys.stderr)
+            return 2
     command = 'python tools/bench_detection.py ' + shlex.join(sys.argv[1:] if argv is None else argv)
-    commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or 'unknown'
+    commit = source_commit()
     machine = bench.machine_description(args.device)
 
     def log(msg: str) -> None:
