@@ -68,6 +68,10 @@ def test_errors_name_the_fix(tmp_path, capsys):
     assert '--epochs, --max-updates or --time-budget' in capsys.readouterr().err
     assert train_mt.main(['--model', 'transformer_wmt', '--max-updates', '1', *out]) == 2
     assert 'grc_transformer_iwslt_de_en_prenorm' in capsys.readouterr().err
+    assert train_mt.main(['--model', 'transformer_iwslt_de_en_prenrm', '--max-updates', '1', *out]) == 2
+    assert 'did you mean transformer_iwslt_de_en_prenorm' in capsys.readouterr().err
+    assert train_mt.main(['--model', 'txl_tiny', '--max-updates', '1', *out]) == 2  # a language model, not for MT
+    assert "unknown translation model 'txl_tiny'" in capsys.readouterr().err
 
 
 def test_demo_prints_both_models_and_the_caveat(tmp_path, monkeypatch, capsys):

@@ -35,7 +35,7 @@ from lsvision.bench import machine_description, markdown_table, write_atomic, wr
 from lsvision.data.parallel_text import BOS_ID, EOS_ID, PAD_ID, SubwordVocab, read_parallel, write_demo_task
 from lsvision.eval.distributed import all_gather, close_eval_processes, init_eval_processes, shard_range
 from lsvision.layers import GatedRecurrentCache
-from lsvision.runs import source_commit
+from lsvision.runs import source_commit, unknown_name_message
 from lsvision.sequence.translation import EncoderOut, TranslationTransformer
 
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
@@ -103,9 +103,9 @@ class MTConfig:
 
     def check(self) -> None:
         """Raises ValueError for settings that cannot run, saying which flag to change."""
-        if not seq.is_model(self.model):
-            names = ', '.join(n for n in seq.list_models() if 'iwslt' in n)
-            raise ValueError(f'--model {self.model!r} is not a registered sequence model; translation models: {names}')
+        names = [n for n in seq.list_models() if 'iwslt' in n]
+        if self.model not in names:  # another sequence model (e.g. a language model) is no translation model either
+            raise ValueError('--model: ' + unknown_name_message(self.model, names, 'translation model'))
         if self.max_epochs is None and self.max_updates is None and self.time_budget_s is None:
             raise ValueError('set when to stop: --epochs, --max-updates or --time-budget')
         if self.average_last < 1 or self.beam < 1 or self.max_tokens < 1:
