@@ -224,14 +224,16 @@ def normalization_for_channels(mean: Sequence[float], std: Sequence[float],
 
 
 def model_input_channels(model: nn.Module) -> Optional[int]:
-    """The input channels of a timm image model: its ``in_chans``, else its patch embedding's or first
-    convolution's input channels; None when it has none of them."""
+    """The input channels of a timm image model: its ``in_chans``, else its patch embedding's input channels, else
+    its first convolution's when that takes 1, 3 or 4 (an image stem; a first-registered convolution of more channels
+    is not one); None otherwise."""
     if isinstance(getattr(model, 'in_chans', None), int):
         return model.in_chans
     proj = getattr(getattr(model, 'patch_embed', None), 'proj', None)
     if isinstance(proj, nn.Conv2d):
         return proj.in_channels
-    return next((m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    first = next((m.in_channels for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    return first if first in _IMAGE_MODES else None
 
 
 def close_names(name: str, known: Sequence[str], n: int = 5) -> List[str]:
