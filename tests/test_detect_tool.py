@@ -113,8 +113,10 @@ def test_torchrun_training_and_evaluation(shapes, tmp_path):
 def test_config_and_flags(tmp_path):
     config = tmp_path / 'recipe.yaml'
     config.write_text('model: cvt_ls_13\nlr: 0.5\ndecay_milestones: [3, 4]\namp: true\n')
-    args = detect.parse_args(['-c', str(config), '--data-dir', 'x'])
-    assert (args.lr, args.decay_milestones, args.amp, args.epochs) == (0.5, [3, 4], True, 12)
+    for flag in ('-c', '--config'):
+        args = detect.parse_args([flag, str(config), '--data-dir', 'x'])
+        assert (args.lr, args.decay_milestones, args.amp, args.epochs) == (0.5, [3, 4], True, 12)
+        assert args.config == str(config)
     args = detect.parse_args(['-c', str(config), '--data-dir', 'x', '--lr', '0.25', '--no-amp',
                               '--decay-milestones', '9'])
     assert (args.lr, args.decay_milestones, args.amp) == (0.25, [9], False)  # flags beat the config

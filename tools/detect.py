@@ -141,7 +141,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     argv: List[str] = list(sys.argv[1:] if argv is None else argv)
     first = argparse.ArgumentParser(add_help=False)
-    for flag in ('-c', '--resume', '--checkpoint', '--data-dir'):
+    first.add_argument('-c', '--config', default='')
+    for flag in ('--resume', '--checkpoint', '--data-dir'):
         first.add_argument(flag, default='')
     known, _ = first.parse_known_args(argv)
     cfg: Dict[str, Any] = {}
@@ -150,7 +151,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     elif known.checkpoint:
         recorded = _recorded('--checkpoint', known.checkpoint, parser, required=False)
         cfg.update({k: v for k, v in recorded.items() if k not in ('output', 'experiment')})
-    config = known.c or ('' if cfg or known.resume or known.data_dir else DEMO_CONFIG)
+    config = known.config or ('' if cfg or known.resume or known.data_dir else DEMO_CONFIG)
     if config:
         cfg.update(_config(config, parser))
     parser.set_defaults(**cfg)
