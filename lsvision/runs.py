@@ -26,7 +26,7 @@ from timm.models import get_pretrained_cfg
 from timm.utils.misc import natural_key
 
 __all__ = [
-    'source_commit',
+    'source_commit', 'source_changed',
     'RUN_DATA_KEYS', 'TrainingRun', 'training_run', 'class_names_from_file', 'class_names_of_run',
     'fixed_input_size_kwargs', 'close_names', 'unknown_name_message', 'unknown_model_message', 'name_choice',
     'image_mode_for_channels', 'channels_of_image_mode', 'normalization_for_channels', 'model_input_channels',
@@ -274,11 +274,23 @@ def name_choice(known: Sequence[str], what: str = 'model') -> Callable[[str], st
     return parse
 
 
-def source_commit() -> str:
-    """The short git commit of this lsvision checkout, for a report's provenance ('unknown' outside a git checkout)."""
+def _git(*args: str) -> str:
+    """A git command's output in this lsvision checkout ('' outside one, or when git fails)."""
     try:
-        out = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-        return out.stdout.strip() or 'unknown'
+        out = subprocess.run(['git', *args], cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return 'unknown'
+        return ''
+
+
+def source_changed() -> bool:
+    """Whether tracked files of this checkout differ from its commit."""
+    return bool(_git('status', '--porcelain', '--untracked-files=no'))
+
+
+def source_commit(mark_changes: bool = False) -> str:
+    """The short git commit of this lsvision checkout, for a report's provenance ('unknown' outside a git checkout),
+    with '+changes' appended when ``mark_changes`` and tracked files differ from it (`source_changed`)."""
+    commit = _git('rev-parse', '--short', 'HEAD') or 'unknown'
+    return commit + '+changes' if mark_changes and commit != 'unknown' and source_changed() else commit

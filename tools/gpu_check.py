@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lsvision from this checkout when run as a script
 
 from lsvision.bench import Job, measure, run_fresh, write_atomic, write_json  # noqa: E402
+from lsvision.runs import source_changed, source_commit  # noqa: E402
 
 SWIN = 'swin_tiny_patch4_window7_224'
 # the targets: cvt_ls_13 / cvt_13 time at (kind, size, batch); activation memory <= 0.95 at every point
@@ -142,10 +143,6 @@ def profile_step(job: Job) -> Dict[str, Any]:
     total_us = sum(getattr(e, 'device_time' if cuda else 'self_cpu_time_total', 0) for e in prof.key_averages())
     kernels = sum(1 for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
     return dict(label=job.label, table=table, total_ms=total_us / 1e3, kernels=kernels, sort_by=key)
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
 
 def _median_ms(row: Dict[str, Any]) -> Optional[float]:
@@ -351,8 +348,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     out_dir = Path(args.out_dir or ROOT / ('output/gpu_check_dry_run' if args.dry_run else 'docs/benchmarks'))
     meta = dict(device=platform.processor() or 'cpu' if args.dry_run else torch.cuda.get_device_name(),
-                torch=torch.__version__, commit=_git('rev-parse', '--short', 'HEAD'),
-                dirty=bool(_git('status', '--porcelain', '--untracked-files=no')), dry_run=args.dry_run,
+                torch=torch.__version__, commit=source_commit(), dirty=source_changed(), dry_run=args.dry_run,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
                 command='python tools/gpu_check.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
                 budget_s=args.budget_s)

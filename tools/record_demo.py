@@ -24,17 +24,11 @@ import torch
 import yaml
 
 from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
+from lsvision.runs import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULT_KEYS = ('model', 'model_kwargs', 'params', 'top1', 'top5', 'eval_loss', 'metrics_of', 'epochs_done',
                'num_updates', 'stopped_by_time_budget', 'train_seconds', 'total_seconds')
-
-
-def git_commit() -> str:
-    """The checkout's commit, with '+changes' when tracked files differ from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(['git', *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    return git('rev-parse', '--short', 'HEAD') + ('+changes' if git('status', '--porcelain', '-uno') else '')
 
 
 def run_demo(out_dir: Path, flags: List[str]) -> dict:
@@ -66,7 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument('--no-time-budget', action='store_true',
                         help='train all 8 epochs however long they take (tools/train.py --time-budget 0)')
     args = parser.parse_args(argv)
-    commit = git_commit()
+    commit = source_commit(mark_changes=True)
     flags = ['--time-budget', '0'] if args.no_time_budget else []
     with tempfile.TemporaryDirectory() as tmp:
         record = run_demo(Path(tmp), flags)
