@@ -277,8 +277,7 @@ class _Training:
                 f'the training loss is {values["loss"]} at update {self.num_updates + 1} (epoch {self.epoch}): '
                 f"{values}; the run directory's last.pth.tar (if an epoch finished) holds the last good epoch. Lower "
                 '--lr, set --clip-grad, or use --no-amp')
-        self.optimizer.zero_grad(set_to_none=True)
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # gradients: None since the last update
         optimizer_update(self.optimizer, self.scaler, self.model.parameters(), self.args.clip_grad or None, 'norm')
         all_reduce_grc_caches(self.grc)
         self.num_updates += 1

@@ -197,15 +197,19 @@ class TrainBatchSampler(torch.utils.data.Sampler):
         """How many of the ``n`` samples left after the full batches form the last batch."""
         return 0 if self.drop_last else n - n % self.multiple_of
 
+    def _batches(self, samples: int) -> Tuple[int, int]:
+        """(batches, samples used) of an order of ``samples``."""
+        full, rest = divmod(samples, self.batch_size)
+        last = self._last(rest)
+        return full + (last > 0), full * self.batch_size + last
+
     def batches_per_epoch(self) -> int:
         """Batches in a whole epoch (from its first sample)."""
-        full, rest = divmod(self.sampler.full_len(), self.batch_size)
-        return full + (self._last(rest) > 0)
+        return self._batches(self.sampler.full_len())[0]
 
     def used_per_epoch(self) -> int:
         """Samples a whole epoch trains on (the rest are left out of it)."""
-        full, rest = divmod(self.sampler.full_len(), self.batch_size)
-        return full * self.batch_size + self._last(rest)
+        return self._batches(self.sampler.full_len())[1]
 
     def __iter__(self) -> Iterator[List[Tuple[int, int, int]]]:
         batch = []
@@ -219,8 +223,7 @@ class TrainBatchSampler(torch.utils.data.Sampler):
             yield batch[:keep]
 
     def __len__(self) -> int:
-        full, rest = divmod(len(self.sampler), self.batch_size)
-        return full + (self._last(rest) > 0)
+        return self._batches(len(self.sampler))[0]
 
 
 @dataclass

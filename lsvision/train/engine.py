@@ -273,6 +273,11 @@ def fixed_input_size_kwargs(args: argparse.Namespace, model_kwargs: Dict[str, An
         raise TrainSetupError(str(e)) from None
 
 
+def _in_chans(args: argparse.Namespace) -> Optional[int]:
+    """The model's input channels as the run gives them: --input-size's first, else --in-chans (None: the model's)."""
+    return args.input_size[0] if args.input_size else args.in_chans
+
+
 def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Dict[str, Any]]:
     """create_model as the arguments say, with --pretrained / --pretrained-path and --initial-checkpoint loaded, and a
     line for each saying what was loaded (`describe_load`). Returns the model and the kwargs it was built with.
@@ -281,7 +286,7 @@ def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Di
         TrainSetupError: --img-size / --input-size for a model that takes no img_size.
         CheckpointMismatchError: a file that does not fit the model (short message, both architectures named).
     """
-    in_chans = args.input_size[0] if args.input_size is not None else args.in_chans
+    in_chans = _in_chans(args)
     model_kwargs = dict(args.model_kwargs or {})
     file_shapes, entry = {}, ''
     if args.pretrained_path:
@@ -564,7 +569,7 @@ def _setup(args: argparse.Namespace) -> torch.device:
 def _check_input_channels(args: argparse.Namespace) -> None:
     """Sets ``args.input_img_mode`` to the mode of the model's input channels when it is not given (as timm's
     train.py: 'L' for --in-chans 1), or says how a given mode, --mean / --std and the channels disagree."""
-    in_chans = (args.input_size[0] if args.input_size else args.in_chans) or 3
+    in_chans = _in_chans(args) or 3
     for flag, values in (('--mean', args.mean), ('--std', args.std)):
         if values is not None and len(values) not in (1, in_chans):
             raise TrainSetupError(f'{flag} has {len(values)} values but the model takes {in_chans} input channel(s) '
@@ -599,13 +604,7 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
     train_root, val_root = _check_splits(args)
     if train_root:
         train_scan, val_scan, class_map = _check_folder_classes(args, train_root, val_root, primary)
-    dataset_kwargs = dict(root=args.data_dir, class_map=args.class_map or '', download=args.dataset_download,
-                          batch_size=args.batch_size, seed=args.seed)
     _check_input_channels(args)
-    if args.input_img_mode:
-        dataset_kwargs['input_img_mode'] = args.input_img_mode
-    if args.input_key or args.target_key:
-        dataset_kwargs.update(input_key=args.input_key, target_key=args.target_key)
     if train_root and args.dataset.lower() in ('', 'folder', 'image_folder') and not args.input_key:
         # timm's folder reader over the scans just made (the same samples and classes; each split walked once); the
         # validation labels are the training split's, never its own folders' order
@@ -613,6 +612,12 @@ def _datasets(args: argparse.Namespace, primary: bool) -> Tuple[Any, Any, Option
         dataset_train = train_scan.dataset(class_to_idx, args.input_img_mode)
         dataset_eval = val_scan.dataset(class_to_idx, args.input_img_mode)
     else:
+        dataset_kwargs = dict(root=args.data_dir, class_map=args.class_map or '', download=args.dataset_download,
+                              batch_size=args.batch_size, seed=args.seed)
+        if args.input_img_mode:
+            dataset_kwargs['input_img_mode'] = args.input_img_mode
+        if args.input_key or args.target_key:
+            dataset_kwargs.update(input_key=args.input_key, target_key=args.target_key)
         dataset_train = create_dataset(args.dataset, split=args.train_split, is_training=True,
                                        repeats=args.epoch_repeats, num_samples=args.train_num_samples,
                                        **dataset_kwargs)

@@ -310,8 +310,7 @@ class _Trainer:
             loss = nll.float().mean()
         if not torch.isfinite(loss):
             raise FloatingPointError(f'loss is {float(loss)} at step {self.step}; lower --lr or turn off --amp')
-        self.optimizer.zero_grad(set_to_none=True)
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()  # gradients: None since the last update
         optimizer_update(self.optimizer, self.scaler, self.lm.parameters(),
                          cfg.clip_grad if cfg.clip_grad > 0 else None, 'norm')
         self.state, self.pos, self.step = state, self.pos + L, self.step + 1
