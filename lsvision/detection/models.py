@@ -35,7 +35,7 @@ from lsvision.train.weights import file_num_classes, file_tensor_shapes
 
 __all__ = [
     'BackboneWithFPN', 'ExtraLevels', 'backbone_with_fpn', 'create_backbone', 'faster_rcnn', 'grc_layers',
-    'mask_rcnn', 'retinanet',
+    'input_multiple', 'mask_rcnn', 'pad_to_multiple', 'retinanet',
 ]
 
 # the detectors' five levels: R-CNNs from stride 4 (torchvision's resnet_fpn_backbone names), RetinaNet from 8
@@ -49,6 +49,22 @@ _DYNAMIC_SIZE_KWARGS: Dict[str, Dict[str, Any]] = {
     'timm.models.swin_transformer': dict(strict_img_size=False),
     'lsvision.models.swin_grc': dict(strict_img_size=False),
 }
+
+
+def input_multiple(body: nn.Module) -> Tuple[int, int]:
+    """(height, width) that an input of the features_only model `body` must be a multiple of: timm's PatchEmbed
+    (Swin) takes only whole patches unless built to pad; (1, 1) for the other families, which take any size."""
+    embed = getattr(getattr(body, 'model', body), 'patch_embed', None)
+    if isinstance(embed, PatchEmbed) and not embed.dynamic_img_pad:
+        return tuple(embed.patch_size)
+    return (1, 1)
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: Tuple[int, int]) -> torch.Tensor:
+    """`x` (N, C, H, W) padded with zeros at the bottom and right to a multiple of `multiple` (as
+    GeneralizedRCNNTransform's batching pads)."""
+    pad_h, pad_w = -x.shape[-2] % multiple[0], -x.shape[-1] % multiple[1]
+    return F.pad(x, (0, pad_w, 0, pad_h)) if pad_h or pad_w else x
 
 
 class ExtraLevels(ExtraFPNBlock):
@@ -131,18 +147,10 @@ class BackboneWithFPN(nn.Module):
             extra_blocks=ExtraLevels(self.level_names[taken:], extra_mode, out_channels))
         self.out_channels = out_channels
         self.strides = [first_stride * 2 ** i for i in range(len(self.level_names))]
-        # timm's PatchEmbed (Swin) takes only whole patches unless built to pad: pad as the detector's transform does
-        embed = getattr(getattr(body, 'model', body), 'patch_embed', None)
-        self.input_multiple: Tuple[int, int] = (1, 1)
-        if isinstance(embed, PatchEmbed) and not embed.dynamic_img_pad:
-            self.input_multiple = tuple(embed.patch_size)
+        self.input_multiple = input_multiple(body)
 
     def forward(self, x: torch.Tensor) -> 'OrderedDict[str, torch.Tensor]':
-        mh, mw = self.input_multiple
-        pad_h, pad_w = -x.shape[-2] % mh, -x.shape[-1] % mw
-        if pad_h or pad_w:  # zeros at the bottom and right, as GeneralizedRCNNTransform's batching
-            x = F.pad(x, (0, pad_w, 0, pad_h))
-        feats = self.body(x)[self.first_level:]
+        feats = self.body(pad_to_multiple(x, self.input_multiple))[self.first_level:]
         return self.fpn(OrderedDict(zip(self.level_names, feats)))
 
 
