@@ -9,7 +9,7 @@ CONTRACT_MODELS ?=
 # pytest-xdist worker processes for `make unit` (a test file stays in one worker, so its module fixtures run once)
 TEST_WORKERS ?= 2
 
-.PHONY: install demo demo-detect models demo-listops demo-bytelm demo-lm demo-hsw demo-mt bench-hsw test lint unit contract sweep cards gpu-check clean
+.PHONY: install demo demo-detect demo-segment models demo-listops demo-bytelm demo-lm demo-hsw demo-mt bench-hsw test lint unit contract sweep cards gpu-check clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ demo: install
 # evaluation) and scored with pycocotools: box and mask AP (docs/detection.md)
 demo-detect: install
 	$(PY) tools/detect.py
+
+# Semantic FPN on a small CvT-LS, trained on the generated shapes as semantic maps on the CPU (a 150 s training
+# budget), then scored as mmsegmentation scores (mIoU, per-class IoU) beside the same model untrained
+# (docs/segmentation.md)
+demo-segment: install
+	$(PY) tools/segment.py
 
 # builds every lsvision model: params, GFLOPs, output shape
 models: install

@@ -14,11 +14,10 @@ beats the config, and a resumed run's recorded arguments. The run directory gets
 best epochs' checkpoints), result.json and report.md (COCOeval's box and mask AP). docs/detection.md has the details.
 """
 import argparse
-import difflib
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from timm.utils import ParseKwargs
 
@@ -27,8 +26,8 @@ from lsvision.detection.coco_eval import STAT_NAMES
 from lsvision.detection.data import CocoDataError
 from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
 from lsvision.models import CheckpointMismatchError
-from lsvision.train.args import ConfigError, Flag, validate_config
-from lsvision.train.checkpoint import CheckpointWriteError, load_checkpoint
+from lsvision.train.args import ConfigError, Flag, tool_defaults
+from lsvision.train.checkpoint import CheckpointWriteError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
@@ -104,56 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _config(path: str, parser: argparse.ArgumentParser) -> Dict[str, Any]:
-    import yaml
-    if not os.path.isfile(path):
-        raise ConfigError(f'config file not found: {path}')
-    with open(path) as f:
-        try:
-            cfg = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f'config {path} is not valid YAML: {e}') from None
-    dests = [a.dest for a in parser._actions if a.dest not in ('help', 'config')]
-    for key in cfg if isinstance(cfg, dict) else []:
-        if key not in dests:
-            close = difflib.get_close_matches(str(key).replace('-', '_'), dests, n=3)
-            raise ConfigError(f'config {path}: unknown key {key!r} (keys are tools/detect.py argument names with '
-                              'underscores, see `python tools/detect.py --help`)'
-                              + (f'; did you mean {", ".join(close)}?' if close else ''))
-    return validate_config(cfg, parser, path)
-
-
-def _recorded(flag: str, path: str, parser: argparse.ArgumentParser, required: bool) -> Dict[str, Any]:
-    """The arguments a tools/detect.py checkpoint records ({} for other weights files unless `required`)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: no such file (give a run directory's last.pth.tar)")
-    recorded = load_checkpoint(path).get('args')
-    if not isinstance(recorded, dict):
-        if required:
-            raise ConfigError(f'{flag} {path} is not a tools/detect.py checkpoint (it records no run arguments)')
-        return {}
-    return validate_config(recorded, parser, path)
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The arguments a checkpoint records (--resume, or --checkpoint: the detector it holds, not its output place),
     then the config (-c), then the command line: the later wins."""
     parser = build_parser()
     argv: List[str] = list(sys.argv[1:] if argv is None else argv)
-    first = argparse.ArgumentParser(add_help=False)
-    first.add_argument('-c', '--config', default='')
-    for flag in ('--resume', '--checkpoint', '--data-dir'):
-        first.add_argument(flag, default='')
-    known, _ = first.parse_known_args(argv)
-    cfg: Dict[str, Any] = {}
-    if known.resume:
-        cfg.update(_recorded('--resume', known.resume, parser, required=True))
-    elif known.checkpoint:
-        recorded = _recorded('--checkpoint', known.checkpoint, parser, required=False)
-        cfg.update({k: v for k, v in recorded.items() if k not in ('output', 'experiment')})
-    config = known.config or ('' if cfg or known.resume or known.data_dir else DEMO_CONFIG)
-    if config:
-        cfg.update(_config(config, parser))
+    cfg, config = tool_defaults(parser, argv, 'detect.py', DEMO_CONFIG)
     parser.set_defaults(**cfg)
     args = parser.parse_args(argv)
     args.config = config

@@ -11,6 +11,7 @@ area, iscrowd 0):
 """
 import json
 import os
+import shutil
 from typing import Any, Dict, List, Tuple
 
 import numpy as np
@@ -19,7 +20,7 @@ from pycocotools import mask as mask_utils
 
 from ._cache import building, publish
 
-__all__ = ['SHAPE_CLASSES', 'generate_coco_shapes', 'default_coco_shapes_root']
+__all__ = ['SHAPE_CLASSES', 'generate_coco_shapes', 'default_coco_shapes_root', 'generate_semantic_shapes']
 
 SHAPE_CLASSES = ('square', 'circle', 'triangle')
 _VERSION = 1  # bump when the generated data changes, so that cached trees are rebuilt
@@ -144,3 +145,63 @@ def generate_coco_shapes(root: str = '', num_train: int = 400, num_val: int = 50
                 json.dump(settings, f)
     return paths
 
+
+
+def generate_semantic_shapes(root: str = '', num_train: int = 400, num_val: int = 50,
+                             image_size: Tuple[int, int] = (128, 128), max_objects: int = 4,
+                             object_sizes: Tuple[int, int] = (16, 56), seed: int = 0) -> Dict[str, Any]:
+    """The COCO shapes (same arguments as `generate_coco_shapes`) as semantic segmentation data, the data of
+    `make demo-segment`: an image / mask folder pair per split, each mask a PNG of the class of every pixel (0 the
+    background, 1-3 the shapes: the instance masks painted with their category id; objects never overlap), and
+    `classes.txt`:
+
+        <root>/images/{train,val}/000001.{jpg,png} ...   <root>/masks/{train,val}/000001.png ...   <root>/classes.txt
+
+    Written once (a tree of the same settings is reused), under `default_coco_shapes_root()` + '_semantic' by
+    default.
+
+    Returns:
+        `root` and `classes` (background first).
+    """
+    root = os.path.abspath(root or default_coco_shapes_root() + '_semantic')
+    settings = dict(version=_VERSION, num_train=num_train, num_val=num_val, image_size=list(image_size),
+                    max_objects=max_objects, object_sizes=list(object_sizes), seed=seed)
+    classes = ['background', *SHAPE_CLASSES]
+    stamp = os.path.join(root, 'settings.json')
+    with building(root):
+        if os.path.isfile(stamp):
+            with open(stamp) as f:
+                if json.load(f) == settings:
+                    return dict(root=root, classes=classes)
+        with publish(root, '.semantic_shapes-') as tmp:
+            coco = generate_coco_shapes(os.path.join(tmp, 'coco'), **{k: v for k, v in settings.items()
+                                                                        if k != 'version'})
+            for split in ('train', 'val'):
+                _write_semantic_split(tmp, split, coco[f'{split}_images'], coco[f'{split}_annotations'])
+            shutil.rmtree(os.path.join(tmp, 'coco'))
+            os.remove(os.path.join(tmp, 'coco.lock'))  # generate_coco_shapes' lock beside its tree
+            with open(os.path.join(tmp, 'classes.txt'), 'w') as f:
+                f.write('\n'.join(classes) + '\n')
+            with open(os.path.join(tmp, 'settings.json'), 'w') as f:
+                json.dump(settings, f)
+    return dict(root=root, classes=classes)
+
+
+def _write_semantic_split(root: str, split: str, image_dir: str, annotations: str) -> None:
+    with open(annotations) as f:
+        data = json.load(f)
+    os.makedirs(os.path.join(root, 'masks', split))
+    shutil.move(image_dir, os.path.join(root, 'images', split))
+    by_image: Dict[int, List[Dict[str, Any]]] = {}
+    for ann in data['annotations']:
+        by_image.setdefault(ann['image_id'], []).append(ann)
+    for image in data['images']:
+        h, w = image['height'], image['width']
+        semantic = np.zeros((h, w), dtype=np.uint8)
+        for ann in by_image.get(image['id'], []):
+            seg = ann['segmentation']
+            rle = mask_utils.merge(mask_utils.frPyObjects(seg, h, w)) if isinstance(seg, list) else \
+                dict(size=seg['size'], counts=seg['counts'].encode('ascii'))
+            semantic[mask_utils.decode(rle).astype(bool)] = ann['category_id']
+        name = os.path.splitext(image['file_name'])[0] + '.png'
+        Image.fromarray(semantic).save(os.path.join(root, 'masks', split, name))

@@ -16,8 +16,8 @@ from timm.utils import ParseKwargs
 
 from lsvision.models._helpers import checkpoint_record
 
-__all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'parse_args', 'args_to_dict',
-           'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
+__all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'recorded_run_args',
+           'tool_defaults', 'parse_args', 'args_to_dict', 'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
 
 # the preset used when no data and no model are given (the README's first command)
 DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -271,8 +271,10 @@ def _type_error(key: str, value: Any, expected: str, path: str) -> ConfigError:
     return ConfigError(f'config {path}: {key}: expected {expected}, got {value!r} ({type(value).__name__})')
 
 
-def validate_config(cfg: Dict[str, Any], parser: argparse.ArgumentParser, path: str = '<config>') -> Dict[str, Any]:
-    """Check a config mapping against the parser and return it with values converted to the flags' types.
+def validate_config(cfg: Dict[str, Any], parser: argparse.ArgumentParser, path: str = '<config>',
+                    tool: str = 'train.py') -> Dict[str, Any]:
+    """Check a config mapping against the parser (of `tools/<tool>`) and return it with values converted to the
+    flags' types.
 
     Raises:
         ConfigError: naming the first unknown key (with the closest known names) or the key with a bad value.
@@ -286,8 +288,8 @@ def validate_config(cfg: Dict[str, Any], parser: argparse.ArgumentParser, path: 
         if key not in actions:
             close = difflib.get_close_matches(key.replace('-', '_'), list(actions), n=3)
             hint = f'; did you mean {", ".join(close)}?' if close else ''
-            raise ConfigError(f'config {path}: unknown key {key!r} (keys are train.py argument names with '
-                              f'underscores, see `python tools/train.py --help`){hint}')
+            raise ConfigError(f'config {path}: unknown key {key!r} (keys are {tool} argument names with '
+                              f'underscores, see `python tools/{tool} --help`){hint}')
         action = actions[key]
         if value is None:
             out[key] = value
@@ -329,8 +331,9 @@ def _convert(key: str, value: Any, action: argparse.Action, path: str) -> Any:
     return value
 
 
-def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> Dict[str, Any]:
-    """Read and validate a flat YAML config (yaml.safe_load)."""
+def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None, tool: str = 'train.py'
+                ) -> Dict[str, Any]:
+    """Read and validate a flat YAML config (yaml.safe_load) of `tools/<tool>` (its `parser`)."""
     parser = parser or build_parser()
     if not os.path.isfile(path):
         raise ConfigError(f'config file not found: {path}')
@@ -339,7 +342,48 @@ def load_config(path: str, parser: Optional[argparse.ArgumentParser] = None) -> 
             cfg = yaml.safe_load(f)
         except yaml.YAMLError as e:
             raise ConfigError(f'config {path} is not valid YAML: {e}') from None
-    return validate_config(cfg or {}, parser, path)
+    return validate_config(cfg or {}, parser, path, tool)
+
+
+def recorded_run_args(flag: str, path: str, parser: argparse.ArgumentParser, required: bool,
+                      tool: str) -> Dict[str, Any]:
+    """The arguments a `tools/<tool>` checkpoint records, checked against its `parser` ({} for other weights files
+    unless `required`)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: no such file (give a run directory's last.pth.tar)")
+    from .checkpoint import load_checkpoint
+    recorded = load_checkpoint(path).get('args')
+    if not isinstance(recorded, dict):
+        if required:
+            raise ConfigError(f'{flag} {path} is not a tools/{tool} checkpoint (it records no run arguments)')
+        return {}
+    return validate_config(recorded, parser, path, tool)
+
+
+def tool_defaults(parser: argparse.ArgumentParser, argv: Sequence[str], tool: str, demo_config: str = ''
+                  ) -> Tuple[Dict[str, Any], str]:
+    """The defaults of a dense-prediction tool (`tools/<tool>`: detect.py, segment.py) before its command line: the
+    arguments a checkpoint records (--resume; or --checkpoint: the model it holds, not its output place), then the
+    config (-c; `demo_config` when neither a checkpoint nor --data-dir is given), the later winning.
+
+    Returns:
+        The defaults and the config path ('' for none).
+    """
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument('-c', '--config', default='')
+    for flag in ('--resume', '--checkpoint', '--data-dir'):
+        first.add_argument(flag, default='')
+    known, _ = first.parse_known_args(list(argv))
+    cfg: Dict[str, Any] = {}
+    if known.resume:
+        cfg.update(recorded_run_args('--resume', known.resume, parser, True, tool))
+    elif known.checkpoint:
+        recorded = recorded_run_args('--checkpoint', known.checkpoint, parser, False, tool)
+        cfg.update({k: v for k, v in recorded.items() if k not in ('output', 'experiment')})
+    config = known.config or ('' if cfg or known.resume or known.data_dir else demo_config)
+    if config:
+        cfg.update(load_config(config, parser, tool))
+    return cfg, config
 
 
 def _resumed_run_config(resume: str, output: str, experiment: str,
