@@ -22,10 +22,9 @@ from lsvision.segmentation.inference import evaluate_segmentor
 segment = load_tool('segment')
 
 TINY = ['--model', 'cvt_ls_13', '--model-kwargs', *model_kwargs_args(TINY_CONFIGS['cvt_ls_13']),
-        '--head-kwargs', 'fpn_channels=8', 'channels=8', '--dataset', 'folder', '--train-split', 'train',
-        '--val-split', 'val', '--crop-size', '32', '32', '--train-scale', '48', '40', '--test-scale',
-        '--batch-size', '2', '--workers', '0', '--threads', '1', '--lr', '1e-3', '--log-interval', '1',
-        '--eval-interval', '0']
+        '--head-kwargs', 'fpn_channels=8', 'channels=8', '--dataset', 'folder', '--crop-size', '32', '32',
+        '--train-scale', '48', '40', '--test-scale', '--batch-size', '2', '--workers', '0', '--threads', '1',
+        '--lr', '1e-3', '--log-interval', '1', '--eval-interval', '0']
 
 
 @pytest.fixture(scope='module')
@@ -139,7 +138,8 @@ def test_errors_say_what_to_do(shapes, tmp_path, capsys, caplog):
 
 def test_recipes_and_documented_commands(monkeypatch):
     """The ADE20K recipes are PVT's Semantic FPN schedule (AdamW 1e-4, poly 0.9, 40k iterations, 16 images per
-    update over 8 processes, 512 x 512 crops); every `tools/segment.py` line of the docs parses."""
+    update over 8 processes, 512 x 512 crops); no arguments: the demo; every `tools/segment.py` line of the docs
+    parses."""
     recipes = sorted((ROOT / 'configs' / 'segmentation').glob('*_ade20k_40k.yaml'))
     assert {'semantic_fpn_cvt_ls_13_ade20k_40k.yaml', 'semantic_fpn_pvt_small_ade20k_40k.yaml'} <= {
         p.name for p in recipes}
@@ -149,6 +149,8 @@ def test_recipes_and_documented_commands(monkeypatch):
                                                                                        0.9), path.name
         assert (args.batch_size * 8, args.crop_size, args.dataset) == (16, [512, 512], 'ade20k')
         assert args.model in path.name and args.segmentor in path.name
+    demo = segment.parse_args([])  # no config and no data: the demo preset, scored before and after training
+    assert demo.data_dir == '' and demo.config == segment.DEMO_CONFIG and demo.time_budget > 0 and demo.eval_untrained
     commands = []
     texts = [(ROOT / name).read_text() for name in ('README.md', 'Makefile', 'docs/segmentation.md')]
     for text in texts + [segment.__doc__]:

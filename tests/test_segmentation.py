@@ -63,7 +63,8 @@ def test_head_structure():
     convs = [sum(isinstance(m, segmentation.models.ConvNormAct) for m in h) for h in fpn.decode_head.scale_heads]
     ups = [sum(isinstance(m, nn.Upsample) for m in h) for h in fpn.decode_head.scale_heads]
     assert (convs, ups) == ([1, 1, 2, 3], [0, 1, 2, 3])
-    assert isinstance(fpn.decode_head.scale_heads[0][0][1], nn.GroupNorm)
+    assert fpn.decode_head.scale_heads[0][0][1].num_groups == 2  # 8 channels: 4 a group
+    assert segmentation.models.ConvNormAct(4, 128, norm='gn')[1].num_groups == 32  # Panoptic FPN's 128 channels
     uper = segmentation.upernet('cvt_ls_13', 5, model_kwargs=FAMILIES['cvt_ls_13'], channels=8)
     assert len(uper.decode_head.ppm) == 4 and len(uper.decode_head.lateral_convs) == 2
     assert isinstance(uper.decode_head.bottleneck[1], nn.BatchNorm2d)

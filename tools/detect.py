@@ -14,10 +14,9 @@ beats the config, and a resumed run's recorded arguments. The run directory gets
 best epochs' checkpoints), result.json and report.md (COCOeval's box and mask AP). docs/detection.md has the details.
 """
 import argparse
-import logging
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from timm.utils import ParseKwargs
 
@@ -26,8 +25,8 @@ from lsvision.detection.coco_eval import STAT_NAMES
 from lsvision.detection.data import CocoDataError
 from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
 from lsvision.models import CheckpointMismatchError
-from lsvision.train.args import ConfigError, Flag, tool_defaults
-from lsvision.train.checkpoint import CheckpointWriteError
+from lsvision.train.args import ConfigError, Flag, add_amp_arguments, add_dense_run_arguments, tool_defaults
+from lsvision.train.dense import tool_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
@@ -75,31 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--decay-rate', type=float, default=0.1)
     group.add_argument('--warmup-iters', type=int, default=500, help='updates of linear warmup')
     group.add_argument('--warmup-ratio', type=float, default=0.001, help='warmup starts at lr x this')
-    group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
-    group.add_argument('--amp-dtype', default=None, choices=('float16', 'bfloat16'),
-                       help='unset = bfloat16 on CPU, float16 (with a loss scaler) elsewhere')
-    group = parser.add_argument_group('Run')
-    group.add_argument('--device', default='', help="'' = cuda if available")
-    group.add_argument('-j', '--workers', type=int, default=2)
-    group.add_argument('--threads', type=int, default=0, help='torch threads per process (0 = default)')
-    group.add_argument('--seed', type=int, default=42)
-    group.add_argument('--find-unused-parameters', action=Flag, default=False, help="DDP's option")
-    group.add_argument('--resume', default='', metavar='PATH', help="a run's last.pth.tar: continue it exactly")
-    group.add_argument('--eval-only', action=Flag, default=False, help='evaluate --checkpoint on the val split')
-    group.add_argument('--checkpoint', default='', metavar='PATH', help='weights for --eval-only')
+    add_amp_arguments(group)
+    group = add_dense_run_arguments(parser, 'output/detect')
     group.add_argument('--eval-interval', type=int, default=1, help='evaluate every N epochs (and after the last)')
     group.add_argument('--checkpoint-hist', type=int, default=3, help='best epoch checkpoints kept (by box AP)')
-    group.add_argument('--output', default='', help="output root ('' = output/detect; --eval-only: its report "
-                                                    "folder, '' = none)")
-    group.add_argument('--experiment', default='', help='run directory name')
-    group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
-                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
     group.add_argument('--log-interval', type=int, default=20, help='a progress line every N updates')
     group.add_argument('--recovery-interval', type=int, default=0, metavar='N',
                        help='also save a mid-epoch checkpoint, recovery.pth.tar, every N updates (0 = off); '
                             '--resume it to continue exactly')
-    group.add_argument('--stop-after-updates', type=int, default=0,
-                       help=argparse.SUPPRESS)  # testing: stop (SystemExit) after N updates, as if killed
     return parser
 
 
@@ -121,30 +103,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def summary(report: Dict[str, Any]) -> List[str]:
+    """What the tool prints: COCOeval's box (and mask) AP, and where the run directory is."""
+    lines = []
+    for iou_type, name in (('bbox', 'box'), ('segm', 'mask')):
+        m = report['metrics'].get(iou_type)
+        if m:  # COCOeval's -1: no object of that size
+            numbers = '  '.join(f'{k} ' + (f'{100 * m[k]:.1f}' if m[k] >= 0 else '-') for k in STAT_NAMES[:6])
+            lines.append(f'{name} {numbers}  ({m["images"]} images, pycocotools COCOeval)')
+    if report.get('output_dir'):
+        lines.append(f'run directory: {report["output_dir"]} (result.json, report.md, last.pth.tar)')
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        args = parse_args(argv)
-    except ConfigError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    log = logging.getLogger('detect')
-    try:
-        report = run(args)
-    except (NonFiniteLossError, CheckpointWriteError) as e:
-        log.error(str(e))
-        return 1
-    except (DetectionSetupError, CocoDataError, CheckpointMismatchError, FileNotFoundError) as e:
-        log.error(str(e))
-        return 2
-    if args.rank == 0:
-        for iou_type, name in (('bbox', 'box'), ('segm', 'mask')):
-            m = report['metrics'].get(iou_type)
-            if m:  # COCOeval's -1: no object of that size
-                numbers = '  '.join(f'{k} ' + (f'{100 * m[k]:.1f}' if m[k] >= 0 else '-') for k in STAT_NAMES[:6])
-                print(f'{name} {numbers}  ({m["images"]} images, pycocotools COCOeval)')
-        if report.get('output_dir'):
-            print(f'run directory: {report["output_dir"]} (result.json, report.md, last.pth.tar)')
-    return 0
+    return tool_main(argv, parse_args, run, 'detect', (NonFiniteLossError,), (
+        DetectionSetupError, CocoDataError, CheckpointMismatchError, FileNotFoundError), summary)
 
 
 if __name__ == '__main__':

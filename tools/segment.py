@@ -16,10 +16,9 @@ resumed run's recorded arguments. The run directory gets args.yaml, last.pth.tar
 checkpoints), result.json and report.md (mIoU, mAcc, aAcc and per-class IoU). docs/segmentation.md has the details.
 """
 import argparse
-import logging
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from timm.utils import ParseKwargs
 
@@ -28,8 +27,8 @@ from lsvision.models import CheckpointMismatchError
 from lsvision.segmentation.data import SegmentationDataError
 from lsvision.segmentation.engine import DATASETS, NonFiniteLossError, SegmentationSetupError, run
 from lsvision.segmentation.models import SEGMENTORS
-from lsvision.train.args import ConfigError, Flag, tool_defaults
-from lsvision.train.checkpoint import CheckpointWriteError
+from lsvision.train.args import ConfigError, Flag, add_amp_arguments, add_dense_run_arguments, tool_defaults
+from lsvision.train.dense import tool_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'segmentation', 'semantic_fpn_shapes_demo.yaml')
@@ -44,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group('Data')
     group.add_argument('--dataset', default='ade20k', choices=DATASETS)
     group.add_argument('--data-dir', default='', metavar='DIR', help="the dataset's root ('' = the demo's shapes)")
-    group.add_argument('--train-split', default='training')
-    group.add_argument('--val-split', default='validation')
+    group.add_argument('--train-split', default='', help="'' = training (ADE20K), train (Cityscapes, folder)")
+    group.add_argument('--val-split', default='', help="'' = validation (ADE20K), val (Cityscapes, folder)")
     group.add_argument('--class-names', nargs='+', default=None, metavar='NAME',
                        help='--dataset folder: the classes in label order (default: <data-dir>/classes.txt)')
     group.add_argument('--skip-bad-images', action=Flag, default=False,
@@ -87,31 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--warmup-iters', type=int, default=0, help='updates of linear warmup')
     group.add_argument('--warmup-ratio', type=float, default=1e-6, help='warmup starts at lr x this')
     group.add_argument('--clip-grad', type=float, default=None, help='gradient norm clip (unset = none)')
-    group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
-    group.add_argument('--amp-dtype', default=None, choices=('float16', 'bfloat16'),
-                       help='unset = bfloat16 on CPU, float16 (with a loss scaler) elsewhere')
-    group = parser.add_argument_group('Run')
-    group.add_argument('--device', default='', help="'' = cuda if available")
-    group.add_argument('-j', '--workers', type=int, default=2)
-    group.add_argument('--threads', type=int, default=0, help='torch threads per process (0 = default)')
-    group.add_argument('--seed', type=int, default=42)
-    group.add_argument('--find-unused-parameters', action=Flag, default=False, help="DDP's option")
-    group.add_argument('--resume', default='', metavar='PATH', help="a run's last.pth.tar: continue it exactly")
-    group.add_argument('--eval-only', action=Flag, default=False, help='evaluate --checkpoint on the val split')
-    group.add_argument('--checkpoint', default='', metavar='PATH', help='weights for --eval-only')
+    add_amp_arguments(group)
+    group = add_dense_run_arguments(parser, 'output/segment')
     group.add_argument('--eval-interval', type=int, default=4000, help='evaluate every N iterations (and at the end)')
     group.add_argument('--checkpoint-interval', type=int, default=4000, help='save last.pth.tar every N iterations')
     group.add_argument('--eval-untrained', action=Flag, default=False,
                        help='also evaluate the model before training (reported beside the trained one)')
     group.add_argument('--checkpoint-hist', type=int, default=3, help='best evaluated checkpoints kept (by mIoU)')
-    group.add_argument('--output', default='', help="output root ('' = output/segment; --eval-only: its report "
-                                                    "folder, '' = none)")
-    group.add_argument('--experiment', default='', help='run directory name')
-    group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
-                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
     group.add_argument('--log-interval', type=int, default=50, help='a progress line every N iterations')
-    group.add_argument('--stop-after-updates', type=int, default=0,
-                       help=argparse.SUPPRESS)  # testing: stop (SystemExit) after N iterations, as if killed
     return parser
 
 
@@ -135,31 +117,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def summary(report: Dict[str, Any]) -> List[str]:
+    """What the tool prints: the metrics (and the untrained model's), and where the run directory is."""
+    lines = []
+    for name, key in (('', 'metrics'), ('untrained: ', 'untrained_metrics')):
+        m = report.get(key)
+        if m:
+            lines.append(f'{name}mIoU {100 * m["mIoU"]:.2f}  mAcc {100 * m["mAcc"]:.2f}  aAcc {100 * m["aAcc"]:.2f}  '
+                         f'({m["images"]} images, {m["classes_scored"]} classes scored)')
+    if report.get('output_dir'):
+        lines.append(f'run directory: {report["output_dir"]} (result.json, report.md, last.pth.tar)')
+    return lines
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    try:
-        args = parse_args(argv)
-    except ConfigError as e:
-        print(f'error: {e}', file=sys.stderr)
-        return 2
-    log = logging.getLogger('segment')
-    try:
-        report = run(args)
-    except (NonFiniteLossError, CheckpointWriteError) as e:
-        log.error(str(e))
-        return 1
-    except (SegmentationSetupError, SegmentationDataError, CheckpointMismatchError, FileNotFoundError) as e:
-        log.error(str(e))
-        return 2
-    if args.rank == 0:
-        m = report['metrics']
-        print(f'mIoU {100 * m["mIoU"]:.2f}  mAcc {100 * m["mAcc"]:.2f}  aAcc {100 * m["aAcc"]:.2f}  '
-              f'({m["images"]} images, {m["classes_scored"]} classes scored)')
-        if report.get('untrained_metrics'):
-            u = report['untrained_metrics']
-            print(f'untrained: mIoU {100 * u["mIoU"]:.2f}  mAcc {100 * u["mAcc"]:.2f}  aAcc {100 * u["aAcc"]:.2f}')
-        if report.get('output_dir'):
-            print(f'run directory: {report["output_dir"]} (result.json, report.md, last.pth.tar)')
-    return 0
+    return tool_main(argv, parse_args, run, 'segment', (NonFiniteLossError,), (
+        SegmentationSetupError, SegmentationDataError, CheckpointMismatchError, FileNotFoundError), summary)
 
 
 if __name__ == '__main__':

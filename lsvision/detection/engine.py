@@ -35,7 +35,6 @@ from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredic
 import timm
 from timm.optim import create_optimizer_v2
 from timm.scheduler import MultiStepLRScheduler
-from timm.utils import init_distributed_device, setup_default_logging
 
 from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
@@ -43,7 +42,8 @@ from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_r
 from ..eval.report import write_json, write_markdown
 from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
-from ..train.data import derive_seed, seed_everything
+from ..train.data import derive_seed
+from ..train.dense import agree, amp_dtype, autocast, load_eval_weights, recorded_args, run_directory, setup_run, unwrap
 from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
@@ -101,20 +101,6 @@ def _narrow_detector(detector: str, backbone: models.BackboneWithFPN, num_classe
         return FasterRCNN(backbone, num_classes=None, **kwargs)
     return MaskRCNN(backbone, num_classes=None, mask_head=MaskRCNNHeads(c, (c,) * 4, 1),
                     mask_predictor=MaskRCNNPredictor(c, c, num_classes), **kwargs)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
-def _autocast(args: argparse.Namespace, device: torch.device) -> Any:
-    if not args.amp:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=getattr(torch, _amp_dtype(args, device)))
-
-
-def _amp_dtype(args: argparse.Namespace, device: torch.device) -> str:
-    return args.amp_dtype or ('bfloat16' if device.type == 'cpu' else 'float16')
 
 
 @torch.no_grad()
@@ -189,17 +175,6 @@ def _log_data(name: str, ds: CocoInstances) -> None:
                     if s.left_out_images else ''))
 
 
-def _setup(args: argparse.Namespace) -> torch.device:
-    setup_default_logging()
-    if not args.device:
-        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = init_distributed_device(args)  # timm: torchrun's environment -> args.distributed / rank / world_size
-    seed_everything(derive_seed(args.seed, args.rank))
-    return device
-
-
 class _Training:
     """The state of a training run: model (DDP-wrapped under torchrun), optimizer, scheduler, scaler, progress."""
 
@@ -216,13 +191,13 @@ class _Training:
                                                            shuffle=True, seed=args.seed)
         self.updates_per_epoch = math.ceil(len(self.sampler) / args.batch_size)
         # weight decay on every parameter, biases and norms included, as mmdetection's plain AdamW of the PVT recipes
-        self.optimizer = create_optimizer_v2(_unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+        self.optimizer = create_optimizer_v2(unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                                              filter_bias_and_bn=False)
         self.scheduler = MultiStepLRScheduler(
             self.optimizer, decay_t=[m * self.updates_per_epoch for m in args.decay_milestones],
             decay_rate=args.decay_rate, warmup_t=args.warmup_iters, warmup_lr_init=args.lr * args.warmup_ratio,
             t_in_epochs=False)
-        use_scaler = args.amp and _amp_dtype(args, device) == 'float16'
+        use_scaler = args.amp and amp_dtype(args, device) == 'float16'
         self.scaler = torch.amp.GradScaler(device.type) if use_scaler else None
         self.epoch, self.num_updates, self.history = 0, 0, []
         self.batch, self.loss_sums = 0, {}  # batches of this epoch done, and their summed losses
@@ -241,14 +216,14 @@ class _Training:
 
     def state_dict(self, keeper: CheckpointKeeper) -> Dict[str, Any]:
         rng = all_gather(get_rng_state())  # each process resumes its own random stream
-        return dict(state_dict=_unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
+        return dict(state_dict=unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
                     scaler=self.scaler.state_dict() if self.scaler else None, next_epoch=self.epoch,
                     next_batch=self.batch, loss_sums=dict(self.loss_sums), num_updates=self.num_updates, rng=rng,
                     history=self.history, keeper=keeper.state_dict(),
-                    args=_recorded_args(self.args), arch=self.args.model, detector=self.args.detector)
+                    args=recorded_args(self.args), arch=self.args.model, detector=self.args.detector)
 
     def load_state_dict(self, ckpt: Dict[str, Any], keeper: CheckpointKeeper) -> None:
-        _unwrap(self.model).load_state_dict(ckpt['state_dict'])
+        unwrap(self.model).load_state_dict(ckpt['state_dict'])
         self.optimizer.load_state_dict(ckpt['optimizer'])
         if self.scaler is not None and ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
@@ -267,7 +242,7 @@ class _Training:
         images = [image.to(self.device, non_blocking=True) for image in images]
         targets = [{k: (v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in t.items()}
                    for t in targets]
-        with _autocast(self.args, self.device):
+        with autocast(self.args, self.device):
             losses = self.model(images, targets)
         loss = sum(losses.values())
         values = {k: float(v.detach()) for k, v in losses.items()}  # one read of the device per update
@@ -298,7 +273,7 @@ class _Training:
             if self.args.rank == 0 and (self.batch % self.args.log_interval == 0
                                         or self.batch == self.updates_per_epoch):
                 self._log_progress(values, (self.batch - done_before) / (time.perf_counter() - t0))
-            stopped = deadline is not None and _agree(time.monotonic() > deadline, self.device)
+            stopped = deadline is not None and agree(time.monotonic() > deadline, self.device)
             recover = self.args.recovery_interval and self.batch % self.args.recovery_interval == 0
             if (recover or stopped) and self.batch < self.updates_per_epoch:  # stopped by the budget: resumable too
                 state = self.state_dict(keeper)  # a collective: every process builds it
@@ -320,42 +295,13 @@ class _Training:
                      f'{timedelta(seconds=round((self.updates_per_epoch - self.batch) / rate))}')
 
 
-def _agree(flag: bool, device: torch.device) -> bool:
-    """True on every process when it is true on any (a time budget must stop all processes at the same step)."""
-    if rank_and_world()[1] == 1:
-        return flag
-    value = torch.tensor(float(flag), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
-def _recorded_args(args: argparse.Namespace) -> Dict[str, Any]:
-    """The arguments a checkpoint and args.yaml record (the run's, not this machine's: no device, no torchrun
-    place)."""
-    skip = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume', 'eval_only',
-            'checkpoint', 'stop_after_updates'}
-    return {k: v for k, v in vars(args).items() if k not in skip and not k.startswith('_')}
-
-
-def _run_directory(args: argparse.Namespace) -> str:
-    if args.resume:
-        return os.path.dirname(os.path.abspath(args.resume))
-    name = args.experiment or f'{datetime.now():%Y%m%d-%H%M%S}-{args.detector}-{args.model}'
-    out = [os.path.join(args.output or 'output/detect', name) if args.rank == 0 else None]
-    if args.distributed:
-        dist.broadcast_object_list(out, src=0)
-    if args.rank == 0:
-        os.makedirs(out[0], exist_ok=True)
-    return out[0]
-
-
 def _iou_types(args: argparse.Namespace) -> Tuple[str, ...]:
     return ('bbox', 'segm') if args.detector == 'mask_rcnn' else ('bbox',)
 
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: CocoInstances, device: torch.device
               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    return evaluate_detector(_unwrap(model), val, device, _iou_types(args), args.workers, _autocast(args, device),
+    return evaluate_detector(unwrap(model), val, device, _iou_types(args), args.workers, autocast(args, device),
                              args.log_interval)
 
 
@@ -399,7 +345,7 @@ def _write_reports(folder: str, report: Dict[str, Any], detections: List[Dict[st
 def _start_or_resume(args: argparse.Namespace, run_state: _Training, keeper: CheckpointKeeper, out_dir: str) -> None:
     if not args.resume:
         if args.rank == 0:
-            write_markdown(yaml.safe_dump(_recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
+            write_markdown(yaml.safe_dump(recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
         return
     ckpt = load_checkpoint(args.resume)
     if 'next_epoch' not in ckpt:
@@ -417,7 +363,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         The report (also `result.json`, `report.md` and the detections, `detections.json`, in the run directory,
         written by rank 0).
     """
-    device = _setup(args)
+    device = setup_run(args)
     train, val = _datasets(args)
     for name, ds in (('train', train), ('val', val)):
         if ds is not None and args.rank == 0:
@@ -427,7 +373,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     model = build_detector(args, num_classes).to(device)
     if args.eval_only:
         return _evaluate_only(args, model, val, device)
-    out_dir = _run_directory(args)
+    out_dir = run_directory(args, 'output/detect', args.detector)
     run_state = _Training(args, device, model, train)
     keeper = CheckpointKeeper(out_dir, max_history=args.checkpoint_hist)
     _start_or_resume(args, run_state, keeper, out_dir)
@@ -446,16 +392,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: CocoInstances,
                    device: torch.device) -> Dict[str, Any]:
     if args.checkpoint:
-        ckpt = load_checkpoint(args.checkpoint)
-        try:
-            _unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
-        except RuntimeError as e:
-            recorded = ckpt.get('args') or {}
-            raise DetectionSetupError(
+        def mismatch(recorded: Dict[str, Any], error: str) -> Exception:
+            return DetectionSetupError(
                 f'--checkpoint {args.checkpoint} holds another detector than --detector {args.detector} --model '
                 f'{args.model} with these settings (it records --model {recorded.get("model", "?")}, --fpn-channels '
                 f'{recorded.get("fpn_channels", "?")}): drop the flags and -c that change the detector, so that the '
-                f'recorded ones are used. ({str(e).splitlines()[0]})') from None
+                f'recorded ones are used. ({error})')
+        load_eval_weights(model, args.checkpoint, mismatch)
     elif args.rank == 0:
         _logger.warning('--eval-only without --checkpoint scores the untrained detector (backbone weights: '
                         f'{args.backbone_weights or "random"})')
@@ -474,7 +417,7 @@ def _report(args: argparse.Namespace, metrics: Dict[str, Any], val: CocoInstance
                     problems=[str(p) for p in ds.problems])
     return dict(
         model=args.model, detector=args.detector, metrics=metrics, val=data(val),
-        train=data(train) if train is not None else None, args=_recorded_args(args),
+        train=data(train) if train is not None else None, args=recorded_args(args),
         commit=source_commit(), machine=machine_description(args.device), processes=args.world_size,
         host=platform.node(), finished=f'{datetime.now():%Y-%m-%d %H:%M:%S}', **extra)
 

@@ -34,12 +34,12 @@ from timm.scheduler import PolyLRScheduler
 
 from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import generate_semantic_shapes
-from ..detection.engine import _agree, _amp_dtype, _autocast, _recorded_args, _setup, _unwrap
 from ..eval.distributed import all_gather
 from ..eval.report import write_json, write_markdown
 from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
 from ..train.data import derive_seed
+from ..train.dense import agree, amp_dtype, autocast, load_eval_weights, recorded_args, run_directory, setup_run, unwrap
 from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .data import (
@@ -150,13 +150,13 @@ class _Training:
                                          f'{args.batch_size} per process ({args.world_size} processes): lower '
                                          '--batch-size')
         # weight decay on every parameter, as mmsegmentation's plain AdamW of the PVT recipe
-        self.optimizer = create_optimizer_v2(_unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
+        self.optimizer = create_optimizer_v2(unwrap(model), opt=args.opt, lr=args.lr, weight_decay=args.weight_decay,
                                              filter_bias_and_bn=False)
         self.scheduler = PolyLRScheduler(self.optimizer, t_initial=args.iters, power=args.poly_power,
                                          lr_min=args.min_lr, warmup_t=args.warmup_iters,
                                          warmup_lr_init=args.lr * args.warmup_ratio, t_in_epochs=False)
         self.scheduler.step_update(0)
-        use_scaler = args.amp and _amp_dtype(args, device) == 'float16'
+        use_scaler = args.amp and amp_dtype(args, device) == 'float16'
         self.scaler = torch.amp.GradScaler(device.type) if use_scaler else None
         self.iters, self.epoch, self.batch, self.history = 0, 0, 0, []
         self.loss_sum, self.loss_count = 0.0, 0  # since the last log line
@@ -175,14 +175,14 @@ class _Training:
 
     def state_dict(self, keeper: CheckpointKeeper) -> Dict[str, Any]:
         rng = all_gather(get_rng_state())  # each process resumes its own random stream
-        return dict(state_dict=_unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
+        return dict(state_dict=unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
                     scaler=self.scaler.state_dict() if self.scaler else None, iters=self.iters, epoch=self.epoch,
                     batch=self.batch, loss=[self.loss_sum, self.loss_count], rng=rng, history=self.history,
-                    keeper=keeper.state_dict(), args=_recorded_args(self.args), arch=self.args.model,
+                    keeper=keeper.state_dict(), args=recorded_args(self.args), arch=self.args.model,
                     segmentor=self.args.segmentor)
 
     def load_state_dict(self, ckpt: Dict[str, Any], keeper: CheckpointKeeper) -> None:
-        _unwrap(self.model).load_state_dict(ckpt['state_dict'])
+        unwrap(self.model).load_state_dict(ckpt['state_dict'])
         self.optimizer.load_state_dict(ckpt['optimizer'])
         if self.scaler is not None and ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
@@ -201,7 +201,7 @@ class _Training:
         """One optimizer update on a batch; returns its loss (the only wait for the device)."""
         images = images.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        with _autocast(self.args, self.device):
+        with autocast(self.args, self.device):
             logits = self.model(images)
         loss = models.segmentation_loss(logits, labels)
         value = float(loss.detach())
@@ -219,8 +219,8 @@ class _Training:
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: SegmentationDataset, device: torch.device
               ) -> Dict[str, Any]:
-    return evaluate_segmentor(_unwrap(model), val, device, args.test_mode, args.test_crop, args.test_stride,
-                              args.workers, _autocast(args, device), args.log_interval)
+    return evaluate_segmentor(unwrap(model), val, device, args.test_mode, args.test_crop, args.test_stride,
+                              args.workers, autocast(args, device), args.log_interval)
 
 
 def _save(run: _Training, keeper: CheckpointKeeper, miou: Optional[float]) -> None:
@@ -251,7 +251,7 @@ def _fit(args: argparse.Namespace, run: _Training, val: SegmentationDataset, kee
                              f'process, ETA {timedelta(seconds=round((args.iters - run.iters) / rate))}')
                 run.history.append(dict(iter=run.iters, train_loss=run.loss_sum / run.loss_count))
                 run.loss_sum, run.loss_count = 0.0, 0
-            stopped = deadline is not None and _agree(time.monotonic() > deadline, run.device)
+            stopped = deadline is not None and agree(time.monotonic() > deadline, run.device)
             last = run.iters == args.iters or stopped
             evaluation = None
             if last or (args.eval_interval and run.iters % args.eval_interval == 0):
@@ -273,18 +273,6 @@ def _fit(args: argparse.Namespace, run: _Training, val: SegmentationDataset, kee
             if run.batch == run.batches_per_epoch:  # not yet moved on by a checkpoint at the epoch's end
                 run.epoch, run.batch = run.epoch + 1, 0
     return evaluation, stopped
-
-
-def _run_directory(args: argparse.Namespace) -> str:
-    if args.resume:
-        return os.path.dirname(os.path.abspath(args.resume))
-    name = args.experiment or f'{datetime.now():%Y%m%d-%H%M%S}-{args.segmentor}-{args.model}'
-    out = [os.path.join(args.output or 'output/segment', name) if args.rank == 0 else None]
-    if args.distributed:
-        torch.distributed.broadcast_object_list(out, src=0)
-    if args.rank == 0:
-        os.makedirs(out[0], exist_ok=True)
-    return out[0]
 
 
 def _log_data(name: str, ds: SegmentationDataset) -> None:
@@ -310,11 +298,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     Returns:
         The report (also `result.json` and `report.md` in the run directory, written by rank 0).
     """
-    device = _setup(args)
+    device = setup_run(args)
     if not args.data_dir:
         _demo_data(args)
     if args.dataset not in DATASETS:
         raise SegmentationSetupError(f'--dataset {args.dataset!r}: choose one of {", ".join(DATASETS)}')
+    default_splits = ('training', 'validation') if args.dataset == 'ade20k' else ('train', 'val')
+    args.train_split, args.val_split = args.train_split or default_splits[0], args.val_split or default_splits[1]
     names = class_names_of(args)
     model = build_segmentor(args, len(names)).to(device)
     train, val = _datasets(args, names, model)
@@ -323,7 +313,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             _log_data(name, ds)
     if args.eval_only:
         return _evaluate_only(args, model, val, device)
-    out_dir = _run_directory(args)
+    out_dir = run_directory(args, 'output/segment', args.segmentor)
     run_state = _Training(args, device, model, train)
     keeper = CheckpointKeeper(out_dir, max_history=args.checkpoint_hist)
     if args.resume:
@@ -335,7 +325,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.rank == 0:
             _logger.info(f'resumed {args.resume}: iteration {run_state.iters}')
     elif args.rank == 0:
-        write_markdown(yaml.safe_dump(_recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
+        write_markdown(yaml.safe_dump(recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
     untrained = None
     if args.eval_untrained and not args.resume:  # the same initialization, before any update
         untrained = _json_safe(_evaluate(args, run_state.model, val, device))
@@ -356,16 +346,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: SegmentationDataset,
                    device: torch.device) -> Dict[str, Any]:
     if args.checkpoint:
-        ckpt = load_checkpoint(args.checkpoint)
-        try:
-            _unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
-        except RuntimeError as e:
-            recorded = ckpt.get('args') or {}
-            raise SegmentationSetupError(
+        def mismatch(recorded: Dict[str, Any], error: str) -> Exception:
+            return SegmentationSetupError(
                 f'--checkpoint {args.checkpoint} holds another segmentor than --segmentor {args.segmentor} --model '
                 f'{args.model} with these settings (it records --segmentor {recorded.get("segmentor", "?")} --model '
                 f'{recorded.get("model", "?")}): drop the flags and -c that change the model, so that the recorded '
-                f'ones are used. ({str(e).splitlines()[0]})') from None
+                f'ones are used. ({error})')
+        load_eval_weights(model, args.checkpoint, mismatch)
     elif args.rank == 0:
         _logger.warning('--eval-only without --checkpoint scores the untrained segmentor (backbone weights: '
                         f'{args.backbone_weights or "random"})')
@@ -392,7 +379,7 @@ def _report(args: argparse.Namespace, metrics: Dict[str, Any], val: Segmentation
         train=data(train) if train is not None else None, inference=dict(
             mode=args.test_mode, test_scale=args.test_scale, crop=args.test_crop if args.test_mode == 'slide' else None,
             stride=args.test_stride if args.test_mode == 'slide' else None),
-        args=_recorded_args(args), commit=source_commit(), machine=machine_description(args.device),
+        args=recorded_args(args), commit=source_commit(), machine=machine_description(args.device),
         processes=args.world_size, host=platform.node(), finished=f'{datetime.now():%Y-%m-%d %H:%M:%S}', **extra)
 
 

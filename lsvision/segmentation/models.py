@@ -47,7 +47,7 @@ class ConvNormAct(nn.Sequential):
         out_channels: Output channels.
         kernel_size: 1 or 3 (padded to keep the size).
         norm: 'bn' (BatchNorm2d; mmsegmentation's configs use SyncBN, which a DDP run converts it to) or 'gn'
-            (GroupNorm with 32 groups as Panoptic FPN, fewer where the channels are not a multiple of 32).
+            (GroupNorm with 32 groups as Panoptic FPN; fewer, of 4 channels each, in a head narrower than 128).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, norm: str = 'bn'):
@@ -55,8 +55,9 @@ class ConvNormAct(nn.Sequential):
             raise ValueError(f"norm must be 'bn' or 'gn', got {norm!r}")
         conv = nn.Conv2d(in_channels, out_channels, kernel_size, padding=kernel_size // 2, bias=False)
         nn.init.kaiming_normal_(conv.weight, mode='fan_out', nonlinearity='relu')  # mmcv ConvModule's init
-        norm_layer = nn.BatchNorm2d(out_channels) if norm == 'bn' else nn.GroupNorm(math.gcd(32, out_channels),
-                                                                                   out_channels)
+        # GroupNorm: Panoptic FPN's 32 groups of 128 channels; a narrower head keeps 4 channels a group
+        norm_layer = nn.BatchNorm2d(out_channels) if norm == 'bn' else nn.GroupNorm(
+            math.gcd(32, max(out_channels // 4, 1)), out_channels)
         super().__init__(conv, norm_layer, nn.ReLU(inplace=True))
 
 

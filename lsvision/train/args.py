@@ -17,7 +17,8 @@ from timm.utils import ParseKwargs
 from lsvision.models._helpers import checkpoint_record
 
 __all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'recorded_run_args',
-           'tool_defaults', 'parse_args', 'args_to_dict', 'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
+           'tool_defaults', 'add_dense_run_arguments', 'add_amp_arguments', 'parse_args', 'args_to_dict',
+           'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
 
 # the preset used when no data and no model are given (the README's first command)
 DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -358,6 +359,35 @@ def recorded_run_args(flag: str, path: str, parser: argparse.ArgumentParser, req
             raise ConfigError(f'{flag} {path} is not a tools/{tool} checkpoint (it records no run arguments)')
         return {}
     return validate_config(recorded, parser, path, tool)
+
+
+def add_dense_run_arguments(parser: argparse.ArgumentParser, output_root: str) -> argparse._ArgumentGroup:
+    """The 'Run' flags of the dense-prediction tools (device, workers, seed, resume, evaluation-only, output, time
+    budget); returns the group for the tool's own."""
+    group = parser.add_argument_group('Run')
+    group.add_argument('--device', default='', help="'' = cuda if available")
+    group.add_argument('-j', '--workers', type=int, default=2)
+    group.add_argument('--threads', type=int, default=0, help='torch threads per process (0 = default)')
+    group.add_argument('--seed', type=int, default=42)
+    group.add_argument('--find-unused-parameters', action=Flag, default=False, help="DDP's option")
+    group.add_argument('--resume', default='', metavar='PATH', help="a run's last.pth.tar: continue it exactly")
+    group.add_argument('--eval-only', action=Flag, default=False, help='evaluate --checkpoint on the val split')
+    group.add_argument('--checkpoint', default='', metavar='PATH', help='weights for --eval-only')
+    group.add_argument('--output', default='', help=f"output root ('' = {output_root}; --eval-only: its report "
+                                                    "folder, '' = none)")
+    group.add_argument('--experiment', default='', help='run directory name')
+    group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
+                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
+    group.add_argument('--stop-after-updates', type=int, default=0,
+                       help=argparse.SUPPRESS)  # testing: stop (SystemExit) after N updates, as if killed
+    return group
+
+
+def add_amp_arguments(group: argparse._ArgumentGroup) -> None:
+    """--amp and --amp-dtype (lsvision.train.dense.autocast reads them)."""
+    group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
+    group.add_argument('--amp-dtype', default=None, choices=('float16', 'bfloat16'),
+                       help='unset = bfloat16 on CPU, float16 (with a loss scaler) elsewhere')
 
 
 def tool_defaults(parser: argparse.ArgumentParser, argv: Sequence[str], tool: str, demo_config: str = ''

@@ -1,0 +1,130 @@
+"""The run pieces that the dense-prediction tools share (tools/detect.py, tools/segment.py): process setup, AMP,
+the time budget's agreement across processes, the run directory, the arguments a checkpoint records, and the
+weights an evaluation loads.
+
+They know no task: lsvision.detection.engine and lsvision.segmentation.engine build their runs on them.
+"""
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from datetime import datetime
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from timm.utils import init_distributed_device, setup_default_logging
+
+from ..eval.distributed import rank_and_world
+from .args import ConfigError
+from .checkpoint import CheckpointWriteError, load_checkpoint
+from .data import derive_seed, seed_everything
+
+__all__ = ['setup_run', 'unwrap', 'amp_dtype', 'autocast', 'agree', 'recorded_args', 'run_directory',
+           'load_eval_weights', 'tool_main']
+
+# what a checkpoint and args.yaml do not record: this machine's place in the job, and the tool's run controls
+_NOT_RECORDED = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume',
+                 'eval_only', 'checkpoint', 'stop_after_updates'}
+
+
+def setup_run(args: argparse.Namespace) -> torch.device:
+    """Logging, the device ('' = cuda if available), threads, torchrun's process group (timm's
+    `init_distributed_device`: args.distributed / rank / world_size) and the seeds (per process)."""
+    setup_default_logging()
+    if not args.device:
+        args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = init_distributed_device(args)
+    seed_everything(derive_seed(args.seed, args.rank))
+    return device
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP (the model itself otherwise)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def amp_dtype(args: argparse.Namespace, device: torch.device) -> str:
+    """--amp-dtype, else bfloat16 on the CPU and float16 (with a loss scaler) elsewhere."""
+    return args.amp_dtype or ('bfloat16' if device.type == 'cpu' else 'float16')
+
+
+def autocast(args: argparse.Namespace, device: torch.device) -> Any:
+    """torch.autocast of --amp (a null context without it)."""
+    if not args.amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, amp_dtype(args, device)))
+
+
+def agree(flag: bool, device: torch.device) -> bool:
+    """True on every process when it is true on any (a time budget must stop all processes at the same step)."""
+    if rank_and_world()[1] == 1:
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def recorded_args(args: argparse.Namespace) -> Dict[str, Any]:
+    """The arguments a checkpoint and args.yaml record (the run's, not this machine's: no device, no torchrun
+    place)."""
+    return {k: v for k, v in vars(args).items() if k not in _NOT_RECORDED and not k.startswith('_')}
+
+
+def run_directory(args: argparse.Namespace, default_root: str, kind: str) -> str:
+    """The run's folder: the resumed checkpoint's, else `--output` (or `default_root`) / `--experiment` (or a
+    dated name with `kind` and the model); rank 0 creates it and every process gets its path."""
+    if args.resume:
+        return os.path.dirname(os.path.abspath(args.resume))
+    name = args.experiment or f'{datetime.now():%Y%m%d-%H%M%S}-{kind}-{args.model}'
+    out = [os.path.join(args.output or default_root, name) if args.rank == 0 else None]
+    if args.distributed:
+        dist.broadcast_object_list(out, src=0)
+    if args.rank == 0:
+        os.makedirs(out[0], exist_ok=True)
+    return out[0]
+
+
+def load_eval_weights(model: nn.Module, path: str, mismatch: Callable[[Dict[str, Any], str], Exception]) -> None:
+    """Loads a checkpoint's `state_dict` (or a bare state dict) into `model`; a file of another model raises
+    `mismatch(the arguments it records, the first line of torch's error)`."""
+    ckpt = load_checkpoint(path)
+    try:
+        unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
+    except RuntimeError as e:
+        raise mismatch(ckpt.get('args') or {}, str(e).splitlines()[0]) from None
+
+
+def tool_main(argv: Optional[Sequence[str]], parse_args: Callable[[Optional[Sequence[str]]], argparse.Namespace],
+              run: Callable[[argparse.Namespace], Dict[str, Any]], log_name: str,
+              failures: Tuple[Type[Exception], ...], usage_errors: Tuple[Type[Exception], ...],
+              summary: Callable[[Dict[str, Any]], List[str]]) -> int:
+    """A dense-prediction tool's main: parse, run, print the report's `summary` lines on rank 0.
+
+    Returns:
+        0; 1 for a run that failed (`failures`: a non-finite loss; a checkpoint that could not be written); 2 for
+        arguments, data or files that cannot make a run (ConfigError, `usage_errors`), with the message.
+    """
+    try:
+        args = parse_args(argv)
+    except ConfigError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    log = logging.getLogger(log_name)
+    try:
+        report = run(args)
+    except (*failures, CheckpointWriteError) as e:
+        log.error(str(e))
+        return 1
+    except usage_errors as e:
+        log.error(str(e))
+        return 2
+    if args.rank == 0:
+        for line in summary(report):
+            print(line)
+    return 0
