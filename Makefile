@@ -28,7 +28,7 @@ demo: install
 demo-detect: install
 	$(PY) tools/detect.py
 
-# Semantic FPN on a small CvT-LS, trained on the generated shapes as semantic maps on the CPU (a 150 s training
+# Semantic FPN on a small CvT-LS, trained on the generated shapes as semantic maps on the CPU (a 180 s training
 # budget), then scored as mmsegmentation scores (mIoU, per-class IoU) beside the same model untrained
 # (docs/segmentation.md)
 demo-segment: install

@@ -1,11 +1,12 @@
 """tools/segment.py: exact resume (from a checkpoint mid-run and across an epoch's end), evaluation of a saved
-checkpoint (whole-image and a covering sliding window agree), two processes evaluating as one, recipes, and the
-errors with their hints. A tiny CvT-LS Semantic FPN on generated shapes of 40 x 48."""
+checkpoint (whole-image and a covering sliding window agree), two processes training and evaluating as one, recipes,
+and the errors with their hints. A tiny CvT-LS Semantic FPN on generated shapes of 40 x 48."""
 import json
 import multiprocessing
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,7 @@ import torch.distributed as dist
 from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args
 
 from lsvision.data.coco_shapes import generate_semantic_shapes
-from lsvision.segmentation import semantic_fpn
-from lsvision.segmentation.data import SegmentationDataset, folder_pairs
 from lsvision.segmentation.engine import SegmentationSetupError
-from lsvision.segmentation.inference import evaluate_segmentor
 
 segment = load_tool('segment')
 
@@ -70,36 +68,39 @@ def test_resume_is_exact(shapes, tmp_path):
         segment.run(segment.parse_args(['--eval-only', '--checkpoint', str(last), '--head-kwargs', 'channels=4']))
 
 
-def _evaluate_as(rank: int, world: int, port: int, shapes: str, out: str) -> None:
-    """One process of `world`: the seeded tiny model, scored on its shard; counts summed over the group."""
-    torch.set_num_threads(1)
-    if world > 1:
-        dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = semantic_fpn('cvt_ls_13', 4, model_kwargs=TINY_CONFIGS['cvt_ls_13'], fpn_channels=8, channels=8)
-    val = SegmentationDataset(folder_pairs(f'{shapes}/images/val', f'{shapes}/masks/val'), 'wxyz')
-    result = evaluate_segmentor(model, val, torch.device('cpu'))
-    torch.save(result, f'{out}/{world}-{rank}.pt')
-    if world > 1:
-        dist.destroy_process_group()
+def _train_as(rank: int, port: int, argv: list) -> None:
+    """One of two processes of a torchrun-like job (its environment set as torchrun sets it)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    code = segment.main(argv)
+    dist.destroy_process_group()
+    sys.exit(code)
 
 
-def test_two_processes_evaluate_as_one(shapes, tmp_path):
-    """Two processes (gloo), each scoring a shard of the 3 images, end with the confusion counts of one process
-    scoring all of them: every number equal (forked processes, so no second import of torch)."""
+def test_two_processes_train_and_evaluate_as_one(shapes, tmp_path):
+    """Two processes (gloo; forked, so no second import of torch) train UperNet with BatchNorm on a GRC backbone and
+    evaluate, each scoring a shard; one process scoring the saved checkpoint gets every number equal. This holds only
+    if DDP, the per-update GRC cache averaging and the BatchNorm statistics keep both processes' states equal, and
+    the per-class counts of the two shards are summed."""
+    grc = ['--model', 'pvt_tiny_grc', '--model-kwargs', *model_kwargs_args(TINY_CONFIGS['pvt_tiny_grc']),
+           '--segmentor', 'upernet', '--head-kwargs', 'channels=8']
+    argv = ['--data-dir', str(shapes), *TINY, *grc, '--iters', '2', '--device', 'cpu',
+            '--output', str(tmp_path), '--experiment', 'two']
     context = multiprocessing.get_context('fork')
     port = free_port()
-    procs = [context.Process(target=_evaluate_as, args=(r, 2, port, str(shapes), str(tmp_path))) for r in range(2)]
+    procs = [context.Process(target=_train_as, args=(rank, port, argv)) for rank in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(300)
         assert p.exitcode == 0
-    _evaluate_as(0, 1, port, str(shapes), str(tmp_path))
-    one, *two = (torch.load(tmp_path / name, weights_only=False) for name in ('1-0.pt', '2-0.pt', '2-1.pt'))
-    assert two[0]['images'] == two[1]['images'] == one['images'] == 3
-    for key in ('aAcc', 'mIoU', 'mAcc', 'pixels'):
-        assert two[0][key] == two[1][key] == one[key]
+    weights = tmp_path / 'two' / 'last.pth.tar'
+    assert torch.load(weights, weights_only=True)['iters'] == 2
+    data = ['--data-dir', str(shapes), *TINY, *grc]
+    assert segment.main(data + ['--eval-only', '--checkpoint', str(weights), '--output', str(tmp_path / 'one')]) == 0
+    two, one = (json.loads((tmp_path / name / 'result.json').read_text()) for name in ('two', 'one'))
+    assert (two['processes'], one['processes']) == (2, 1)
+    assert one['metrics'] == two['metrics'] and one['metrics']['images'] == 3
 
 
 def _error(capsys, argv) -> str:
@@ -132,6 +133,11 @@ def test_errors_say_what_to_do(shapes, tmp_path, capsys, caplog):
     report = json.loads((tmp_path / 'skipped' / 'result.json').read_text())
     assert report['val']['left_out'] == 1 and report['metrics']['images'] == 1
     assert 'Left out as bad input (1 images): missing mask' in (tmp_path / 'skipped' / 'report.md').read_text()
+    upernet = ['--data-dir', str(shapes), *TINY, '--segmentor', 'upernet', '--output', str(tmp_path)]
+    with pytest.raises(SegmentationSetupError, match='fpn_channels: the upernet head takes channels, pool_scales'):
+        segment.run(segment.parse_args(upernet))
+    with pytest.raises(SegmentationSetupError, match='--batch-size 2 or more, or --head-kwargs norm=gn'):
+        segment.run(segment.parse_args(upernet + ['--head-kwargs', 'channels=8', '--batch-size', '1']))
     with pytest.raises(SegmentationSetupError, match='did you mean cvt_ls_13'):
         segment.run(segment.parse_args(argv + ['--model', 'cvt_ls13']))
 

@@ -15,6 +15,7 @@ inference) and sums the per-class counts of all processes (`inference.evaluate_s
 """
 import argparse
 import difflib
+import inspect
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ import yaml
 import timm
 from timm.optim import create_optimizer_v2
 from timm.scheduler import PolyLRScheduler
+from timm.utils import distribute_bn
 
 from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import generate_semantic_shapes
@@ -107,6 +109,12 @@ def build_segmentor(args: argparse.Namespace, num_classes: int) -> models.Segmen
         raise SegmentationSetupError(f'--model {args.model!r} is no timm / lsvision model'
                                      + (f'; did you mean {", ".join(close)}?' if close else ''))
     build = getattr(models, args.segmentor)
+    takes = [k for k in inspect.signature(build).parameters if k not in ('name', 'num_classes', 'backbone_weights',
+                                                                         'model_kwargs')]
+    unknown = sorted(set(args.head_kwargs or {}) - set(takes))
+    if unknown:
+        raise SegmentationSetupError(f'--head-kwargs {", ".join(unknown)}: the {args.segmentor} head takes '
+                                     f'{", ".join(takes)}')
     return build(args.model, num_classes, backbone_weights=args.backbone_weights or None,
                  model_kwargs=dict(args.model_kwargs or {}), **dict(args.head_kwargs or {}))
 
@@ -133,6 +141,12 @@ class _Training:
 
     def __init__(self, args: argparse.Namespace, device: torch.device, model: nn.Module, train: SegmentationDataset):
         self.args, self.device, self.train_set = args, device, train
+        head = model.decode_head
+        if args.batch_size < 2 and isinstance(head, models.UPerHead) and 1 in [p[0].output_size for p in head.ppm] \
+                and isinstance(head.bottleneck[1], nn.BatchNorm2d) and not (args.distributed and device.type == 'cuda'):
+            raise SegmentationSetupError(
+                "--batch-size 1: UperNet's pyramid pooling has a 1 x 1 cell, which BatchNorm cannot normalize from one "
+                'image in training; use --batch-size 2 or more, or --head-kwargs norm=gn')
         self.grc = models.grc_layers(model)
         for layer in self.grc:  # one averaging per optimizer step below instead of one per layer and forward
             layer.sync_cache = False
@@ -219,6 +233,10 @@ class _Training:
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: SegmentationDataset, device: torch.device
               ) -> Dict[str, Any]:
+    if args.distributed:
+        # BatchNorm running statistics follow each process's own batches (DDP only sends rank 0's at each forward,
+        # and SyncBN runs on CUDA only): every process scores with rank 0's, which its checkpoints hold
+        distribute_bn(model, args.world_size, reduce=False)
     return evaluate_segmentor(unwrap(model), val, device, args.test_mode, args.test_crop, args.test_stride,
                               args.workers, autocast(args, device), args.log_interval)
 
