@@ -490,9 +490,9 @@ def add_detection_args(det: argparse.ArgumentParser) -> None:
     det.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13', 'pvt_small', 'pvt_small_grc'],
                      help='backbones (timm names; default: cvt_ls_13 cvt_13 pvt_small pvt_small_grc)')
     det.add_argument('--baseline', default='cvt_13', help='the model the ratios are to (default: cvt_13)')
-    det.add_argument('--sizes', nargs='+', default=DETECTION_SIZES, metavar='HxW', help='image sizes (default: '
-                     '800x1333 1024x1024)', type=functools.partial(parse_pair, form='HEIGHTxWIDTH',
-                                                                   example='800x1333', minimum=32))
+    det.add_argument('--sizes', nargs='+', default=DETECTION_SIZES, metavar='HxW',
+                     type=functools.partial(parse_pair, form='HEIGHTxWIDTH', example='800x1333', minimum=32),
+                     help='image sizes (default: 800x1333 1024x1024)')
     det.add_argument('--bench', choices=('inference', 'train', 'both'), default='both',
                      help='forward, AdamW training step, or both (default)')
     det.add_argument('--amp', choices=sorted(bench.AMP_DTYPES), default=None, help='autocast dtype')
