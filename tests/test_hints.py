@@ -154,10 +154,10 @@ def test_benchmark_suggests_model_and_configuration_names(capsys):
 
 
 def test_detection_benchmark_suggests_model_names(tmp_path, capsys):
-    bench = load_tool('bench_detection')
-    assert bench.main(['--models', 'cvt_ls_13', 'cvt_ls13', '--out', str(tmp_path)]) == 2
+    benchmark = load_tool('benchmark')
+    assert benchmark.main(['detection', '--models', 'cvt_ls_13', 'cvt_ls13', '--out', str(tmp_path)]) == 2
     assert "unknown model 'cvt_ls13'; did you mean cvt_ls_13" in capsys.readouterr().err
-    assert bench.main(['--baseline', 'cvt13', '--out', str(tmp_path)]) == 2
+    assert benchmark.main(['detection', '--baseline', 'cvt13', '--out', str(tmp_path)]) == 2
     assert "unknown model 'cvt13'; did you mean cvt_13" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
 

@@ -37,10 +37,9 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import MultiStepLRScheduler
 from timm.utils import init_distributed_device, setup_default_logging
 
-from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
-from ..eval.report import write_json, write_markdown
+from ..reports import machine_description, markdown_table, write_json, write_text
 from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed, seed_everything
@@ -391,15 +390,15 @@ def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: C
 
 def _write_reports(folder: str, report: Dict[str, Any], detections: List[Dict[str, Any]]) -> None:
     """result.json, report.md and detections.json (COCO's result format) in `folder`, atomically."""
-    write_json(report, os.path.join(folder, 'result.json'))
-    write_markdown(markdown_report(report), os.path.join(folder, 'report.md'))
-    write_json(detections, os.path.join(folder, 'detections.json'))
+    write_json(os.path.join(folder, 'result.json'), report)
+    write_text(os.path.join(folder, 'report.md'), markdown_report(report))
+    write_json(os.path.join(folder, 'detections.json'), detections)
 
 
 def _start_or_resume(args: argparse.Namespace, run_state: _Training, keeper: CheckpointKeeper, out_dir: str) -> None:
     if not args.resume:
         if args.rank == 0:
-            write_markdown(yaml.safe_dump(_recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
+            write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(_recorded_args(args), sort_keys=False))
         return
     ckpt = load_checkpoint(args.resume)
     if 'next_epoch' not in ckpt:

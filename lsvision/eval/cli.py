@@ -28,6 +28,7 @@ import timm
 from timm.data import resolve_model_data_config
 from timm.models import reparameterize_model
 
+from ..reports import write_json, write_text
 from ..runs import (
     TrainingRun,
     channels_of_image_mode,
@@ -39,7 +40,7 @@ from ..runs import (
     unknown_model_message,
 )
 from .distributed import JobProgress, check_paths, init_eval_processes
-from .report import markdown_report, plot_corruptions, write_json, write_markdown
+from .report import markdown_report, plot_corruptions
 from .runner import EvalSettings, default_workers, file_sha256
 from .suites import LayoutWarning
 
@@ -328,8 +329,8 @@ def run_and_report(
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)
         results['models'].append(identity)
         if processes.primary:
-            write_json(results, json_path)
-            write_markdown(markdown_report(results), md_path)
+            write_json(json_path, results)
+            write_text(md_path, markdown_report(results))
         del model
     settings.tracker.close()
     if not processes.primary:
@@ -337,7 +338,7 @@ def run_and_report(
     try:
         if plot_corruptions(results, png_path):
             results['plot'] = png_path
-            write_json(results, json_path)
+            write_json(json_path, results)
     except ImportError as e:  # matplotlib is the optional extra lsvision[eval]
         print(f"no PNG chart: {e} (pip install 'lsvision[eval]')", file=sys.stderr)
     print(markdown_report(results))

@@ -1,45 +1,20 @@
-"""Reports of the evaluation tools: the JSON file (written atomically), markdown tables laid out like the
-Transformer-LS paper's Tables 6, 13 and 14, and a PNG chart of ImageNet-C CE per corruption and error per severity.
+"""Reports of the evaluation tools: markdown tables laid out like the Transformer-LS paper's Tables 6, 13 and 14, and
+a PNG chart of ImageNet-C CE per corruption and error per severity (the JSON file: `lsvision.reports.write_json`).
 
 The input is the tools' results dict: ``{'models': [{'model': name, 'params': n, 'suites': {suite: result}}, ...]}``
 with the per-suite dicts of `lsvision.eval.runner`.
 """
-import json
 import os
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..reports import markdown_lines as _table
 from .suites import ALL_CORRUPTIONS, CORRUPTIONS, IN9_VARIANTS, V2_VARIANTS
 
-__all__ = ['write_json', 'markdown_report', 'plot_corruptions']
-
-
-def write_json(obj: Any, path: str) -> None:
-    """Writes JSON through a temporary file and ``os.replace``, so a crash never leaves half a report."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
-    try:
-        with os.fdopen(fd, 'w') as f:
-            json.dump(obj, f, indent=2, allow_nan=True)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _write_text(text: str, path: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
-    with os.fdopen(fd, 'w') as f:
-        f.write(text)
-    os.replace(tmp, path)
+__all__ = ['markdown_report', 'plot_corruptions']
 
 
 def _f(value: Optional[float], digits: int = 2) -> str:
     return '-' if value is None else f'{value:.{digits}f}'
-
-
-def _table(header: List[str], rows: List[List[str]]) -> List[str]:
-    return ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
 
 
 def _c_suites(m: Dict[str, Any]) -> List[tuple]:
@@ -241,8 +216,3 @@ def plot_corruptions(results: Dict[str, Any], path: str) -> bool:
     plt.close(fig)
     return True
 
-
-def write_markdown(text: str, path: str) -> None:
-    """Writes the markdown report atomically."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _write_text(text, path)

@@ -31,7 +31,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import lsvision.sequence as seq
-from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
 from lsvision.data.text_corpus import (
     WordCorpus,
     eval_streams,
@@ -41,6 +40,7 @@ from lsvision.data.text_corpus import (
     stream_batches,
 )
 from lsvision.eval.distributed import close_eval_processes, init_eval_processes, shard_range
+from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.runs import source_commit
 from lsvision.sequence.budget_train import lr_factor
 from lsvision.sequence.transformer_xl import GrcStreamState, TransformerXL, TxlState
@@ -430,7 +430,7 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
         result['test'] = trainer.evaluate('test')
         if procs.primary:
             write_json(os.path.join(cfg.output, 'result.json'), result)
-            write_atomic(os.path.join(cfg.output, 'result.md'), lambda tmp: tmp.write_text(_report_markdown(result)))
+            write_text(os.path.join(cfg.output, 'result.md'), _report_markdown(result))
         return result
     finally:
         close_eval_processes()
