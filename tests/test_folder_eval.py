@@ -86,7 +86,9 @@ def test_folder_suite_counts_every_image_and_equals_an_independent_evaluation(tr
     assert {c: r['count'] for c, r in folder['per_class'].items()} == {c: 3 for c in CLASSES}
     assert {c: round(r['top1'] * 3 / 100) for c, r in folder['per_class'].items()} == hits
     assert 'is not loaded' not in capsys.readouterr().err  # the head is the checkpoint's
-    assert '| circle | 3 |' in (out / 'results.md').read_text()
+    md = (out / 'results.md').read_text()
+    assert '| circle | 3 |' in md
+    assert '## Summary (accuracy in %)' in md and 'mCE' not in md  # said only where mCE is reported
 
 
 def test_folder_of_other_classes_is_an_error_naming_both_lists(trained, tmp_path, capsys):
