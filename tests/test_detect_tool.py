@@ -174,6 +174,11 @@ def test_errors_say_what_to_do(tmp_path, capsys, caplog, shapes):
     assert 'Left out as bad input (1 images): unreadable image: image 2' in markdown
     with pytest.raises(DetectionSetupError, match='did you mean cvt_ls_13'):
         detect.run(detect.parse_args(data + ['--model', 'cvt_ls13']))
+    # no released weights: no traceback, the fix in detect.py's flags, then the Python route
+    caplog.clear()
+    assert detect.main(data + ['--backbone-weights', 'pretrained']) == 2
+    assert 'cvt_ls_13 has no released weights. Fix: give a weights file of cvt_ls_13, --backbone-weights FILE' in \
+        caplog.text and "--backbone-weights ''.\nIn Python (library users): backbone_weights=" in caplog.text
 
 
 def test_documented_commands_parse(monkeypatch):

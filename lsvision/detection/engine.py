@@ -41,7 +41,7 @@ from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..eval.report import write_json, write_markdown
-from ..runs import source_commit
+from ..runs import source_commit, weights_error_message
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed, seed_everything
 from ..train.engine import all_reduce_grc_caches, optimizer_update
@@ -80,12 +80,21 @@ def build_detector(args: argparse.Namespace, num_classes: int) -> nn.Module:
                                   + (f'; did you mean {", ".join(close)}?' if close else ''))
     kwargs = dict(min_size=args.min_size, max_size=args.max_size, **(args.detector_kwargs or {}))
     weights, model_kwargs = args.backbone_weights or None, dict(args.model_kwargs or {})
-    if not args.fpn_channels:
-        return getattr(models, args.detector)(args.model, num_classes=num_classes, backbone_weights=weights,
-                                              model_kwargs=model_kwargs, **kwargs)
-    return _narrow_detector(args.detector, models.backbone_with_fpn(
-        args.model, weights, model_kwargs, out_channels=args.fpn_channels,
-        levels='retinanet' if args.detector == 'retinanet' else 'rcnn'), num_classes, kwargs)
+    try:
+        if not args.fpn_channels:
+            return getattr(models, args.detector)(args.model, num_classes=num_classes, backbone_weights=weights,
+                                                  model_kwargs=model_kwargs, **kwargs)
+        backbone = models.backbone_with_fpn(args.model, weights, model_kwargs, out_channels=args.fpn_channels,
+                                            levels='retinanet' if args.detector == 'retinanet' else 'rcnn')
+    except (RuntimeError, OSError) as e:  # 'pretrained': none released, or none reachable
+        message = weights_error_message(e, args.model, (
+            f'give a weights file of {args.model}, --backbone-weights FILE (safetensors, a .pth state dict, a '
+            "tools/train.py checkpoint, or the released file downloaded by hand), or start from random weights, "
+            "--backbone-weights ''"))
+        if message is None:
+            raise
+        raise DetectionSetupError(message) from None
+    return _narrow_detector(args.detector, backbone, num_classes, kwargs)
 
 
 def _narrow_detector(detector: str, backbone: models.BackboneWithFPN, num_classes: int,

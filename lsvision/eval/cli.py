@@ -39,6 +39,7 @@ from ..runs import (
     normalization_for_channels,
     training_run,
     unknown_model_message,
+    weights_error_message,
 )
 from .distributed import JobProgress, check_paths, init_eval_processes
 from .report import markdown_report, plot_corruptions, write_json, write_markdown
@@ -238,7 +239,15 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
             raise CheckpointMismatchError(
                 _checkpoint_mismatch_message(e, name, checkpoint, kwargs, class_source)) from None
     else:
-        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        try:
+            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        except (RuntimeError, OSError) as e:  # --pretrained: none released, or none reachable
+            message = weights_error_message(e, name, (
+                f'give a weights file of {name} as --checkpoint FILE (safetensors, a .pth state dict, or the released '
+                'file downloaded by hand), or leave out --pretrained (random weights: a check of the pipeline only)'))
+            if message is None:
+                raise
+            raise ValueError(message) from None
     cfg = getattr(model, 'pretrained_cfg', {}) or {}
     identity = dict(
         # `pretrained`: timm's weights were loaded; a checkpoint's weights are recorded by path and hash instead

@@ -53,7 +53,7 @@ from ..eval.distributed import DatasetShard, all_gather, shard_range
 from ..eval.runner import usable_cores
 from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
-from ..runs import image_mode_for_channels, normalization_for_channels
+from ..runs import image_mode_for_channels, normalization_for_channels, weights_error_message
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import (
@@ -320,6 +320,13 @@ def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Di
             raise TrainSetupError(f'{args.model} takes only its fixed input size and no img_size argument; drop '
                                   '--img-size / --input-size') from None
         raise
+    except (RuntimeError, OSError) as e:  # no released weights, or none reachable: the fix in train.py's flags
+        message = weights_error_message(e, args.model, (
+            f'give a weights file of {args.model}, --pretrained-path FILE (safetensors, a .pth state dict, or the '
+            'released file downloaded by hand), or train from random weights, --no-pretrained'))
+        if message is None:
+            raise
+        raise TrainSetupError(message) from None
     if args.pretrained and primary:
         cfg = getattr(model, 'pretrained_cfg', None) or {}
         source = args.pretrained_path or cfg.get('hf_hub_id') or cfg.get('url') or 'its pretrained cfg'
