@@ -124,6 +124,23 @@ def test_config_and_flags(tmp_path):
     assert demo.data_dir == '' and demo.config == detect.DEMO_CONFIG and demo.time_budget > 0
 
 
+def test_help_gives_the_defaults_of_a_data_dir_run_and_the_demo_preset_apart(capsys):
+    with pytest.raises(SystemExit):
+        detect.parse_args(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())
+    options, preset = text.split('Without --data-dir, -c, --resume and --checkpoint, the demo preset')
+    for flag, default in (('--model MODEL', ''), ('--min-size MIN_SIZE', '800'), ('--time-budget SECONDS', '0')):
+        described = options[options.index(f'{flag} '):]  # its help, up to the first default shown
+        assert described[described.index('(default:'):].startswith(f'(default: {default})'), flag
+    args = detect.parse_args(['--data-dir', 'x', '--model', 'cvt_ls_13'])
+    assert (args.min_size, args.time_budget) == (800, 0)  # what the help says
+    assert 'configs/detection/mask_rcnn_shapes_demo.yaml replaces these defaults' in preset
+    demo = detect.parse_args([])
+    for flag in (f'--model {demo.model},', f'--min-size {demo.min_size},', f'--time-budget {demo.time_budget:g},',
+                 'depths=[1,1,2]'):
+        assert flag in preset, flag
+
+
 def test_recipes_are_the_pvt_1x_schedule():
     recipes = sorted((ROOT / 'configs' / 'detection').glob('mask_rcnn_*_1x.yaml'))
     assert {'mask_rcnn_cvt_ls_13_1x.yaml', 'mask_rcnn_pvt_small_grc_1x.yaml'} <= {p.name for p in recipes}
@@ -164,6 +181,12 @@ def test_errors_say_what_to_do(tmp_path, capsys, caplog, shapes):
     broken = tmp_path / 'broken'
     shutil.copytree(shapes, broken)
     (broken / 'val' / '000002.png').write_text('not an image')
+    # and a box wholly outside its image: counted, and named in the log and the report
+    val_file = broken / 'annotations' / 'instances_val.json'
+    coco = json.loads(val_file.read_text())
+    coco['annotations'].append(dict(id=999, image_id=1, category_id=coco['categories'][0]['id'], area=16.0,
+                                    bbox=[70, 10, 4, 4], iscrowd=0, segmentation=[[70, 10, 74, 10, 74, 14]]))
+    val_file.write_text(json.dumps(coco))
     argv = ['--data-dir', str(broken), *data[2:], '--output', str(tmp_path / 'skipped')]
     assert detect.main(argv) == 2
     assert 'unreadable image: image 2 (000002.png)' in caplog.text and '--skip-bad-images' in caplog.text
@@ -172,6 +195,10 @@ def test_errors_say_what_to_do(tmp_path, capsys, caplog, shapes):
     assert report['val']['left_out_images'] == [2] and report['metrics']['bbox']['images'] == 2
     markdown = (tmp_path / 'skipped' / 'report.md').read_text()
     assert 'Left out as bad input (1 images): unreadable image: image 2' in markdown
+    named = 'annotation 999: bbox [70, 10, 4, 4] lies wholly outside the 64x64 image'
+    assert f'val: 1 degenerate box(es): image 1 (000001.png), {named}' in caplog.text
+    assert f'Val split: 1 degenerate box(es): image 1 (000001.png), {named}' in markdown
+    assert report['val']['degenerate_boxes'] == 1 and report['val']['degenerate_examples'][0]['annotation_id'] == 999
     with pytest.raises(DetectionSetupError, match='did you mean cvt_ls_13'):
         detect.run(detect.parse_args(data + ['--model', 'cvt_ls13']))
     # no released weights: no traceback, the fix in detect.py's flags, then the Python route

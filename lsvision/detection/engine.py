@@ -47,7 +47,7 @@ from ..train.data import derive_seed, seed_everything
 from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
-from .data import CocoDataError, CocoInstances, collate_detection
+from .data import CocoDataError, CocoInstances, collate_detection, describe_degenerate_box
 
 __all__ = ['DetectionSetupError', 'NonFiniteLossError', 'DETECTORS', 'build_detector', 'evaluate_detector',
            'coco_split_paths', 'run', 'markdown_report']
@@ -196,6 +196,21 @@ def _log_data(name: str, ds: CocoInstances) -> None:
                  + (f' ({s.dropped_empty_images} of them left out of training)' if s.dropped_empty_images else '')
                  + (f'; {len(s.left_out_images)} bad images left out: ' + '; '.join(str(p) for p in ds.problems[:5])
                     if s.left_out_images else ''))
+    if s.degenerate_boxes:
+        _logger.warning(f'{name}: {_degenerate_boxes(s)} ({_DEGENERATE_USE[name]})')
+
+
+# what becomes of a degenerate box in each split
+_DEGENERATE_USE = dict(train='no training target; an image with no other box trains as background',
+                       val='COCOeval reads them as the file gives them')
+
+
+def _degenerate_boxes(stats: Any) -> str:
+    """The degenerate boxes of a split: their count and the first few, named."""
+    examples = stats['degenerate_examples'] if isinstance(stats, dict) else stats.degenerate_examples
+    count = stats['degenerate_boxes'] if isinstance(stats, dict) else stats.degenerate_boxes
+    more = f' ... and {count - len(examples)} more' if count > len(examples) else ''
+    return f'{count} degenerate box(es): ' + '; '.join(describe_degenerate_box(e) for e in examples) + more
 
 
 def _setup(args: argparse.Namespace) -> torch.device:
@@ -500,6 +515,10 @@ def markdown_report(report: Dict[str, Any]) -> str:
     if val['left_out_images']:
         lines += [f'Left out as bad input ({len(val["left_out_images"])} images): '
                   + '; '.join(val['problems'][:10]), '']
+    for split in ('train', 'val'):
+        if (report.get(split) or {}).get('degenerate_boxes'):
+            lines += [f'{split.capitalize()} split: {_degenerate_boxes(report[split])} ({_DEGENERATE_USE[split]}).',
+                      '']
     if report.get('epochs_done') is not None:
         lines.append(f'Trained {report["epochs_done"]} epoch(s), {report["num_updates"]} updates, '
                      f'{report["train_seconds"]:.0f} s' + (' (stopped by the time budget)' if
