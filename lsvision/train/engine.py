@@ -68,6 +68,7 @@ from .data import (
     num_classes_of,
     scan_split,
     seed_everything,
+    skipped_files_text,
     split_problems,
 )
 from .weights import describe_load, file_num_classes, file_tensor_shapes, recorded_loads
@@ -241,6 +242,9 @@ def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: s
     if primary:
         _logger.info(f'training split {train_root}: {class_counts_text(train)}')
         _logger.info(f'validation split {val_root}: {class_counts_text(val)}')
+        for scan in (train, val):
+            if scan.skipped:  # as validate.py names them
+                _logger.warning(skipped_files_text(scan))
     return train, val, class_map
 
 
