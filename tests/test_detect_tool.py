@@ -59,6 +59,12 @@ def test_resume_is_exact(shapes, tmp_path):
     assert set(straight['metrics']) == {'bbox', 'segm'} and straight['metrics']['bbox']['images'] == 3
     report = (tmp_path / 'a' / 'run' / 'report.md').read_text()
     assert '| box |' in report and '| mask |' in report and 'pycocotools' in report
+    # reports are plain files like the checkpoints: 0666 less the umask (not mkstemp's 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / 'a' / 'run').iterdir() if p.is_file()}
+    assert {'last.pth.tar', 'result.json', 'report.md', 'args.yaml', 'detections.json'} <= set(modes)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
     # killed mid-epoch: the recovery checkpoint of update 3 (epoch 1, batch 1 of 2) resumes to the same weights
     with pytest.raises(SystemExit, match='stopped after 3 updates'):
         _train(shapes, tmp_path / 'c', '--epochs', '2', '--experiment', 'run', '--amp', '--recovery-interval', '1',

@@ -14,10 +14,20 @@ from .suites import ALL_CORRUPTIONS, CORRUPTIONS, IN9_VARIANTS, V2_VARIANTS
 __all__ = ['write_json', 'markdown_report', 'plot_corruptions']
 
 
+def _temp_beside(path: str) -> Tuple[int, str]:
+    """A temporary file beside ``path`` with the mode a plain ``open`` gives (0666 less the umask; mkstemp's is 0600,
+    which ``os.replace`` would keep)."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
+
+
 def write_json(obj: Any, path: str) -> None:
     """Writes JSON through a temporary file and ``os.replace``, so a crash never leaves half a report."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, 'w') as f:
             json.dump(obj, f, indent=2, allow_nan=True)
@@ -28,7 +38,7 @@ def write_json(obj: Any, path: str) -> None:
 
 
 def _write_text(text: str, path: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
+    fd, tmp = _temp_beside(path)
     with os.fdopen(fd, 'w') as f:
         f.write(text)
     os.replace(tmp, path)
