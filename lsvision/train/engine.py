@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -877,6 +877,9 @@ def _run_directory(args: argparse.Namespace, data_config: Dict[str, Any], primar
     return output_dir[0]
 
 
+_NO_TIME = dict(train_seconds=0.0, total_seconds=0.0, samples_seen=0)
+
+
 @dataclass
 class _Progress:
     """Where the run stands: the next epoch and batch, the updates made, the epoch's loss totals so far."""
@@ -885,6 +888,10 @@ class _Progress:
     num_updates: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
+    resumed_from: Optional[str] = None
+    # the earlier sessions' totals up to the checkpoint (train_seconds, total_seconds, samples_seen); None when the
+    # checkpoint predates them
+    earlier: Optional[Dict[str, float]] = field(default_factory=lambda: dict(_NO_TIME))
 
 
 def _resume(args: argparse.Namespace, resume_path: str, model: nn.Module, opt: _Optimization,
@@ -908,7 +915,8 @@ def _resume(args: argparse.Namespace, resume_path: str, model: nn.Module, opt: _
         if opt.scaler is not None and 'scaler' in ckpt:
             opt.scaler.load_state_dict(ckpt['scaler'])
     progress = _Progress(ckpt['next_epoch'], ckpt['next_batch'], ckpt['num_updates'],
-                         ckpt.get('train_loss_sum', 0.0), ckpt.get('train_loss_count', 0))
+                         ckpt.get('train_loss_sum', 0.0), ckpt.get('train_loss_count', 0), resume_path,
+                         ckpt.get('run_totals'))
     keeper.load_state_dict(ckpt.get('keeper', {}))
     set_rng_state(ckpt['rng'])
     if primary:
@@ -1051,6 +1059,8 @@ class _Run:
         self.batches_per_epoch = loaders.batches_per_epoch
         self.start_epoch, self.start_batch = progress.epoch, progress.batch
         self.num_updates = progress.num_updates
+        self.progress = progress
+        self.train_t0: Optional[float] = None  # when this session's first epoch began
         self.losses = _LossWindow(device, args.distributed)
         self.losses.epoch_sum, self.losses.epoch_count = progress.loss_sum, progress.loss_count
         self.use_bar = self.primary and (args.progress == 'bar' or (args.progress == 'auto' and sys.stderr.isatty()))
@@ -1072,7 +1082,7 @@ class _Run:
             'state_dict': _unwrap(self.model).state_dict(), 'optimizer': opt.optimizer.state_dict(),
             'rng': get_rng_state(), 'keeper': self.keeper.state_dict(), 'metric': metric,
             'train_loss_sum': self.losses.epoch_sum, 'train_loss_count': self.losses.epoch_count,
-            'lsvision_checkpoint': 1,
+            'run_totals': self.run_totals(), 'lsvision_checkpoint': 1,
             'args': args_to_dict(args),  # what --resume <this file> restores
             'class_names': self.class_names,  # the classes in logit order (tools/validate.py --data-dir)
         }
@@ -1229,7 +1239,7 @@ class _Run:
         """The epochs from the start (or resume) point to the end or the time budget; returns the result."""
         epoch = self.start_epoch
         batch_idx = 0
-        train_t0 = time.time()
+        self.train_t0 = time.time()
         for epoch in range(self.start_epoch, self.num_epochs):
             batch_idx, epoch_t0 = self.train_epoch(epoch)
             if self.out_of_time and batch_idx + 1 < self.batches_per_epoch:
@@ -1246,11 +1256,31 @@ class _Run:
             if self.primary:
                 _logger.info(_metrics_text(self.model_metrics, self.ema_metrics))
                 self.keeper.save_epoch(self.checkpoint_state(epoch, batch_idx + 1, None), epoch, None)
-        return self.result(epoch, train_t0)
+        return self.result(epoch)
 
-    def result(self, epoch: int, train_t0: float) -> Dict[str, Any]:
-        """The run's outcome (result.json): metrics, checkpoints, updates, times."""
+    def session_totals(self) -> Dict[str, float]:
+        """This session's training time (from its first epoch), wall time (from its start) and samples."""
+        now = time.time()
+        return dict(train_seconds=round(now - (self.train_t0 or now), 1),
+                    total_seconds=round(now - self.start_time, 1), samples_seen=self.samples_seen)
+
+    def run_totals(self) -> Optional[Dict[str, float]]:
+        """The run's totals so far: the earlier sessions' (up to the checkpoint this one resumed) plus this one's;
+        None when the resumed checkpoint predates them."""
+        earlier = self.progress.earlier
+        if earlier is None:
+            return None
+        return {k: round(earlier[k] + v, 1) if k != 'samples_seen' else earlier[k] + v
+                for k, v in self.session_totals().items()}
+
+    def result(self, epoch: int) -> Dict[str, Any]:
+        """The run's outcome (result.json): metrics, checkpoints, and run totals (epochs, updates, times, samples:
+        every session's, up to the checkpoint each resumed; null where a resumed checkpoint predates them), with
+        this session's own numbers under ``session``."""
         keeper, metrics = self.keeper, self.eval_metrics
+        run = self.run_totals() or dict.fromkeys(_NO_TIME)
+        session = dict(self.session_totals(), resumed_from=self.progress.resumed_from,
+                       updates=self.num_updates - self.progress.num_updates)
         return dict(
             model=self.args.model, model_kwargs=dict(self.args.model_kwargs or {}),
             params=sum(p.numel() for p in self.model.parameters()),
@@ -1261,8 +1291,8 @@ class _Run:
             ema_metrics=self.ema_metrics, best_metric=keeper.best_metric, best_epoch=keeper.best_epoch,
             last_checkpoint=keeper.path('last.pth.tar'),
             best_checkpoint=keeper.path('model_best.pth.tar') if keeper.best_epoch is not None else None,
-            train_seconds=round(time.time() - train_t0, 1), total_seconds=round(time.time() - self.start_time, 1),
-            samples_seen=self.samples_seen,
+            train_seconds=run['train_seconds'], total_seconds=run['total_seconds'], samples_seen=run['samples_seen'],
+            session=session,
         )
 
 
