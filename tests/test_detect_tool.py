@@ -134,7 +134,8 @@ def test_help_gives_the_defaults_of_a_data_dir_run_and_the_demo_preset_apart(cap
     with pytest.raises(SystemExit):
         detect.parse_args(['--help'])
     text = ' '.join(capsys.readouterr().out.split())
-    options, preset = text.split('Without --data-dir, -c, --resume and --checkpoint, the demo preset')
+    options, preset = text.split('Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that '
+                                 'records its arguments), the demo preset')
     for flag, default in (('--model MODEL', ''), ('--min-size MIN_SIZE', '800'), ('--time-budget SECONDS', '0')):
         described = options[options.index(f'{flag} '):]  # its help, up to the first default shown
         assert described[described.index('(default:'):].startswith(f'(default: {default})'), flag

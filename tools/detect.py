@@ -49,8 +49,9 @@ def _demo_preset() -> str:
     with open(DEMO_CONFIG) as f:
         cfg = yaml.safe_load(f) or {}
     flags = ', '.join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in cfg.items() if k != 'data_dir')
-    return (f'Without --data-dir, -c, --resume and --checkpoint, the demo preset {os.path.relpath(DEMO_CONFIG, ROOT)} '
-            f'replaces these defaults (on generated shapes): {flags}.')
+    return (f'Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that records its arguments), '
+            f'the demo preset {os.path.relpath(DEMO_CONFIG, ROOT)} replaces these defaults (on generated shapes): '
+            f'{flags}.')
 
 
 def build_parser() -> argparse.ArgumentParser:
