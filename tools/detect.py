@@ -34,9 +34,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
 
 
+def _flag_value(value: Any) -> str:
+    """A config value as it is written on the command line."""
+    if isinstance(value, dict):
+        return ' '.join(f"{k}={str(v).replace(' ', '')}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ' '.join(map(str, value))
+    return str(value) if value != '' else "''"
+
+
+def _demo_preset() -> str:
+    """The demo preset's settings as flags, for --help (the defaults listed there are those of a --data-dir run)."""
+    import yaml
+    with open(DEMO_CONFIG) as f:
+        cfg = yaml.safe_load(f) or {}
+    flags = ', '.join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in cfg.items() if k != 'data_dir')
+    return (f'Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that records its arguments), '
+            f'the demo preset {os.path.relpath(DEMO_CONFIG, ROOT)} replaces these defaults (on generated shapes): '
+            f'{flags}.')
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.
-                                     ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_demo_preset(),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('-c', '--config', default='', metavar='FILE',
                         help='flat YAML of argument names with underscores (configs/detection/*.yaml); a flag given '
                              'on the command line beats it')
@@ -52,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--drop-empty', action=Flag, default=False,
                        help="train only on images with a box (mmdetection's filter_empty_gt); evaluation keeps all")
     group = parser.add_argument_group('Model')
-    group.add_argument('--model', default='', help='backbone: a timm / lsvision model name with feature maps')
+    group.add_argument('--model', default='', help='backbone: a timm / lsvision model name with feature maps '
+                                                   '(needed with --data-dir, unless a config gives it)')
     group.add_argument('--detector', default='mask_rcnn', choices=DETECTORS)
     group.add_argument('--backbone-weights', default='',
                        help="'' (random), 'pretrained' (released weights) or a checkpoint file")
@@ -142,6 +163,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv: List[str] = list(sys.argv[1:] if argv is None else argv)
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument('-c', '--config', default='')
+    first.add_argument('-h', '--help', action='store_true')
     for flag in ('--resume', '--checkpoint', '--data-dir'):
         first.add_argument(flag, default='')
     known, _ = first.parse_known_args(argv)
@@ -151,7 +173,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     elif known.checkpoint:
         recorded = _recorded('--checkpoint', known.checkpoint, parser, required=False)
         cfg.update({k: v for k, v in recorded.items() if k not in ('output', 'experiment')})
-    config = known.config or ('' if cfg or known.resume or known.data_dir else DEMO_CONFIG)
+    # --help alone lists the defaults of a --data-dir run; the demo preset is its epilog
+    config = known.config or ('' if cfg or known.resume or known.data_dir or known.help else DEMO_CONFIG)
     if config:
         cfg.update(_config(config, parser))
     parser.set_defaults(**cfg)

@@ -164,7 +164,8 @@ def _inv_freq_offset(inv_freq: torch.Tensor, dim: int) -> torch.Tensor:
     """The official `pos_emb.inv_freq` buffer minus lsvision's sinusoid frequencies (fp32), after checking that it
     holds those frequencies up to the rounding of its dtype.
 
-    An fp32 file gives zeros (same formula); a fairseq `--fp16` file holds them rounded to fp16 (up to 4.9e-4
+    An fp32 file gives zeros (same formula), or an ulp where the CPU that wrote it rounded float32 `10000 ** x`
+    otherwise than this one does; a fairseq `--fp16` file holds them rounded to fp16 (up to 4.9e-4
     relative), and the model it saved ran with the rounded ones, so the offset keeps them.
 
     Raises:
