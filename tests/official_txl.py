@@ -8,9 +8,10 @@ CPU-only torch (None) it is given a version string for the import only.
 """
 import importlib
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, Sequence
+from typing import Dict, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -19,6 +20,7 @@ OFFICIAL_DIR = Path(__file__).resolve().parent / 'official' / 'transformer_xl'
 _NAMES = ('mem_transformer', 'data_utils', 'proj_adaptive_softmax', 'log_uniform_sampler', 'utils',
           'utils.vocabulary')
 _LOADED = None
+_MODULES: Dict[str, object] = {}
 
 
 def official() -> SimpleNamespace:
@@ -34,6 +36,7 @@ def official() -> SimpleNamespace:
                 torch.version.cuda = '0.0'
             mem_transformer = importlib.import_module('mem_transformer')
             data_utils = importlib.import_module('data_utils')
+            _MODULES.update({n: sys.modules[n] for n in _NAMES if n in sys.modules})
         finally:
             torch.version.cuda = cuda
             del sys.path[:len(paths)]
@@ -43,6 +46,21 @@ def official() -> SimpleNamespace:
         _LOADED = SimpleNamespace(MemTransformerLM=mem_transformer.MemTransformerLM,
                                   LMOrderedIterator=data_utils.LMOrderedIterator)
     return _LOADED
+
+
+@contextmanager
+def their_environment() -> Iterator[None]:
+    """Their modules importable under their own names (as in their scripts), e.g. to pickle or unpickle their
+    whole model as their train.py saves `model.pt`."""
+    official()
+    saved = {n: sys.modules[n] for n in _MODULES if n in sys.modules}
+    sys.modules.update(_MODULES)
+    try:
+        yield
+    finally:
+        for n in _MODULES:
+            sys.modules.pop(n, None)
+        sys.modules.update(saved)
 
 
 def official_model(vocab: int, depth: int, heads: int, head_dim: int, dim: int, inner: int, *, cutoffs: Sequence[int]

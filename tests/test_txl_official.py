@@ -13,7 +13,7 @@ import math
 import huggingface_hub.constants as hf_constants
 import pytest
 import torch
-from official_txl import hub_layout, official, official_model
+from official_txl import hub_layout, official, official_model, their_environment
 from released_weights import put_in_hub_cache
 
 import lsvision.sequence as seq
@@ -69,14 +69,18 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize('config', list(CONFIGS.values()), ids=list(CONFIGS))
-def test_per_token_losses_equal_the_authors_over_carried_segments(config):
+def test_per_token_losses_equal_the_authors_over_carried_segments(config, tmp_path):
     o = dict(SMALL, **config)
     ref = official_model(o['vocab'], o['depth'], o['heads'], o['head_dim'], o['dim'], o['inner'],
                          cutoffs=o.get('cutoffs', ()), div_val=o.get('div_val', 1), tgt_len=o['tgt_len'],
                          mem_len=o['mem_len'], clamp_len=o.get('clamp_len', -1),
                          same_length=o.get('same_length', False))
+    # the documented route from their train.py's model.pt (the whole module pickled) to a state_dict file
+    with their_environment():
+        torch.save(ref, tmp_path / 'model.pt')
+        torch.save(torch.load(tmp_path / 'model.pt', weights_only=False).state_dict(), tmp_path / 'state_dict.pt')
     ours = _lsvision(config)
-    load_official_checkpoint(ours, ref.state_dict())
+    load_official_checkpoint(ours, str(tmp_path / 'state_dict.pt'))
     ids = torch.randint(0, o['vocab'], (3, 4 * o['tgt_len'] + 2), generator=torch.Generator().manual_seed(1))
     expected = _official_losses(ref, ids, o['tgt_len'])
     got = _lsvision_losses(ours, ids, o['tgt_len'])
@@ -147,6 +151,27 @@ def test_both_eval_protocols_give_the_authors_numbers():
     assert every['tokens'] == 4 * 17
     assert every['nll'] == pytest.approx(_every_token_reference(ref, data[:4 * 17 + 1], 4, 4), abs=ATOL)
     assert abs(every['nll'] - got['nll']) > 100 * ATOL  # the two protocols score different tokens
+
+
+def test_documented_reproduction_lines_give_the_authors_number(tmp_path):
+    """docs/sequence.md's lines for their WikiText-103 number, on a small model and a text in WikiText's format."""
+    symbols = ['<eos>'] + [f'w{i}' for i in range(V - 2)] + ['<unk>']
+    g = torch.Generator().manual_seed(5)
+    lines = [' '.join(symbols[int(i)] for i in torch.randint(1, V - 1, (int(n),), generator=g)) + ' oov \n'
+             for n in torch.randint(3, 15, (12,), generator=g)]
+    (tmp_path / 'wiki.test.tokens').write_text(''.join(lines), encoding='utf-8')
+    ref = official_model(V, SMALL['depth'], SMALL['heads'], SMALL['head_dim'], SMALL['dim'], SMALL['inner'],
+                         cutoffs=(10, 30), tgt_len=5, mem_len=8, clamp_len=4, same_length=True)
+    model = _lsvision(dict(vocab=V, cutoffs=(10, 30), mem_len=8, clamp_len=4, same_length=True))
+    load_official_checkpoint(model, ref.state_dict())
+
+    from lsvision.data.text_corpus import Vocab, encode_lines
+    vocab = Vocab(symbols, symbols.index('<unk>'))  # symbols: the released words, by id
+    ids, _ = encode_lines(open(tmp_path / 'wiki.test.tokens', encoding='utf-8'), vocab)
+    result = evaluate_perplexity(model, ids, tgt_len=5, batch_size=3, protocol='authors')
+
+    assert result['nll'] == pytest.approx(_authors_eval(ref, ids.long(), 3, 5), abs=ATOL)
+    assert (ids == V - 1).sum() == 12  # 'oov' became <unk> once a line
 
 
 # ---- the large configuration's shape at small widths, the Hub layout, pretrained=True offline -------------------
