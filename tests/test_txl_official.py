@@ -282,7 +282,7 @@ def test_wrong_checkpoints_are_named_and_the_hint_works():
         convert_txl_state_dict(untied)
     stray = dict(ref.state_dict(), extra=torch.zeros(1))
     missing = {k: v for k, v in ref.state_dict().items() if k != 'layers.1.pos_ff.CoreNet.0.bias'}
-    with pytest.raises(KeyError, match=r"1 keys are missing: \['layers.1.pos_ff.CoreNet.0.bias'\]"):
+    with pytest.raises(KeyError, match=r"1 official keys are missing: \['layers.1.pos_ff.CoreNet.0.bias'\]"):
         convert_txl_state_dict(missing)
     with pytest.raises(KeyError, match=r"1 keys have no lsvision counterpart: \['extra'\]"):
         convert_txl_state_dict(stray)

@@ -157,6 +157,15 @@ def convert_lra_state_dict(state: Dict) -> StateDict:
     return out
 
 
+def _check_layout(layout: str, missing: List[str], unused: List[str]) -> None:
+    """A KeyError `<layout>: ...` naming the official keys missing and the keys without an lsvision counterpart."""
+    if missing or unused:
+        problems = [f'{text}: {keys[:8]}{" ..." if len(keys) > 8 else ""}' for text, keys in (
+            (f'{len(missing)} official keys are missing', missing),
+            (f'{len(unused)} keys have no lsvision counterpart', unused)) if keys]
+        raise KeyError(f'{layout}: ' + '; '.join(problems))
+
+
 def _unwrap_char_lm(state: Dict) -> Tuple[StateDict, str]:
     """The bare `TransformerLSModel` state_dict inside an official char-LM file, and what the file was.
 
@@ -240,13 +249,8 @@ def convert_char_lm_state_dict(state: Dict) -> StateDict:
                 out[dst + dst_name] = t.reshape(-1, t.shape[-1])
     emb, out_weight, out_bias, inv_freq = (
         take(k) for k in ('in_emb.weight', 'out_emb.weight', 'out_emb.bias', 'pos_emb.inv_freq'))
-    unused = sorted(set(state) - used)
-    if missing or unused:
-        problems = [f'{text}: {keys[:8]}{" ..." if len(keys) > 8 else ""}' for text, keys in (
-            (f'{len(missing)} official keys are missing', missing),
-            (f'{len(unused)} keys have no lsvision counterpart', unused)) if keys]
-        raise KeyError(f'{what} is not in the official TransformerLSModel layout (NVIDIA/transformer-ls '
-                       'autoregressive/): ' + '; '.join(problems))
+    _check_layout(f'{what} is not in the official TransformerLSModel layout (NVIDIA/transformer-ls autoregressive/)',
+                  missing, sorted(set(state) - used))
     if not torch.equal(out_weight, emb):
         raise ValueError(f"{what}: 'out_emb.weight' differs from 'in_emb.weight'; the official model ties them, and "
                          'lsvision CharLM has one tied matrix')
@@ -354,13 +358,8 @@ def convert_txl_state_dict(state: Dict) -> StateDict:
     if n_clusters:
         out['crit.cluster_weight'], out['crit.cluster_bias'] = take('crit.cluster_weight'), take('crit.cluster_bias')
     inv_freq = take('pos_emb.inv_freq', optional=True)
-    unused = sorted(set(state) - used)
-    if missing or unused:
-        problems = [f'{text}: {keys[:8]}{" ..." if len(keys) > 8 else ""}' for text, keys in (
-            (f'{len(missing)} keys are missing', missing),
-            (f'{len(unused)} keys have no lsvision counterpart', unused)) if keys]
-        raise KeyError(f"{what} is not in the layout of the authors' MemTransformerLM (kimiyoung/transformer-xl "
-                       'pytorch/mem_transformer.py, attn_type 0): ' + '; '.join(problems))
+    _check_layout(f"{what} is not in the layout of the authors' MemTransformerLM (kimiyoung/transformer-xl "
+                  'pytorch/mem_transformer.py, attn_type 0)', missing, sorted(set(state) - used))
     for i, (w, tied) in enumerate(zip(emb, out_w)):
         _check_tied(what, tied, w, f'crit.out_layers.{i}.weight', f'word_emb.emb_layers.{i}.weight')
     if n_emb <= 1:
