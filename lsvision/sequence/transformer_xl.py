@@ -8,7 +8,9 @@ Transformers: Improving Transformers with Differentiable Memory Cache` (AAAI 202
 (q + u) k^T + (q + v) R^T with the learned biases u = r_w_bias, v = r_r_bias shared by all layers, sinusoid relative
 positions projected by each layer's r_net), the segment-level recurrence of Sec. 3.2 (each layer also attends to a
 memory of the previous `mem_len` inputs of that layer, with the gradient stopped), a ReLU FFN, embeddings scaled by
-sqrt(D), and the tied (adaptive) softmax of the WikiText-103 configuration.
+sqrt(D), and the tied (adaptive) softmax of the WikiText-103 configuration. The large WikiText-103 model
+(`txl_wt103_large`, the authors' released weights) adds the adaptive input (`div_val` 4) and per-layer u, v
+(`untie_r`); `lsvision.sequence.convert.load_official_checkpoint` reads the authors' checkpoints.
 
 `TransformerXL(memory='grc')` replaces that memory with a GRC cache carried from segment to segment of each stream
 (the Cached Transformers paper: "replacing the caching scheme with the GRC approach while keeping all data
