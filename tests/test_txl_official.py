@@ -27,12 +27,13 @@ SMALL = dict(depth=2, heads=2, head_dim=8, dim=16, inner=24)
 
 
 def _lsvision(official_kwargs: dict, **kwargs) -> seq.TransformerXL:
-    """The lsvision model of the same configuration, loaded from the authors' state_dict."""
+    """The lsvision model of the same configuration (docs/sequence.md's `create_model('txl_wt103_base', ...)`, at
+    small widths)."""
     o = dict(SMALL, **official_kwargs)
-    model = seq.TransformerXL(vocab_size=o['vocab'], dim=o['dim'], depth=o['depth'], num_heads=o['heads'],
-                              head_dim=o['head_dim'], mlp_hidden=o['inner'], mem_len=o['mem_len'],
-                              cutoffs=o.get('cutoffs', ()), div_val=o.get('div_val', 1), drop=0.,
-                              clamp_len=o.get('clamp_len', -1), same_length=o.get('same_length', False), **kwargs)
+    model = seq.create_model('txl_wt103_base', vocab_size=o['vocab'], dim=o['dim'], depth=o['depth'],
+                             num_heads=o['heads'], head_dim=o['head_dim'], mlp_hidden=o['inner'], mem_len=o['mem_len'],
+                             cutoffs=o.get('cutoffs', ()), div_val=o.get('div_val', 1), drop=0.,
+                             clamp_len=o.get('clamp_len', -1), same_length=o.get('same_length', False), **kwargs)
     return model.double().eval()
 
 

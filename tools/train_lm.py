@@ -10,7 +10,8 @@ Data: WikiText's word-level release (`wiki.train.tokens`, `wiki.valid.tokens`, `
 (--train-file, with --valid-file / --test-file or held-out lines of it), or --corpus stdlib (the standard library's
 docstrings, no download). Perplexity is evaluated with the memory carried over each split: --eval-protocol
 every-token (default) scores every token but the first once; --eval-protocol authors is Transformer-XL's eval.py
-(the paper's tables), --eval-batch-size rows of N // B tokens each predicting its own tokens but the first.
+(the authors' code, whose numbers the paper reports), --eval-batch-size rows of N // B tokens each predicting its own
+tokens but the first.
 The run directory gets last.pth.tar (resume), model_best.pth.tar, result.json and result.md.
 """
 import argparse
@@ -62,12 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument('--output', default=d.output, help='run directory')
     train.add_argument('--resume', help="a last.pth.tar, or 'auto' (the one in --output)")
     ev = p.add_argument_group(
-        "evaluation (the paper's numbers: Transformer-XL eval.py as run_wt103_base.sh runs it, --eval-protocol "
+        "evaluation (the authors' eval.py as their run_wt103_base.sh runs it: --eval-protocol "
         'authors --eval-batch-size 10 --eval-tgt-len 64 --eval-mem-len 640 --eval-clamp-len 400 --eval-same-length)')
     ev.add_argument('--eval-protocol', default=d.eval_protocol, choices=['every-token', 'authors'],
                     help="'every-token': every token of the split but the first scored once; 'authors': "
-                         "Transformer-XL eval.py's batches, whose numbers the paper reports (--eval-batch-size "
-                         'rows of N // B tokens, each predicting its own tokens but the first)')
+                         "Transformer-XL eval.py's batches, as the authors' code that gave the paper's numbers "
+                         'evaluates (--eval-batch-size rows of N // B tokens, each predicting its own tokens but '
+                         'the first)')
     ev.add_argument('--eval-tgt-len', type=int, help='segment length (default: --tgt-len)')
     ev.add_argument('--eval-batch-size', type=int, default=d.eval_batch_size,
                     help="streams the split is cut into (the authors' eval.py: 10)")

@@ -7,9 +7,10 @@ weight decay) at 2.5e-4 with a cosine schedule over the updates (timm's CosineLR
 time instead (`lsvision.sequence.budget_train.lr_factor`), as the other CPU demos do.
 
 Perplexity is evaluated with the memory (cache) carried over each stream, by one of two protocols
-(`eval_protocol`): 'authors' is Transformer-XL's eval.py, whose numbers the paper's tables report: the split cut into
-`eval_batch_size` contiguous rows of N // B tokens (their default and their scripts' is 10), each row predicting its
-own tokens but the first (B * (N // B - 1) targets; `lsvision.data.text_corpus.authors_eval_streams`).
+(`eval_protocol`): 'authors' is Transformer-XL's pytorch/eval.py (their TensorFlow code cuts the rows the same way;
+the paper's numbers come from that code): the split cut into `eval_batch_size` contiguous rows of N // B tokens
+(eval.py's default 10, kept by their PyTorch scripts), each row predicting its own tokens but the first
+(B * (N // B - 1) targets; `lsvision.data.text_corpus.authors_eval_streams`).
 'every-token' (the default) scores every token of the split but the first exactly once, over `eval_batch_size`
 streams (`eval_streams`; 1: one stream over the whole split). Relative distances are clamped only for a clamp_len
 > 0, as the authors' (their default -1 is no clamp).
