@@ -7,13 +7,10 @@ pooled and paired ratios to a baseline. Model specs: a timm name with ``@full`` 
 stage), ``@noattn`` (every block's attention a no-op), ``@projonly`` (its projections only) or ``@reparam`` (folded).
 """
 import contextlib
-import csv
 import functools
-import io
 import json
 import math
 import os
-import platform
 import resource
 import signal
 import statistics
@@ -39,6 +36,8 @@ from lsvision.flops import count_activations, count_flops, parameter_count
 from lsvision.layers import LongShortAttention2d
 from lsvision.models import list_models
 from lsvision.models.cvt import ConvAttention
+from lsvision.reports import markdown_table
+from lsvision.runs import unknown_model_message
 
 MIB = 2 ** 20
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -101,13 +100,12 @@ def _replace_attention(model: nn.Module, suffix: str) -> nn.Module:
 
 
 def split_spec(spec: str) -> Tuple[str, str]:
-    """``'vil_ls_medium@full'`` -> ``('vil_ls_medium', '@full')``; a ValueError if the model is unknown or ``@full``
-    names a model without a full-attention switch."""
+    """``'vil_ls_medium@full'`` -> ``('vil_ls_medium', '@full')``; a ValueError if the model is unknown (with the
+    closest names) or ``@full`` names a model without a full-attention switch."""
     suffix = next((s for s in SUFFIXES if spec.endswith(s)), '')
     name = spec[:len(spec) - len(suffix)]
     if not timm.is_model(name):
-        raise ValueError(f'unknown model {name!r} in {spec!r}; lsvision models: {", ".join(list_models())}; any timm '
-                         'model name works too')
+        raise ValueError(unknown_model_message(name) or f'{spec!r}: {name!r} is not a timm model name')
     if suffix == '@full' and not any(name.startswith(p) for p in _FULL_ATTENTION_KWARGS):
         raise ValueError(f'{spec!r}: only models starting with {", ".join(_FULL_ATTENTION_KWARGS)} have a '
                          'full-attention switch; name a full-attention model directly (e.g. cvt_13 beside cvt_ls_13).')
@@ -133,10 +131,10 @@ def create_model(spec: str, **kwargs: Any) -> nn.Module:
 
 def resolve_specs(patterns: Sequence[str]) -> List[str]:
     """Model specs from names, wildcards (lsvision's models first, then timm's) and suffixed specs, without repeats;
-    a ValueError if a pattern matches no model."""
+    a ValueError if a name is unknown (see :func:`split_spec`) or a wildcard matches no model."""
     specs: List[str] = []
     for pattern in patterns:
-        if pattern.endswith(tuple(SUFFIXES)):
+        if not any(ch in pattern for ch in '*?['):
             split_spec(pattern)
             specs.append(pattern)
             continue
@@ -430,31 +428,7 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Machine, reports and the plot
-
-
-def machine_description(device: Optional[str] = None) -> str:
-    """Where a measurement ran, in one line: CPU, cores, torch threads, versions, the load average (and the GPU)."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError), open('/proc/cpuinfo') as f:
-        cpu = next((line.split(':', 1)[1].strip() for line in f if line.lower().startswith('model name')), cpu)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
-    text = (f'{cpu}, {cores} cores, torch {torch.__version__} with {torch.get_num_threads()} threads, Python '
-            f'{platform.python_version()}, {platform.system()} {platform.machine()}')
-    if hasattr(os, 'getloadavg'):
-        text += ', load average ' + ' / '.join(f'{x:.2f}' for x in os.getloadavg())
-    if device is not None and torch.device(device).type == 'cuda' and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(device)
-        text = f'{props.name} ({props.total_memory / 2 ** 30:.1f} GiB, CUDA {torch.version.cuda}); host: {text}'
-    return text
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], left_columns: int = 1,
-                   numeric: Optional[Sequence[int]] = None) -> str:
-    """A markdown table; ``numeric`` columns (indices; default: all but the first ``left_columns``) right-aligned."""
-    numeric = range(left_columns, len(header)) if numeric is None else numeric
-    align = ['---:' if i in numeric else '---' for i in range(len(header))]
-    return '\n'.join('| ' + ' | '.join(line) + ' |' for line in [header, align, *rows])
+# The table of rows, and reading reports back
 
 
 TABLE_COLUMNS: List[Tuple[str, str, str]] = [
@@ -469,10 +443,12 @@ TABLE_COLUMNS: List[Tuple[str, str, str]] = [
     ('train time / baseline, paired', 'train_step_ratio_paired', 'paired'), ('over budget', 'exceeded', 'list'),
 ]
 """(header, row key, format): a format spec, or M (millions), x (a ratio), spread (median and p10-p90), paired
-(median and range of the rounds), size (of an input), list (of reasons)."""
+(median and range of the rounds), ratio (paired where there are rounds, else x), size (of an input), list (of
+reasons)."""
 
 
-def _cell(row: Dict[str, Any], key: str, fmt: str) -> str:
+def format_cell(row: Dict[str, Any], key: str, fmt: str) -> str:
+    """``row[key]`` in a :data:`TABLE_COLUMNS` format."""
     value = row[key]
     if fmt == 'size':  # of an image without its channels
         return 'x'.join(map(str, value[1:] if len(value) == 3 else value))
@@ -482,9 +458,11 @@ def _cell(row: Dict[str, Any], key: str, fmt: str) -> str:
     if fmt == 'paired':
         rounds = row[key[:-len('_paired')] + '_rounds']
         return f'{value:.2f}x ({min(rounds):.2f}-{max(rounds):.2f})'
+    if fmt == 'ratio' and row.get(key + '_paired') is not None:
+        return format_cell(row, key + '_paired', 'paired')
     if fmt == 'list':
         return '; '.join(value) or 'no'
-    return f'{value / 1e6:.2f}' if fmt == 'M' else f'{value:.2f}x' if fmt == 'x' else format(value, fmt)
+    return f'{value / 1e6:.2f}' if fmt == 'M' else f'{value:.2f}x' if fmt in ('x', 'ratio') else format(value, fmt)
 
 
 RATIOS_EXPLAINED = ('Ratios are to the baseline at the same point: time per image, memory at the same batch; paired: '
@@ -492,31 +470,18 @@ RATIOS_EXPLAINED = ('Ratios are to the baseline at the same point: time per imag
                     "the models, so that the machine's drift between rounds cancels out.")
 
 
-def benchmark_table(rows: Sequence[Dict[str, Any]]) -> str:
-    """Rows as a markdown table ('-' where not measured; a column no row has is left out)."""
-    columns = [c for i, c in enumerate(TABLE_COLUMNS) if i < 3 or any(r.get(c[1]) is not None for r in rows)]
-    cells = [[_cell(r, key, fmt) if r.get(key) is not None else '-' for _, key, fmt in columns] for r in rows]
-    return markdown_table([c[0] for c in columns], cells, left_columns=2)
-
-
-def write_atomic(path: Path, write: Callable[[Path], Any]) -> Path:
-    """Writes a file atomically: ``write(tmp)`` to a temporary file beside it, then ``os.replace`` (folder created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name('.tmp-' + path.name)  # the same suffix, for writers that choose the format by it
-    write(tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def write_json(path: Path, data: Any) -> Path:
-    """Writes JSON atomically."""
-    return write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=2) + '\n'))
+def benchmark_table(rows: Sequence[Dict[str, Any]], columns: Sequence[Tuple[str, str, str]] = TABLE_COLUMNS,
+                    left_columns: int = 2) -> str:
+    """Rows as a markdown table of ``columns`` (as :data:`TABLE_COLUMNS`): '-' where not measured; a column after the
+    third that no row has is left out."""
+    columns = [c for i, c in enumerate(columns) if i < 3 or any(r.get(c[1]) is not None for r in rows)]
+    cells = [[format_cell(r, key, fmt) if r.get(key) is not None else '-' for _, key, fmt in columns] for r in rows]
+    return markdown_table([c[0] for c in columns], cells, left_columns=left_columns)
 
 
 def read_report(path: Path, sweep: bool = False) -> Dict[str, Any]:
-    """A JSON report of :func:`write_reports` (machine, settings, rows) or of a sweep (also its command, budget and
-    fit_min); a ValueError that says what is missing from another format."""
+    """A JSON report of :func:`lsvision.reports.write_reports` (machine, settings, rows) or of a sweep (also its
+    command, budget and fit_min); a ValueError that says what is missing from another format."""
     data = json.loads(Path(path).read_text())
     keys = ('machine', 'settings', 'rows') + (('command', 'budget', 'fit_min') if sweep else ())
     missing = [k for k in keys if k not in data] or sorted({k for r in data['rows'] if 'skipped' not in r for k in (
@@ -525,56 +490,3 @@ def read_report(path: Path, sweep: bool = False) -> Dict[str, Any]:
         raise ValueError(f'{path} is not a report of this tool ({"sweep" if sweep else "suite or benchmark"}): it '
                          f'lacks {", ".join(missing)}.')
     return data
-
-
-def csv_text(rows: Sequence[Dict[str, Any]]) -> str:
-    """The scalar fields of the rows as CSV (lists joined by 'x'; nested timings stay in the JSON)."""
-    keys = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, dict)))
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, keys, extrasaction='ignore', lineterminator='\n')
-    writer.writeheader()
-    writer.writerows({k: 'x'.join(map(str, v)) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
-    return buf.getvalue()
-
-
-def write_reports(rows: Sequence[Dict[str, Any]], stem: Path, markdown: str, settings: Dict[str, Any],
-                  device: str = 'cpu', formats: Sequence[str] = ('json', 'csv', 'md')) -> List[Path]:
-    """Writes ``stem.json`` (machine, settings, rows), ``stem.csv`` and ``stem.md`` (``markdown``)."""
-    stem = Path(stem)
-    paths = []
-    if 'json' in formats:
-        paths.append(write_json(stem.with_suffix('.json'), dict(
-            machine=machine_description(device), settings=settings, rows=list(rows))))
-    for fmt, text in (('csv', csv_text(rows)), ('md', markdown)):
-        if fmt in formats:
-            paths.append(write_atomic(stem.with_suffix('.' + fmt), lambda tmp, text=text: tmp.write_text(text)))
-    return paths
-
-
-def plot(series: Dict[str, List[Tuple[float, Optional[float], Optional[float]]]], path: Path, title: str,
-         xlabel: str = 'input size (pixels per side)', ylabels: Sequence[str] = ('time per image (ms)',
-                                                                                   'memory (MiB)')) -> Path:
-    """Two log-log panels, time and memory against ``x``: one line per series label, points ``(x, time, memory)``
-    (None where not measured, left out like zeros); a label containing 'train' is dashed. Writes the PNG atomically."""
-    import matplotlib  # the `bench` extra
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 5))
-    for i, (label, pts) in enumerate(series.items()):
-        for ax, col in zip(axes, (1, 2)):
-            xy = sorted((p[0], p[col]) for p in pts if p[col])  # a log scale shows no zeros
-            if xy:
-                ax.plot(*zip(*xy), '--' if 'train' in label else '-', marker='o', color=f'C{i % 10}', label=label)
-    for ax, ylabel in zip(axes, ylabels):
-        ax.set_xscale('log', base=2)
-        ax.set_yscale('log')
-        ax.set_xlabel(xlabel + ', log scale')
-        ax.set_ylabel(ylabel + ', log scale')
-        ax.grid(True, which='major', alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=110))
-    plt.close(fig)
-    return Path(path)

@@ -30,6 +30,7 @@ __all__ = [
     'RUN_DATA_KEYS', 'TrainingRun', 'training_run', 'class_names_from_file', 'class_names_of_run',
     'fixed_input_size_kwargs', 'close_names', 'unknown_name_message', 'unknown_model_message', 'name_choice',
     'image_mode_for_channels', 'channels_of_image_mode', 'normalization_for_channels', 'model_input_channels',
+    'weights_error_message',
 ]
 
 # the run arguments that set the eval preprocessing (timm's resolve_data_config reads them as given to train.py)
@@ -262,6 +263,31 @@ def unknown_model_message(name: str) -> Optional[str]:
                 "models are timm's (timm.list_models('*cvt_ls*') lists lsvision's)")
     return unknown_name_message(name, timm.list_models(), 'model',
                                 "timm.list_models('*part-of-the-name*') lists the names")
+
+
+def weights_error_message(error: BaseException, model: str, fix: str) -> Optional[str]:
+    """A tool's message for released weights that cannot be had, without a traceback: the problem, the fix in the
+    tool's own flags (``fix``), then the library's message (the Python route, for library users).
+
+    Args:
+        error: What creating the model raised.
+        model: The model name the tool was given.
+        fix: The tool's flags that fix it, e.g. ``--pretrained-path FILE ..., or --no-pretrained ...``.
+
+    Returns:
+        The message; None when ``error`` is not about unavailable weights (none released, or not downloadable here
+        and not in the cache).
+    """
+    from lsvision.models._pretrained import NoPretrainedWeightsError, PretrainedDownloadError
+    if isinstance(error, NoPretrainedWeightsError) or (
+            isinstance(error, RuntimeError) and 'No pretrained weights exist' in str(error)):  # timm's own models
+        problem = f'{model} has no released weights'
+    elif isinstance(error, PretrainedDownloadError):
+        problem = (f'the released weights of {model} could not be downloaded (no network, or the hub does not '
+                   'answer) and are not in the cache')
+    else:
+        return None
+    return f'{problem}. Fix: {fix}.\nIn Python (library users): {error}'
 
 
 def name_choice(known: Sequence[str], what: str = 'model') -> Callable[[str], str]:

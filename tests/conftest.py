@@ -47,3 +47,18 @@ def _restore_torch_threads():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def caches(tmp_path, monkeypatch):
+    """An empty Hugging Face cache (offline) and TORCH_HOME; huggingface_hub read its settings at import, so its
+    constants are pointed there too."""
+    import huggingface_hub.constants as hf_constants
+    hub, torch_home = tmp_path / 'hf', tmp_path / 'torch'
+    hub.mkdir()
+    monkeypatch.setenv('HF_HUB_CACHE', str(hub))
+    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
+    monkeypatch.setenv('TORCH_HOME', str(torch_home))
+    monkeypatch.setattr(hf_constants, 'HF_HUB_CACHE', str(hub))
+    monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', True)
+    return hub, torch_home

@@ -7,6 +7,7 @@ run the tool in this process and start as few measurements as they can; the numb
 shared machine are noise at these settings), their consistency is (ratios from the rows, pooled medians between the
 runs' medians).
 """
+import ast
 import json
 import os
 import re
@@ -228,3 +229,22 @@ def test_cards_reuse_renders_the_stored_measurements(tool, tmp_path):
     for card in (ROOT / 'model_cards').glob('*.md'):
         assert (tmp_path / 'model_cards' / card.name).read_text() == card.read_text()
     assert (tmp_path / 'README.md').read_text() == (ROOT / 'README.md').read_text()
+
+
+MEASURING_NAMES = ('bench', 'measure', 'flops', 'zoo', 'card', 'profil')
+
+
+def test_one_benchmark_tool_and_a_thin_measuring_layer():
+    """The architecture's measuring layer: every benchmark is a sub-command of tools/benchmark.py (no other tool
+    named bench), and the files named for measuring (bench, measure, flops, zoo, card, profil) under lsvision/
+    and tools/ come to at most 1,800 lines together. Report files have one home, lsvision/reports.py, a low layer that
+    imports no other lsvision module (evaluation, training, detection and the measuring code write through it)."""
+    assert [p.name for p in (ROOT / 'tools').glob('*.py') if 'bench' in p.name] == ['benchmark.py']
+    lines = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for folder in ('lsvision', 'tools')
+             for path in (ROOT / folder).rglob('*.py') if any(n in path.name for n in MEASURING_NAMES)}
+    assert 'lsvision/bench.py' in lines and 'tools/benchmark.py' in lines
+    assert sum(lines.values()) <= 1800, f'{sum(lines.values())} lines of measuring code: {lines}'
+    tree = ast.parse((ROOT / 'lsvision' / 'reports.py').read_text())
+    imported = [n.module or '' for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + [
+        a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert imported and not [m for m in imported if m.startswith('lsvision') or m == ''], imported

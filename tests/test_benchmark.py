@@ -20,20 +20,17 @@ from lsvision.bench import (
     benchmark_table,
     combine,
     create_model,
-    csv_text,
     is_out_of_memory,
-    markdown_table,
     measure,
-    plot,
     resolve_specs,
     run_fresh,
     run_jobs,
     spec_label,
     timing_stats,
-    write_reports,
 )
 from lsvision.flops import count_flops
 from lsvision.layers import LongShortAttention2d
+from lsvision.reports import csv_text, markdown_table, plot, write_reports
 
 TINY_CVT_LS = dict(embed_dims=(16, 32, 32), num_heads=(1, 1, 2), depths=(1, 1, 1), num_classes=3)
 

@@ -55,7 +55,7 @@ def _cpu(machine: str) -> str:
 def test_the_demo_gives_its_recorded_numbers(tmp_path):
     """The whole demo (its 8 epochs: --time-budget 0, so that a busy machine does not cut it short) gets the recorded
     number of validation images right on the recording's CPU model; elsewhere float rounding may move one or two."""
-    from lsvision.bench import machine_description
+    from lsvision.reports import machine_description
     record = _record()
     proc = subprocess.run([sys.executable, str(ROOT / 'tools' / 'train.py'), '--output', str(tmp_path),
                            '--time-budget', '0'], capture_output=True, text=True, timeout=900, cwd=tmp_path)

@@ -59,6 +59,12 @@ def test_resume_is_exact(shapes, tmp_path):
     assert set(straight['metrics']) == {'bbox', 'segm'} and straight['metrics']['bbox']['images'] == 3
     report = (tmp_path / 'a' / 'run' / 'report.md').read_text()
     assert '| box |' in report and '| mask |' in report and 'pycocotools' in report
+    # reports are plain files like the checkpoints: 0666 less the umask (not mkstemp's 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / 'a' / 'run').iterdir() if p.is_file()}
+    assert {'last.pth.tar', 'result.json', 'report.md', 'args.yaml', 'detections.json'} <= set(modes)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
     # killed mid-epoch: the recovery checkpoint of update 3 (epoch 1, batch 1 of 2) resumes to the same weights
     with pytest.raises(SystemExit, match='stopped after 3 updates'):
         _train(shapes, tmp_path / 'c', '--epochs', '2', '--experiment', 'run', '--amp', '--recovery-interval', '1',
@@ -124,6 +130,24 @@ def test_config_and_flags(tmp_path):
     assert demo.data_dir == '' and demo.config == detect.DEMO_CONFIG and demo.time_budget > 0
 
 
+def test_help_gives_the_defaults_of_a_data_dir_run_and_the_demo_preset_apart(capsys):
+    with pytest.raises(SystemExit):
+        detect.parse_args(['--help'])
+    text = ' '.join(capsys.readouterr().out.split())
+    options, preset = text.split('Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that '
+                                 'records its arguments), the demo preset')
+    for flag, default in (('--model MODEL', ''), ('--min-size MIN_SIZE', '800'), ('--time-budget SECONDS', '0')):
+        described = options[options.index(f'{flag} '):]  # its help, up to the first default shown
+        assert described[described.index('(default:'):].startswith(f'(default: {default})'), flag
+    args = detect.parse_args(['--data-dir', 'x', '--model', 'cvt_ls_13'])
+    assert (args.min_size, args.time_budget) == (800, 0)  # what the help says
+    assert 'configs/detection/mask_rcnn_shapes_demo.yaml replaces these defaults' in preset
+    demo = detect.parse_args([])
+    for flag in (f'--model {demo.model},', f'--min-size {demo.min_size},', f'--time-budget {demo.time_budget:g},',
+                 'depths=[1,1,2]'):
+        assert flag in preset, flag
+
+
 def test_recipes_are_the_pvt_1x_schedule():
     recipes = sorted((ROOT / 'configs' / 'detection').glob('mask_rcnn_*_1x.yaml'))
     assert {'mask_rcnn_cvt_ls_13_1x.yaml', 'mask_rcnn_pvt_small_grc_1x.yaml'} <= {p.name for p in recipes}
@@ -164,6 +188,12 @@ def test_errors_say_what_to_do(tmp_path, capsys, caplog, shapes):
     broken = tmp_path / 'broken'
     shutil.copytree(shapes, broken)
     (broken / 'val' / '000002.png').write_text('not an image')
+    # and a box wholly outside its image: counted, and named in the log and the report
+    val_file = broken / 'annotations' / 'instances_val.json'
+    coco = json.loads(val_file.read_text())
+    coco['annotations'].append(dict(id=999, image_id=1, category_id=coco['categories'][0]['id'], area=16.0,
+                                    bbox=[70, 10, 4, 4], iscrowd=0, segmentation=[[70, 10, 74, 10, 74, 14]]))
+    val_file.write_text(json.dumps(coco))
     argv = ['--data-dir', str(broken), *data[2:], '--output', str(tmp_path / 'skipped')]
     assert detect.main(argv) == 2
     assert 'unreadable image: image 2 (000002.png)' in caplog.text and '--skip-bad-images' in caplog.text
@@ -172,8 +202,17 @@ def test_errors_say_what_to_do(tmp_path, capsys, caplog, shapes):
     assert report['val']['left_out_images'] == [2] and report['metrics']['bbox']['images'] == 2
     markdown = (tmp_path / 'skipped' / 'report.md').read_text()
     assert 'Left out as bad input (1 images): unreadable image: image 2' in markdown
+    named = 'annotation 999: bbox [70, 10, 4, 4] lies wholly outside the 64x64 image'
+    assert f'val: 1 degenerate box(es): image 1 (000001.png), {named}' in caplog.text
+    assert f'Val split: 1 degenerate box(es): image 1 (000001.png), {named}' in markdown
+    assert report['val']['degenerate_boxes'] == 1 and report['val']['degenerate_examples'][0]['annotation_id'] == 999
     with pytest.raises(DetectionSetupError, match='did you mean cvt_ls_13'):
         detect.run(detect.parse_args(data + ['--model', 'cvt_ls13']))
+    # no released weights: no traceback, the fix in detect.py's flags, then the Python route
+    caplog.clear()
+    assert detect.main(data + ['--backbone-weights', 'pretrained']) == 2
+    assert 'cvt_ls_13 has no released weights. Fix: give a weights file of cvt_ls_13, --backbone-weights FILE' in \
+        caplog.text and "--backbone-weights ''.\nIn Python (library users): backbone_weights=" in caplog.text
 
 
 def test_documented_commands_parse(monkeypatch):

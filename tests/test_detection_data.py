@@ -14,7 +14,7 @@ from PIL import Image
 from pycocotools import mask as mask_utils
 
 from lsvision.data.coco_shapes import SHAPE_CLASSES, generate_coco_shapes
-from lsvision.detection.data import CocoDataError, CocoInstances, collate_detection
+from lsvision.detection.data import CocoDataError, CocoInstances, collate_detection, describe_degenerate_box
 
 H, W = 24, 32
 
@@ -103,6 +103,19 @@ def test_reads_targets_as_torchvision_wants(tmp_path):
     assert (ds.stats.crowd, ds.stats.degenerate_boxes, ds.stats.empty_images, ds.stats.annotations) == (1, 1, 1, 5)
     images, targets = collate_detection([ds[0], ds[2]])
     assert len(images) == 2 and [t['image_id'] for t in targets] == [1, 3]
+
+
+def test_degenerate_boxes_are_named(tmp_path):
+    """A box wholly outside its image (image 3's only object) is counted and named with the zero-width one: image,
+    annotation id, the box as the file gives it, and why."""
+    data = tiny_coco_dict()
+    data['annotations'].append(dict(id=9, image_id=3, category_id=7, bbox=[W + 4, 2, 6, 6], area=36.0, iscrowd=0,
+                                    segmentation=[[W + 4, 2, W + 10, 2, W + 10, 8]]))
+    ds = _dataset(tmp_path, data)
+    assert (ds.stats.degenerate_boxes, ds.stats.empty_images) == (2, 1)  # image 3 still has no target
+    assert [describe_degenerate_box(e) for e in ds.stats.degenerate_examples] == [
+        'image 2 (2.png), annotation 5: bbox [5, 5, 0, 4] has no width or height',
+        f'image 3 (3.png), annotation 9: bbox [{W + 4}, 2, 6, 6] lies wholly outside the {W}x{H} image']
 
 
 def test_training_flips_are_seeded_and_consistent(tmp_path):

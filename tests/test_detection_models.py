@@ -16,9 +16,9 @@ from torchvision.ops.feature_pyramid_network import LastLevelMaxPool, LastLevelP
 import timm
 
 from lsvision import bench, detection
-from lsvision.detection import bench as detection_bench
 from lsvision.models._helpers import CheckpointMismatchError
 from lsvision.models._pretrained import NoPretrainedWeightsError
+from lsvision.reports import write_reports
 from lsvision.train import save_atomic
 
 # one tiny config per hierarchical family, with and without GRC where both exist (timm's own PVT v2 in the tiny
@@ -236,8 +236,8 @@ def test_pretrained_without_released_weights_is_explained(tmp_path):
 
 def test_detector_input_size():
     """The resolution benchmark measures what the detector's transform makes of its image sizes."""
-    assert detection_bench.detector_input_size(800, 1333) == (800, 1344)
-    assert detection_bench.detector_input_size(1024, 1024) == (1024, 1024)
+    assert detection.detector_input_size(800, 1333) == (800, 1344)
+    assert detection.detector_input_size(1024, 1024) == (1024, 1024)
 
 
 def test_bench_train_step_on_fpn_levels():
@@ -271,34 +271,36 @@ def test_report_has_the_ratios_to_the_baseline():
     rows = [dict(bench.combine({'inference': [_run(name, t, m)]}), spec=name, point=[800, 1333], baseline='cvt_13')
             for name, t, m in (('cvt_ls_13', 2.0, 100.), ('cvt_13', 8.0, 400.))]
     bench.add_ratios(rows)
-    text = detection_bench.report_markdown(rows, 'T', 'python tools/bench_detection.py', 'abc1234', 'a machine')
-    assert 'Produced by `python tools/bench_detection.py` at commit `abc1234`.' in text
+    settings = dict(command='python tools/benchmark.py detection', commit='abc1234')
+    text = load_tool('benchmark').detection_markdown(rows, settings, 'a machine')
+    assert 'Produced by `python tools/benchmark.py detection` at commit `abc1234`.' in text
     forward, train = text.split('### Forward')[1].split('### Training step (AdamW)')
     assert '| cvt_ls_13 | 800x1333 | 800x1344 | 2000 | 2000 | 100 | 0.25x | 0.25x | 0.25x |' in forward
     assert '| cvt_13 | 800x1333 | 800x1344 | 8000 | 8000 | 400 | 1.00x | 1.00x | 1.00x |' in forward
     assert 'Not measured.' in train.split('###')[0]
 
 
-def test_bench_detection_command_line(tmp_path):
-    tool = load_tool('bench_detection')
+def test_detection_benchmark_command_line(tmp_path):
+    """`tools/benchmark.py detection`: its sizes, and --from-json writing a stored report's markdown again."""
+    tool = load_tool('benchmark')
     rows = [dict(bench.combine({'inference': [_run('cvt_13', 1.0, 10.)]}), spec='cvt_13', point=[800, 1333],
                  baseline='cvt_13')]
-    bench.write_reports(rows, tmp_path / 'r', 'old', dict(command='python tools/bench_detection.py', commit='abc1234',
-                                                          note='Loaded.', complete=False))
-    assert tool.main(['--from-json', str(tmp_path / 'r.json')]) == 0  # measures nothing
+    write_reports(rows, tmp_path / 'r', 'old', dict(command='python tools/benchmark.py detection', commit='abc1234',
+                                                    note='Loaded.', complete=False))
+    assert tool.main(['detection', '--from-json', str(tmp_path / 'r.json')]) == 0  # measures nothing
     text = (tmp_path / 'r.md').read_text()
     assert 'at commit `abc1234`' in text and 'Loaded. Partial: 800x1333 measured so far.' in text
     assert '| cvt_13 | 800x1333 | 800x1344 | 1000 | 1000 | 10 |' in text
     assert 'load average when the JSON was written' in text  # 'old' had no machine line
     (tmp_path / 'r.md').write_text('Measured on: the machine at the start.\n')
-    tool.main(['--from-json', str(tmp_path / 'r.json')])
+    tool.main(['detection', '--from-json', str(tmp_path / 'r.json')])
     assert 'Measured on: the machine at the start.' in (tmp_path / 'r.md').read_text()
-    args = tool.build_parser().parse_args(['--sizes', '800x1333', '1024x1024', '--bench', 'inference'])
-    assert args.sizes == [(800, 1333), (1024, 1024)] and args.models == list(detection_bench.MODELS)
+    args = tool.parse_args(['detection', '--sizes', '800x1333', '1024x1024', '--bench', 'inference'])
+    assert args.sizes == [(800, 1333), (1024, 1024)] and args.baseline in args.models
     with pytest.raises(SystemExit):
-        tool.build_parser().parse_args(['--sizes', '800'])
-    with pytest.raises(argparse.ArgumentTypeError, match="'800' is not HEIGHTxWIDTH, e.g. 800x1333"):
-        tool.parse_size('800')
+        tool.parse_args(['detection', '--sizes', '800'])
+    with pytest.raises(argparse.ArgumentTypeError, match="'800x16': both numbers must be at least 32"):
+        tool.parse_pair('800x16', minimum=32)
 
 
 def test_docs_quote_the_benchmark_reports():

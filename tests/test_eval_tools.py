@@ -104,8 +104,9 @@ def test_robustness_tool_all_suites(data, tmp_path):
     in9 = suites['imagenet_9']
     assert in9['bg_gap'] == pytest.approx(in9['variants']['mixed_same']['top1'] - in9['variants']['mixed_rand']['top1'])
     md = (out / 'results.md').read_text()
+    assert '## Summary (accuracy in %, mCE with AlexNet = 100)' in md
     for header in ('| mCE ↓ | rel. mCE ↓ | IN-A | IN-R | IN-9 original | IN-9 mixed_same | IN-9 mixed_rand | BG-gap |',
-                   '| corruption |  | error (%) | CE | relative CE | error s1 |',
+                   '| corruption | group | error (%) | CE | relative CE | error s1 |',
                    '| model | suite | top-1 | top-5 | top-1 without slicing | images |',
                    '| model | original | mixed_same | mixed_rand | only_fg | BG-gap |'):
         assert header in md
@@ -204,13 +205,23 @@ def test_corrupt_on_the_fly(data, tmp_path):
     assert first.shape == (224, 224, 3) and np.array_equal(first, second)
     assert np.abs(first.astype(int) - np.array([120, 60, 200])).mean() > 10
     assert not np.array_equal(first, np.asarray(ImageNetCCorruption('gaussian_noise', 3, seed=1)(img)))
-    # through the tool, on the real model: marked in the JSON and the markdown
+    # through the tool, on the real model, a partial suite: marked in the JSON and the markdown, and every mean named
+    # for the corruptions and severities it averages (2 at severity 3 are not 'the mean over the 15')
     tool = load_tool('robustness')
     rc = tool.main(['--models', 'cvt_ls_13', '--model-kwargs', *TINY, '--corrupt-on-the-fly', root, '--corruptions',
-                    'brightness', '--severities', '1', '--workers', '0', '--no-progress', *ONE_THREAD, '--out-dir',
-                    str(tmp_path)])
+                    'gaussian_noise', 'fog', '--severities', '3', '--workers', '0', '--no-progress', *ONE_THREAD,
+                    '--out-dir', str(tmp_path)])
     assert rc == 0
     res = json.loads((tmp_path / 'results.json').read_text())
     fly = res['models'][0]['suites']['imagenet_c_on_the_fly']
-    assert fly['on_the_fly'] and fly['corruptions']['brightness']['severities']['1']['count'] == 6
-    assert 'applied on the fly (not the released ImageNet-C)' in (tmp_path / 'results.md').read_text()
+    assert fly['on_the_fly'] and fly['corruptions']['fog']['severities']['3']['count'] == 6
+    assert fly['mce'] is None and fly['mean_error_15'] is None and fly['mean_error_extra'] is None
+    errs = [fly['corruptions'][c]['severities']['3']['error'] for c in ('gaussian_noise', 'fog')]
+    assert fly['mean_error'] == dict(value=pytest.approx(sum(errs) / 2), corruptions=['gaussian_noise', 'fog'],
+                                     severities=[3])
+    assert any('mean error over the 15 need all 15' in n for n in fly['notes'])
+    md = (tmp_path / 'results.md').read_text()
+    assert 'applied on the fly (not the released ImageNet-C)' in md and 'over the 15' not in md.replace(
+        'the mean error over the 15 need', '')
+    assert f'mean error over 2 of the 15 (gaussian_noise, fog) at severity 3 {sum(errs) / 2:.2f}.' in md
+    assert '| corruption | group | error (%) |' in md and not any('|  |' in line for line in md.splitlines())

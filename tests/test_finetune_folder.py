@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _helpers import TINY_FAMILIES, model_kwargs_args
+from _helpers import TINY_FAMILIES, load_tool, model_kwargs_args
 from test_folder_eval import CLASSES, independent_top1, write_folder
 
 import timm
@@ -92,3 +92,24 @@ def test_readme_fine_tune_commands_train_resume_and_evaluate_offline(tmp_path):
     assert folder['top1'] == top1
     # one number per checkpoint: training's last validation (float32, as the recipe trains) is validate.py's
     assert json.loads((run_dir / 'result.json').read_text())['top1'] == pytest.approx(top1, abs=1e-9)
+
+
+def test_weights_errors_give_the_fix_in_train_flags(tmp_path, caches, caplog):
+    """The README's download line offline (empty caches), and a model without released weights under the same
+    config: no traceback, the fix in train.py's flags first, then the Python route; --no-pretrained, followed,
+    trains."""
+    data = write_folder(tmp_path / 'my_data', per_class=(2, 1))
+    train = load_tool('train')
+    online = _adapted(_readme_commands()[0], data, tmp_path / 'out', tmp_path / 'unused')[2:]  # no python, tool
+    assert train.main(online) == 2
+    log = caplog.text
+    assert 'the released weights of cvt_13 could not be downloaded' in log and 'Traceback' not in log
+    assert log.index('Fix: give a weights file of cvt_13, --pretrained-path FILE') < log.index(
+        'or train from random weights, --no-pretrained') < log.index('In Python (library users): could not fetch')
+    caplog.clear()
+    unreleased = online + ['--model', 'cvt_ls_13', '--model-kwargs', *model_kwargs_args(TINY_FAMILIES['cvt_ls_13'])]
+    assert train.main(unreleased) == 2
+    assert 'cvt_ls_13 has no released weights. Fix: give a weights file of cvt_ls_13, --pretrained-path FILE' in \
+        caplog.text and 'NoPretrainedWeightsError' not in caplog.text
+    assert train.main(unreleased + ['--no-pretrained', '--experiment', 'scratch']) == 0  # the hint, followed
+

@@ -86,7 +86,9 @@ def test_folder_suite_counts_every_image_and_equals_an_independent_evaluation(tr
     assert {c: r['count'] for c, r in folder['per_class'].items()} == {c: 3 for c in CLASSES}
     assert {c: round(r['top1'] * 3 / 100) for c, r in folder['per_class'].items()} == hits
     assert 'is not loaded' not in capsys.readouterr().err  # the head is the checkpoint's
-    assert '| circle | 3 |' in (out / 'results.md').read_text()
+    md = (out / 'results.md').read_text()
+    assert '| circle | 3 |' in md
+    assert '## Summary (accuracy in %)' in md and 'mCE' not in md  # said only where mCE is reported
 
 
 def test_folder_of_other_classes_is_an_error_naming_both_lists(trained, tmp_path, capsys):
@@ -111,11 +113,20 @@ def test_class_map_names_the_classes_of_a_checkpoint_without_a_run(trained, tmp_
     assert '--class-map' in capsys.readouterr().err
     class_map = tmp_path / 'classes.txt'
     class_map.write_text('\n'.join(CLASSES) + '\n')
-    assert _validate_tool().main(common + TINY + ['num_classes=3', '--class-map', str(class_map)]) == 0
+    assert _validate_tool().main(common + TINY + ['--num-classes', '3', '--class-map', str(class_map)]) == 0
     folder = json.loads((tmp_path / 'val' / 'results.json').read_text())['models'][0]['suites']['folder']
     assert folder['count'] == 9
-    assert _validate_tool().main(common + TINY) == 2  # 1000 classes: the mismatch names the flag to pass
-    assert '--model-kwargs' in capsys.readouterr().err
+    capsys.readouterr()
+    # another class count (the model's default 1000, or one given): one message, in the tool's flags, with the
+    # checkpoint's own count; no 'a new head starts from scratch' before the stop
+    for extra in ([], ['--num-classes', '5'], ['num_classes=5']):
+        flags = TINY + extra if extra[:1] != ['--num-classes'] else TINY + ['--class-map', str(class_map)] + extra
+        assert _validate_tool().main(common + flags) == 2
+        err = capsys.readouterr().err
+        assert f'{bare} holds a 3-class head (head.weight) and the model was built for ' in err
+        assert err.rstrip().endswith('give --num-classes 3') and 'from scratch' not in err and 'create_model' not in err
+    assert _validate_tool().main(common + TINY + ['num_classes=5', '--num-classes', '3']) == 2
+    assert 'disagree' in capsys.readouterr().err
 
 
 def test_model_and_models_are_one_choice(tmp_path):

@@ -95,6 +95,19 @@ def test_empty_class_folder_hint_leads_to_a_result(checkpoint, tmp_path, capsys)
     assert _folder_result(tmp_path / 'o3')['count'] == 6
 
 
+def test_no_released_weights_names_the_tools_flags(tmp_path, caches, capsys):
+    """--pretrained on a model without released weights: no traceback, the fix in the tool's flags first, then
+    the Python route."""
+    folder = _folder(tmp_path / 'val', CLASSES, per_class=1)
+    for tool in ('validate', 'robustness'):
+        suite = ['--data-dir', str(folder)] if tool == 'validate' else ['--imagenet-a', str(folder)]
+        assert load_tool(tool).main(suite + ['--model', 'cvt_ls_13', '--pretrained', '--workers', '0',
+                                             '--no-progress', '--out-dir', str(tmp_path / tool)]) == 2
+        err = capsys.readouterr().err
+        assert 'error: cvt_ls_13 has no released weights. Fix: give a weights file of cvt_ls_13 as --checkpoint FILE' \
+            in err and err.index('leave out --pretrained') < err.index('In Python (library users)')
+
+
 def test_imagenet_suite_on_a_model_of_own_classes_hint_leads_to_a_result(checkpoint, tmp_path, capsys):
     """ImageNet-A needs 1000 logits; the hint names the suite for a model of its own classes, which then runs."""
     make_imagenet_ar(tmp_path / 'a', 'a')
@@ -154,10 +167,10 @@ def test_benchmark_suggests_model_and_configuration_names(capsys):
 
 
 def test_detection_benchmark_suggests_model_names(tmp_path, capsys):
-    bench = load_tool('bench_detection')
-    assert bench.main(['--models', 'cvt_ls_13', 'cvt_ls13', '--out', str(tmp_path)]) == 2
+    benchmark = load_tool('benchmark')
+    assert benchmark.main(['detection', '--models', 'cvt_ls_13', 'cvt_ls13', '--out', str(tmp_path)]) == 2
     assert "unknown model 'cvt_ls13'; did you mean cvt_ls_13" in capsys.readouterr().err
-    assert bench.main(['--baseline', 'cvt13', '--out', str(tmp_path)]) == 2
+    assert benchmark.main(['detection', '--baseline', 'cvt13', '--out', str(tmp_path)]) == 2
     assert "unknown model 'cvt13'; did you mean cvt_13" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing measured, nothing written
 

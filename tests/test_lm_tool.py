@@ -113,6 +113,19 @@ def test_wikitext_run_reports_and_resumes_exactly(tmp_path):
     assert _train(tmp_path, 'split', '--resume', 'auto', '--max-steps', '6', '--eval-batch-size', '1') == 0
     again = json.loads((tmp_path / 'split' / 'result.json').read_text())
     assert again['steps'] == 6 and again['eval_batch_size'] == 1 and again['test']['tokens'] == len(corpus.test) - 1
+    # the authors' eval.py protocol (2 rows of N // 2 tokens, each predicting its own tokens but the first), and
+    # --eval-clamp-len -1 as theirs: no clamp, the model's own (unclamped) result; 1 clamps
+    results = {}
+    for clamp in ('-1', None, '1'):
+        extra = ['--eval-clamp-len', clamp] if clamp else []
+        assert _train(tmp_path, 'split', '--resume', 'auto', '--max-steps', '6', '--eval-protocol', 'authors',
+                      *extra) == 0
+        results[clamp] = json.loads((tmp_path / 'split' / 'result.json').read_text())
+    assert results['-1']['eval_protocol'] == 'authors'
+    assert results['-1']['test']['tokens'] == 2 * (len(corpus.test) // 2 - 1)
+    assert "the authors' eval.py protocol" in (tmp_path / 'split' / 'result.md').read_text()
+    assert results['-1']['test']['nll'] == pytest.approx(results[None]['test']['nll'], abs=1e-9)
+    assert abs(results['1']['test']['nll'] - results[None]['test']['nll']) > 1e-7  # small: 6 steps from init
 
 
 def test_bad_input_is_explained_and_the_hint_works(tmp_path, capsys):

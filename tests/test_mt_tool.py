@@ -1,16 +1,19 @@
-"""tools/train_mt.py end to end on a tiny generated task: checkpoints, averaging, report, exact resume, errors."""
+"""tools/train_mt.py end to end on a tiny generated task: checkpoints, averaging, report, exact resume, errors; its
+BLEU pinned to sacrebleu's command line and to the formula."""
 import json
+import math
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from _helpers import load_tool
 
-from lsvision.data.parallel_text import write_demo_task
-from lsvision.train.translation import load_translation_checkpoint, translate
+from lsvision.data.parallel_text import read_parallel, write_demo_task
+from lsvision.train.translation import corpus_bleu, load_translation_checkpoint, translate
 
 train_mt = load_tool('train_mt')
 
@@ -38,6 +41,14 @@ def test_train_average_report_and_exact_resume(data_dir, tmp_path):
     for key in ('last', 'averaged'):
         assert 0. <= result[key]['bleu'] <= 100. and result[key]['valid_ppl'] > 1.
     assert 'test BLEU' in (full / 'result.md').read_text()
+    # the reported BLEU is sacrebleu's command line on the tool's own hypotheses and references (--eval-max-sentences
+    # 3: all of them are the report's examples)
+    examples = result['last']['examples']
+    assert len(examples) == 3
+    for side in ('hypothesis', 'reference'):
+        (tmp_path / f'{side}.txt').write_text(''.join(e[side] + '\n' for e in examples), encoding='utf-8')
+    assert result['last']['bleu'] == pytest.approx(
+        _sacrebleu_cli(tmp_path / 'reference.txt', tmp_path / 'hypothesis.txt'), abs=0.005 + 5e-5)
     model, vocab = load_translation_checkpoint(str(full / 'averaged.pt'))
     averaged = {k: (torch.load(full / 'checkpoint_6.pt', weights_only=True)['model'][k]
                     + torch.load(full / 'checkpoint_8.pt', weights_only=True)['model'][k]) / 2
@@ -58,6 +69,49 @@ def test_train_average_report_and_exact_resume(data_dir, tmp_path):
         assert torch.equal(a['model'][k], b['model'][k]), k
     for sa, sb in zip(a['optimizer']['state'].values(), b['optimizer']['state'].values()):
         assert torch.equal(sa['exp_avg_sq'], sb['exp_avg_sq'])
+
+
+def _sacrebleu_cli(refs: Path, hyps: Path) -> float:
+    """BLEU of two files by sacrebleu's command line (its defaults: 13a tokenization, exp smoothing), 4 decimals."""
+    out = subprocess.run([sys.executable, '-m', 'sacrebleu', str(refs), '-i', str(hyps), '-m', 'bleu', '-b', '-w',
+                          '4'], capture_output=True, text=True, check=True).stdout
+    return float(out.strip())
+
+
+def _bleu_by_hand(hyps, refs) -> float:
+    """Corpus BLEU (Papineni et al. 2002) of whitespace-tokenized text: clipped n-gram precisions for n = 1..4 over
+    the corpus, their geometric mean, the brevity penalty exp(1 - r / c) when c < r."""
+    match, total, c, r = [0] * 4, [0] * 4, 0, 0
+    for h, ref in zip(hyps, refs):
+        h, ref = h.split(), ref.split()
+        c, r = c + len(h), r + len(ref)
+        for n in range(1, 5):
+            hn = Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
+            rn = Counter(tuple(ref[i:i + n]) for i in range(len(ref) - n + 1))
+            match[n - 1] += sum(min(k, rn[g]) for g, k in hn.items())
+            total[n - 1] += max(len(h) - n + 1, 0)
+    assert all(match), 'every n-gram order must match somewhere (no smoothing in this formula)'
+    return 100 * min(1., math.exp(1 - r / c)) * math.exp(sum(math.log(m / t) for m, t in zip(match, total)) / 4)
+
+
+# already tokenized as sacrebleu's 13a tokenizes (punctuation apart), so that whitespace splitting is its tokenization
+PINNED_REFS = ['we buy three apples .', 'the house is small and old .', 'she reads a good book in the garden .',
+               'Tomorrow we will go to the market , if it does not rain .']
+PINNED_HYPS = ['we buy three apples .', 'the house is small .', 'she reads a book in the garden .',
+               'tomorrow we will go to the market if it does not rain .']
+
+
+def test_bleu_is_pinned_to_sacrebleus_command_line_and_to_the_formula(tmp_path):
+    """The scorer of tools/train_mt.py's evaluation (`corpus_bleu`, on the lines as the tool reads them) gives the
+    number of sacrebleu's command line and of the BLEU formula computed here, on the same files."""
+    (tmp_path / 'test.hyp').write_text('\n'.join(PINNED_HYPS) + '\n', encoding='utf-8')
+    (tmp_path / 'test.ref').write_text('\n'.join(PINNED_REFS) + '\n', encoding='utf-8')
+    hyps, refs = read_parallel(str(tmp_path), 'test', 'hyp', 'ref')
+    bleu, signature, _ = corpus_bleu(hyps, refs)
+    cli = _sacrebleu_cli(tmp_path / 'test.ref', tmp_path / 'test.hyp')
+    assert bleu == pytest.approx(cli, abs=5e-5)  # the command line prints 4 decimals
+    assert bleu == pytest.approx(_bleu_by_hand(PINNED_HYPS, PINNED_REFS), abs=1e-9)
+    assert 20 < bleu < 90 and 'tok:13a' in signature and 'case:mixed' in signature
 
 
 def test_errors_name_the_fix(tmp_path, capsys):

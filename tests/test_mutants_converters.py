@@ -384,7 +384,7 @@ def test_official_lra_load_says_when_it_changes_the_pooling(name, pool, expected
 def test_load_official_checkpoint_refuses_an_unknown_kind():
     from lsvision.sequence.convert import load_official_checkpoint
 
-    with pytest.raises(ValueError, match=r"kind must be 'lra' or 'char_lm', got 'lm'"):
+    with pytest.raises(ValueError, match=r"kind must be 'lra', 'char_lm' or 'txl', got 'lm'"):
         load_official_checkpoint(_golden_char_lm(), _official_char_lm_file(), kind='lm')
 
 

@@ -110,8 +110,9 @@ def test_corruption_summary_incomplete_sets_have_no_mce():
     # 14 of the 15, all complete: no mCE (not the mean over 14), no relative mCE even with a clean error
     res = corruption_summary(_alexnet_profile(CORRUPTIONS[1:]), clean_error=ALEXNET_CLEAN_ERROR)
     assert res['mce'] is None and res['relative_mce'] is None
-    assert res['notes'] == ['mCE needs all 15 corruptions at severities 1-5; have 14 (' + ', '.join(CORRUPTIONS[1:])
-                            + ')']
+    assert res['notes'] == ['mCE and the mean error over the 15 need all 15 corruptions at severities 1-5; have 14 ('
+                            + ', '.join(CORRUPTIONS[1:]) + ') at severities [1, 2, 3, 4, 5]']
+    assert res['mean_error_15'] is None and res['mean_error']['corruptions'] == list(CORRUPTIONS[1:])
     # all 15, one missing a severity: no mCE, no crash on its CE of None
     errors = _alexnet_profile()
     del errors['fog'][5]
@@ -132,4 +133,6 @@ def test_corruption_summary_without_clean_error_and_reported_fields():
 def test_corruption_summary_extra_only_and_two_extras():
     res = corruption_summary({'spatter': {s: 0.2 for s in SEVERITIES}, 'saturate': {s: 0.4 for s in SEVERITIES}})
     assert res['mean_error_15'] is None and res['mce'] is None
-    assert res['mean_error_extra'] == pytest.approx(30)  # mean of 20 % and 40 %
+    assert res['mean_error'] is None  # none of the 15
+    assert res['mean_error_extra'] == dict(value=pytest.approx(30), corruptions=['spatter', 'saturate'],
+                                           severities=list(SEVERITIES))  # mean of 20 % and 40 %

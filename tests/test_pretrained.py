@@ -41,20 +41,6 @@ TINY_CVT = ((16, 32, 48), (1, 2, 3), (1, 2, 3))
 TINY_CVT_KWARGS = dict(embed_dims=(16, 32, 48), num_heads=(1, 2, 3), depths=(1, 2, 3))
 
 
-@pytest.fixture
-def caches(tmp_path, monkeypatch):
-    """An empty Hugging Face cache (offline) and TORCH_HOME; huggingface_hub read its settings at import, so its
-    constants are pointed there too."""
-    hub, torch_home = tmp_path / 'hf', tmp_path / 'torch'
-    hub.mkdir()
-    monkeypatch.setenv('HF_HUB_CACHE', str(hub))
-    monkeypatch.setenv('HF_HUB_OFFLINE', '1')
-    monkeypatch.setenv('TORCH_HOME', str(torch_home))
-    monkeypatch.setattr(hf_constants, 'HF_HUB_CACHE', str(hub))
-    monkeypatch.setattr(hf_constants, 'HF_HUB_OFFLINE', True)
-    return hub, torch_home
-
-
 def _hub_id(name: str) -> str:
     return timm.models.get_pretrained_cfg(name).hf_hub_id
 

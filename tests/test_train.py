@@ -121,6 +121,12 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path)
 
     resumed = run(parse_args(_train_args(image_root, tmp_path / 'cut', *common, '--resume', str(recovery))))
     assert resumed['num_updates'] == 6
+    # result.json: run totals (both sessions, as the uninterrupted run's), this session's under `session`
+    assert resumed['samples_seen'] == full['samples_seen'] == 48 and full['session']['resumed_from'] is None
+    session = resumed['session']
+    assert (session['resumed_from'], session['updates'], session['samples_seen']) == (str(recovery), 2, 16)
+    assert resumed['train_seconds'] >= session['train_seconds'] and resumed['total_seconds'] > session['total_seconds']
+    assert json.loads((tmp_path / 'cut' / 'run' / 'result.json').read_text())['session'] == session
     a = load_checkpoint(str(tmp_path / 'full' / 'run' / 'last.pth.tar'))
     b = load_checkpoint(str(tmp_path / 'cut' / 'run' / 'last.pth.tar'))
     for key in ('state_dict', 'state_dict_ema'):

@@ -140,10 +140,17 @@ def test_each_split_is_walked_once_into_the_datasets_timm_would_build(folder, tm
 
 def test_log_counts_each_split_per_class_and_what_an_epoch_leaves_out(folder, caplog):
     (folder / 'train' / 'class1' / '000.png').unlink()  # 12 + 11 = 23 training images
+    # stray files are named (as validate.py names them); hidden ones (a Mac's .DS_Store) are never data
+    for stray in ('class0/notes.txt', 'class1/000.png.bak', 'Thumbs.db', 'class0/.DS_Store'):
+        (folder / 'train' / stray).write_text('not an image')
     with caplog.at_level(logging.INFO):
         dropped = run(_args(folder, '-b', '5'))
     assert f"training split {folder / 'train'}: 23 images in 2 classes (class0 12, class1 11)" in caplog.text
     assert f"validation split {folder / 'val'}: 8 images in 2 classes (class0 4, class1 4)" in caplog.text
+    train = folder / 'train'
+    assert (f"3 file(s) in {train} are not .png/.jpg/.jpeg images and are skipped: {train / 'class0' / 'notes.txt'}, "
+            f"{train / 'class1' / '000.png.bak'}, {train / 'Thumbs.db'}") in caplog.text  # timm's natural order
+    assert 'DS_Store' not in caplog.text and f'in {folder / "val"} are not' not in caplog.text
     assert 'each epoch: 4 batches of up to 5, 20 of 23 training images; 3 left out (drop_last drops the partial ' \
            'last batch; --no-drop-last keeps it), different ones each epoch' in caplog.text
     assert dropped['num_updates'] == 4 and dropped['samples_seen'] == 20

@@ -62,6 +62,22 @@ def test_adaptive_softmax_is_a_distribution_and_nll_reads_it():
         AdaptiveLogSoftmax(16, 40, (20, 8))
 
 
+def test_adaptive_input_log_probs_are_a_distribution_that_nll_reads():
+    # div_val 2: the adaptive input's cluster weights and tail projections in the softmax, the head's own projection
+    model = tiny(div_val=2)
+    with torch.no_grad():
+        model.crit.bias.normal_()
+    ids = torch.arange(36).view(2, 18) + torch.tensor([[0], [4]])
+    targets = (ids * 7 + 3) % 40
+    logp, _ = model(ids)
+    nll, _ = model(ids, targets)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(2, 18, dtype=torch.float64))
+    torch.testing.assert_close(nll, -logp.gather(-1, targets[..., None]).squeeze(-1))
+    assert [tuple(p.shape) for p in model.embed.projs] == [(32, 32), (32, 16), (32, 8)]
+    with pytest.raises(ValueError, match='needs cutoffs and div_val >= 2'):
+        seq.TransformerXL(**dict(TINY, cutoffs=(), div_val=2))
+
+
 def _rel_shift(x):
     """The authors' `_rel_shift` (pad a zero column, re-view, drop the first row), restated batch-first."""
     B, H, q, k = x.shape

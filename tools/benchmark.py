@@ -10,14 +10,15 @@ adds ratios to it. Model specs: names, wildcards, ``NAME@full`` (ViL-LS with ful
         --channels-last --torchcompile --results-file output/bench.csv
 
 ``--suite NAME`` writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/); the sub-commands ``sweep`` (time
-and memory against input size until a budget) and ``cards`` (model_cards/ and the README table) have their own help.
-``run ...`` is the earlier spelling.
+and memory against input size until a budget), ``cards`` (model_cards/ and the README table) and ``detection``
+(backbone + FPN at detection resolution) have their own help. ``run ...`` is the earlier spelling.
 """
 import argparse
 import functools
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -30,9 +31,11 @@ import torch
 
 import lsvision.sequence as seq
 from lsvision import bench
+from lsvision.detection import backbone_with_fpn, detector_input_size
 from lsvision.flops import parameter_count
 from lsvision.models import list_models
-from lsvision.runs import unknown_model_message, unknown_name_message
+from lsvision.reports import machine_description, markdown_table, plot, write_json, write_reports, write_text
+from lsvision.runs import source_commit, unknown_name_message
 from lsvision.sequence.suites import HSW_LS_TARGET, HSW_MODELS, HSW_TARGETS, MEM, SEQUENCE_CONFIGS, D
 from lsvision.zoo import GENERATED_NOTE, render_outputs
 
@@ -60,15 +63,15 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def parse_point(text: str) -> Point:
-    """``SIZExBATCH`` (e.g. ``384x2``) for ``--points``."""
+def parse_pair(text: str, form: str = 'SIZExBATCH', example: str = '384x2', minimum: int = 1) -> Tuple[int, int]:
+    """``AxB`` (e.g. ``384x2``), both at least ``minimum``: ``--points``, and ``detection --sizes`` (``HxW``)."""
     try:
-        size, batch = (int(v) for v in text.lower().split('x'))
+        a, b = (int(v) for v in text.lower().split('x'))
     except ValueError:
-        raise argparse.ArgumentTypeError(f'{text!r} is not SIZExBATCH, e.g. 384x2') from None
-    if size < 1 or batch < 1:
-        raise argparse.ArgumentTypeError(f'{text!r}: size and batch must be positive')
-    return size, batch
+        raise argparse.ArgumentTypeError(f'{text!r} is not {form}, e.g. {example}') from None
+    if min(a, b) < minimum:
+        raise argparse.ArgumentTypeError(f'{text!r}: both numbers must be at least {minimum}')
+    return a, b
 
 
 def resolve_points(sizes: Optional[Sequence[int]], batches: Optional[Sequence[int]],
@@ -98,7 +101,7 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('--img-size', nargs='+', type=int, default=None, help="square input sizes (default: model's)")
     parser.add_argument('--batch-size', '-b', nargs='+', type=int, default=None,
                         help='batch sizes, paired in order with --img-size (or one for all; default: 1)')
-    parser.add_argument('--points', nargs='+', type=parse_point, default=None, metavar='SIZExBATCH',
+    parser.add_argument('--points', nargs='+', type=parse_pair, default=None, metavar='SIZExBATCH',
                         help='(size, batch) points, e.g. 384x2 768x1, instead of --img-size/--batch-size')
     parser.add_argument('--repeats', type=int, default=2, help='fresh processes per model and point (default: 2)')
     add_timing_args(parser, warmup=3, budget=10.0, threads=None, device='cuda' if torch.cuda.is_available() else 'cpu')
@@ -145,7 +148,7 @@ def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, poi
     by_kind = {}
     for k in range(len(next(iter(jobs.values())))):
         kind_jobs = [jobs[s][k] if k == 0 else replace(jobs[s][k], flops=False) for s in specs]
-        by_kind[kind_jobs[0].kind] = bench.run_jobs(kind_jobs, args.repeats, retry=not args.no_retry, log=log)
+        by_kind[kind_jobs[0].kind] = bench.run_jobs(kind_jobs, args.repeats, not getattr(args, 'no_retry', False), log)
     return [dict(bench.combine({kind: runs[i] for kind, runs in by_kind.items()}), spec=spec, point=point,
                  baseline=spec.removesuffix('@reparam') if spec.endswith('@reparam') else baseline)
             for i, spec in enumerate(specs)]
@@ -180,16 +183,16 @@ def run_models(args: argparse.Namespace) -> int:
     specs = bench.resolve_specs(args.models + ([args.baseline] if args.baseline else []))  # the baseline measured too
     if args.results_file is not None and args.results_file.suffix.lower() not in ('.csv', '.json', '.md'):
         raise ValueError(f'--results-file {args.results_file}: the suffix must be .csv, .json or .md')
-    log(f'Machine: {bench.machine_description(args.device)}')
+    log(f'Machine: {machine_description(args.device)}')
     rows = benchmark_models(specs, points, args, args.baseline)
     ratios = any('latency_ratio' in r or 'train_step_ratio' in r for r in rows)
     table = bench.benchmark_table(rows) + (f'\n\n{bench.RATIOS_EXPLAINED}' if ratios else '')
-    text = f'## Benchmark\n\nMeasured on: {bench.machine_description(args.device)}\n\n{table}\n'
+    text = f'## Benchmark\n\nMeasured on: {machine_description(args.device)}\n\n{table}\n'
     if args.results_file is not None:
         f = args.results_file
-        bench.write_reports(rows, f.with_suffix(''), text, settings_of(args), args.device, [f.suffix.lower()[1:]])
+        write_reports(rows, f.with_suffix(''), text, settings_of(args), args.device, [f.suffix.lower()[1:]])
     if args.out is not None:
-        bench.write_reports(rows, args.out / 'results', text, settings_of(args), args.device)
+        write_reports(rows, args.out / 'results', text, settings_of(args), args.device)
     print(table)
     return 0
 
@@ -217,10 +220,10 @@ def label_series(rows: Sequence[Dict[str, Any]], x: str, time: str, memory: str
 def write_suite(name: str, args: argparse.Namespace, rows: List[Dict[str, Any]], title: str, body: str,
                 series: Dict[str, List[Tuple[float, Any, Any]]], command: str, **plot_kwargs: Any) -> None:
     stem = (args.out or OUT) / name
-    machine = bench.machine_description(args.device)
+    machine = machine_description(args.device)
     text = f'## {title}\n\nProduced by `{command}`.\n\nMeasured on: {machine}.\n\n{body}\n'
-    bench.write_reports(rows, stem, text, {**settings_of(args), 'command': command}, args.device)
-    bench.plot(series, stem.with_suffix('.png'), title, **plot_kwargs)
+    write_reports(rows, stem, text, {**settings_of(args), 'command': command}, args.device)
+    plot(series, stem.with_suffix('.png'), title, **plot_kwargs)
     print(text)
     log(f'Wrote {stem}.{{json,csv,md,png}}')
 
@@ -240,7 +243,7 @@ def run_vision_suite(name: str, args: argparse.Namespace, command: str) -> int:
         baseline = args.baseline or suite['baseline']
         groups = [(bench.resolve_specs((args.models or suite['models']) + [baseline]), baseline)]
     references = None if args.models else suite.get('references')
-    log(f'Machine: {bench.machine_description(args.device)}')
+    log(f'Machine: {machine_description(args.device)}')
     rows = [r for specs, base in groups for r in benchmark_models(specs, points, args, base, references)]
     body = (f'Each model and point in {args.repeats} fresh process(es), in alternating order; times are medians of '
             'the pooled timed passes, memory the median over the processes (inference: peak above the memory once '
@@ -322,7 +325,7 @@ def run_hsw(args: argparse.Namespace, command: str) -> int:
                         '-' if ls is None else f"<= {HSW_LS_TARGET}x: {'met' if ls <= HSW_LS_TARGET else 'NOT met'}"])
     body = (f'{bench.benchmark_table(rows)}\n\nThe flat encoder above --flat-full-max tokens: 1 of its 8 blocks timed, '
             f'x 8. {bench.RATIOS_EXPLAINED}\n\n'
-            + bench.markdown_table(['tokens', 'flat / HSW', 'target', 'HSW-LS / HSW', 'target'], summary))
+            + markdown_table(['tokens', 'flat / HSW', 'target', 'HSW-LS / HSW', 'target'], summary))
     series = label_series(rows, 'tokens', 'latency_ms', 'peak_mib')
     write_suite('hsw', args, rows, 'HSW vs flat full attention (inference, batch 1)', body, series, command,
                 xlabel='tokens', ylabels=('forward time, ms (batch 1)', 'peak memory of a forward, MiB'))
@@ -339,7 +342,8 @@ def add_sweep_args(sweep: argparse.ArgumentParser) -> None:
                        help='a point predicted (quadratic growth from the previous point) to need more MiB is not run')
     sweep.add_argument('--fit-min', type=int, default=512, help='smallest size of the exponent fit (default: 512)')
     sweep.add_argument('--no-flops', action='store_true', help='skip FLOP counting at each point')
-    sweep.add_argument('--refit', type=Path, default=None, metavar='JSON', help='fit a stored sweep again')
+    sweep.add_argument('--refit', '--from-json', type=Path, default=None, metavar='JSON',
+                       help='fit a stored sweep again and write its markdown and plot (measures nothing)')
     sweep.add_argument('--name', default=None, help='file stem of the outputs (default: MODEL1_vs_MODEL2)')
     sweep.add_argument('--out', type=Path, default=OUT, help='output folder (default: docs/benchmarks)')
     add_timing_args(sweep, warmup=1, budget=10.0, threads=1, timeout=600.0)
@@ -392,10 +396,10 @@ def write_sweep(result: Dict[str, Any], stem: Path) -> None:
             'each point in a fresh process; peak memory above the memory once model and input exist.\n\n'
             f"{bench.benchmark_table(result['rows'])}\n\n### Fitted exponent against pixel count from "
             f"{result['fit_min']} (log-log slope; 1 = linear, 2 = quadratic)\n\n"
-            + bench.markdown_table(['model', 'sizes fitted', 'wall time', 'CPU time', 'peak memory', 'FLOPs'], exps, 2))
-    bench.write_json(stem.with_suffix('.json'), result)
-    bench.write_atomic(stem.with_suffix('.md'), lambda tmp: tmp.write_text(text + '\n'))
-    bench.plot(size_series(result['rows']), stem.with_suffix('.png'), ' vs '.join(result['exponents']) + ', batch 1')
+            + markdown_table(['model', 'sizes fitted', 'wall time', 'CPU time', 'peak memory', 'FLOPs'], exps, 2))
+    write_json(stem.with_suffix('.json'), result)
+    write_text(stem.with_suffix('.md'), text + '\n')
+    plot(size_series(result['rows']), stem.with_suffix('.png'), ' vs '.join(result['exponents']) + ', batch 1')
     print(text)
     log(f'Wrote {stem}.{{json,md,png}}')
 
@@ -437,7 +441,7 @@ def run_sweep(args: argparse.Namespace, command: str) -> int:
             if row['exceeded']:
                 break
     budget = f'{args.time_budget:g} s of cpu time per image and {args.memory_budget:g} MiB'
-    result = dict(machine=bench.machine_description(args.device), command=command, budget=budget,
+    result = dict(machine=machine_description(args.device), command=command, budget=budget,
                   settings=settings_of(args), fit_min=args.fit_min, rows=rows)
     write_sweep(result, args.out / (args.name or '_vs_'.join(s.replace('@', '_') for s in args.models)))
     return 0
@@ -456,18 +460,18 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
         job = job_of(args, name, functools.partial(bench.create_model, name), flops=True, memory=False)
         r = bench.combine({'inference': bench.run_jobs([job], log=log)[0]})
         stored['models'][name] = {k: r[k] if n is None else round(r[k], n) for k, n in CARD_FIELDS.items()}
-        stored['models'][name].update(machine=bench.machine_description(args.device),
+        stored['models'][name].update(machine=machine_description(args.device),
                                       measured_at=time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime()))
         stored['models'] = {n: stored['models'][n] for n in names if n in stored['models']}
         stored['command'] = command
-        bench.write_json(store, stored)  # after each model: an interrupted run keeps what it measured
+        write_json(store, stored)  # after each model: an interrupted run keeps what it measured
         log(f"[{i}/{len(to_measure)}] {name}: {r['gflops']:.3f} GFLOPs, {r['images_per_s']:.2f} img/s")
     outputs = render_outputs(stored['models'], names, args.readme.read_text(),
                              cards_dir=os.path.relpath(args.cards_dir, args.readme.parent))
     for rel, text in outputs.items():
         path = args.readme if rel == 'README.md' else args.readme.parent / rel
         if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+            write_text(path, text)
             log(f'Wrote {path}')
     for card in args.cards_dir.glob('*.md'):  # generated cards of models no longer registered
         if card.stem not in names and card.read_text().startswith(GENERATED_NOTE):
@@ -476,39 +480,138 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+DETECTION_TITLE = ('Backbone + FPN at detection resolution: long-short attention against full and spatial-reduction '
+                   'attention')
+DETECTION_SIZES = [(800, 1333), (1024, 1024)]
+"""Image sizes (height, width): the detectors' 1x-schedule test size and the square one of large-scale jitter."""
+
+
+def add_detection_args(det: argparse.ArgumentParser) -> None:
+    det.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13', 'pvt_small', 'pvt_small_grc'],
+                     help='backbones (timm names; default: cvt_ls_13 cvt_13 pvt_small pvt_small_grc)')
+    det.add_argument('--baseline', default='cvt_13', help='the model the ratios are to (default: cvt_13)')
+    det.add_argument('--sizes', nargs='+', default=DETECTION_SIZES, metavar='HxW',
+                     type=functools.partial(parse_pair, form='HEIGHTxWIDTH', example='800x1333', minimum=32),
+                     help='image sizes (default: 800x1333 1024x1024)')
+    det.add_argument('--bench', choices=('inference', 'train', 'both'), default='both',
+                     help='forward, AdamW training step, or both (default)')
+    det.add_argument('--amp', choices=sorted(bench.AMP_DTYPES), default=None, help='autocast dtype')
+    det.add_argument('--repeats', type=int, default=2, help='fresh processes per model, size and kind (default: 2)')
+    det.add_argument('--out', type=Path, default=OUT, help='folder of the reports (default: docs/benchmarks)')
+    det.add_argument('--name', default='detection', help='file name of the reports, without suffix')
+    det.add_argument('--note', default='', help='a sentence for the report (e.g. how loaded the machine was)')
+    det.add_argument('--from-json', type=Path, default=None, metavar='JSON', help="write the markdown of a report's "
+                     'JSON again (measures nothing; its command, commit, machine and note are kept)')
+    add_timing_args(det, warmup=1, budget=1.0, threads=None, timeout=3600.0)
+
+
+def _detection_table(rows: Sequence[Dict[str, Any]], kind: str, baseline: str) -> str:
+    """One kind's table: wall-clock and CPU time and memory, each with its ratio to the baseline at the same size
+    (wall-clock: paired where there are rounds; CPU time: this process's, steadier on a shared machine)."""
+    prefix, memory = {'inference': ('latency', 'peak_mib'), 'train': ('train_step', 'train_memory_mib')}[kind]
+    cpu, measured = f'{kind}_cpu_ms_per_image', []
+    for r in rows:
+        base = next((b for b in rows if b['spec'] == baseline and b['point'] == r['point']), None)
+        if r.get(f'{prefix}_ms') is not None:
+            measured.append(dict(r, cpu_ratio=r[cpu] / base[cpu] if base is not None and base.get(cpu) else None))
+    columns = [('backbone + FPN', 'label', ''), ('image', 'image', ''), ('input', 'input_size', 'size'),
+               ('wall ms', f'{prefix}_ms', '.0f'), ('CPU ms', cpu, '.0f'), ('MiB', memory, '.0f'),
+               (f'wall / {baseline}', f'{prefix}_ratio', 'ratio'), (f'CPU / {baseline}', 'cpu_ratio', 'x'),
+               (f'MiB / {baseline}', memory.replace('_mib', '_ratio'), 'x')]
+    return bench.benchmark_table(measured, columns, left_columns=3) if measured else 'Not measured.'
+
+
+def detection_markdown(rows: Sequence[Dict[str, Any]], settings: Dict[str, Any], machine: str, more: str = '') -> str:
+    """The detection report: what was measured, per kind the times and memory with their ratios to the baseline, and
+    every measured field; ``settings`` give its command, commit and note (and whether it is ``complete``)."""
+    baseline = rows[0]['baseline'] if rows else settings['baseline']
+    note = settings.get('note', '') + ('' if settings.get('complete', True) else ' Partial: ' + ', '.join(
+        sorted({r['image'] for r in rows})) + ' measured so far.') + more
+    return '\n'.join([
+        f'## {DETECTION_TITLE}', '', f"Produced by `{settings['command']}` at commit `{settings['commit']}`.", '',
+        f'Measured on: {machine}.', '',
+        'Backbone + FPN (`lsvision.detection.backbone_with_fpn`, 256 channels, five levels) at batch 1, on the input '
+        "torchvision's detector transform makes of each image (padded to a multiple of 32). Forward: eval mode, "
+        "inference mode; train step: forward, the sum of the levels' means, backward, AdamW (lr 1e-4, weight decay "
+        '0.05; its state counts in the train memory). Memory is the peak above the memory in use once model and '
+        'input exist (CPU: resident, CUDA: allocated). Each model, size and kind ran in fresh processes, the models '
+        f"in alternating order. {bench.RATIOS_EXPLAINED} CPU ms: the measuring process's CPU time per pass."
+        + (f'\n\n{note.strip()}' if note.strip() else ''), '', '### Forward', '',
+        _detection_table(rows, 'inference', baseline), '', '### Training step (AdamW)', '',
+        _detection_table(rows, 'train', baseline), '', '### Every measured field', '', bench.benchmark_table(rows), ''])
+
+
+def run_detection(args: argparse.Namespace, command: str) -> int:
+    """The ``detection`` sub-command: backbone + FPN at the input torchvision's detector transform makes of each image
+    size, forward and AdamW step, ratios to the baseline; the reports are rewritten after each size (a long run keeps
+    what it measured). ``--from-json``: the markdown of a stored report again, beside it."""
+    if args.from_json is not None:
+        data, md = bench.read_report(args.from_json), args.from_json.with_suffix('.md')
+        # the machine line the run printed (load average at its start), from its markdown; else the JSON's (its end)
+        line = re.search(r'^Measured on: (.*)\.$', md.read_text() if md.is_file() else '', flags=re.M)
+        machine = line.group(1) if line else f"{data['machine']} (the load average when the JSON was written)"
+        text = detection_markdown(data['rows'], data['settings'], machine, ' This markdown was written from its JSON '
+                                  f'by `python tools/benchmark.py detection --from-json {args.from_json}`.')
+        write_text(md, text)
+        print(text)
+        return 0
+    specs = list(dict.fromkeys([*args.models, args.baseline]))
+    kinds = ['inference', 'train'] if args.bench == 'both' else [args.bench]
+    settings = {**settings_of(args), 'command': command, 'commit': source_commit()}
+    machine = machine_description(args.device)
+    log(f'Machine: {machine}')
+    rows: List[Dict[str, Any]] = []
+    for i, (h, w) in enumerate(args.sizes, 1):
+        size = detector_input_size(h, w)
+        log(f"{h}x{w} images (input {size[0]}x{size[1]}): {', '.join(specs)}")
+        jobs = {s: [job_of(args, s, functools.partial(backbone_with_fpn, s), inputs=[((3, *size), None)], kind=kind,
+                           amp=args.amp, optimizer='adamw', extra=dict(image=f'{h}x{w}')) for kind in kinds]
+                for s in specs}
+        rows += measure_rows(jobs, args, [h, w], args.baseline)
+        bench.add_ratios(rows)
+        settings['complete'] = i == len(args.sizes)
+        text = detection_markdown(rows, settings, machine)
+        write_reports(rows, args.out / args.name, text, settings, args.device)
+        log(f'Wrote {args.out / args.name}.{{json,csv,md}}' + ('' if settings['complete'] else ' (partial)'))
+    print(text)
+    return 0
+
+
+SUBCOMMANDS = {
+    'sweep': (add_sweep_args, run_sweep, 'time and peak memory against input size, until a budget'),
+    'cards': (add_cards_args, run_cards, 'measure every registered model; write model_cards/ and README'),
+    'detection': (add_detection_args, run_detection, 'backbone + FPN at detection resolution, forward and AdamW step'),
+}
+"""Sub-command -> (add its arguments, run it with the arguments and the command line, its help)."""
+
+
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    """The model benchmark or a suite, or the ``sweep`` or ``cards`` sub-command."""
+    """The model benchmark or a suite, or a sub-command (:data:`SUBCOMMANDS`)."""
     argv = list(argv[1:] if argv[:1] == ['run'] else argv)
     parser = argparse.ArgumentParser(prog='benchmark.py', description=__doc__.split('\n\n')[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    if argv[:1] and argv[0] in ('sweep', 'cards'):
+    if argv[:1] and argv[0] in SUBCOMMANDS:
         sub = parser.add_subparsers(dest='command', required=True)
-        add_sweep_args(sub.add_parser('sweep', help='time and peak memory against input size, until a budget'))
-        add_cards_args(sub.add_parser('cards', help='measure every registered model; write model_cards/ and README'))
+        for name, (add_args, _, help_text) in SUBCOMMANDS.items():
+            add_args(sub.add_parser(name, help=help_text))
     else:
         add_bench_args(parser)
         parser.set_defaults(command='bench')
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error('--threads must be at least 1')
+    if getattr(args, 'repeats', 1) < 1:
+        parser.error('--repeats must be at least 1')
     if args.command == 'bench':
         args.bench = args.bench or (None if args.suite else 'inference')
-        if args.repeats < 1:
-            parser.error('--repeats must be at least 1')
     return args
 
 
 def check_names(args: argparse.Namespace) -> None:
-    """A model name (without wildcards; ``NAME@suffix``: its NAME) or a ``--suite sequence`` configuration that does not
-    exist is a ValueError with the closest names, before anything is measured."""
-    patterns = list(getattr(args, 'models', None) or []) + ([args.baseline] if getattr(args, 'baseline', None) else [])
-    for pattern in patterns:
-        if any(ch in pattern for ch in '*?['):
-            continue  # a wildcard that matches nothing is bench.resolve_specs' error
-        suffix = next((s for s in bench.SUFFIXES if pattern.endswith(s)), '')
-        message = unknown_model_message(pattern[:len(pattern) - len(suffix)])
-        if message:
-            raise ValueError(message)
+    """A model spec (or wildcard) or a ``--suite sequence`` configuration that does not exist is a ValueError with the
+    closest names, before anything is measured."""
+    baseline = getattr(args, 'baseline', None)
+    bench.resolve_specs(list(getattr(args, 'models', None) or []) + ([baseline] if baseline else []))
     if getattr(args, 'suite', None) == 'sequence':
         for name in args.names or []:
             if name not in SEQUENCE_CONFIGS:
@@ -525,8 +628,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)  # the measuring processes' count, for the machine description
     try:
         check_names(args)
-        if args.command in ('sweep', 'cards'):
-            return (run_sweep if args.command == 'sweep' else run_cards)(args, command)
+        if args.command in SUBCOMMANDS:
+            return SUBCOMMANDS[args.command][1](args, command)
         if args.suite in VISION_SUITES:
             return run_vision_suite(args.suite, args, command)
         if args.suite is not None:

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 import lsvision.sequence as seq
-from lsvision.bench import machine_description
 from lsvision.data import stdlib_bytes
 from lsvision.flops import parameter_count
+from lsvision.reports import machine_description
 from lsvision.runs import name_choice
 from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
 

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 import lsvision.sequence as seq
-from lsvision.bench import machine_description
 from lsvision.data import LISTOPS_LRA, LISTOPS_MINI, generate_listops, listops_vocab
 from lsvision.flops import parameter_count
+from lsvision.reports import machine_description
 from lsvision.runs import name_choice
 from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
 from lsvision.data.text_corpus import stdlib_docstrings
+from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.sequence.budget_train import auto_threads
 from lsvision.train.lm import LMConfig, run
 
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         result = dict(task='stdlib-docstrings-word-lm', budget_s=args.budget, threads=args.threads,
                       machine=machine_description(), corpus=corpus.summary(), results=rows)
         write_json(args.out, result)
-        write_atomic(args.out.with_suffix('.md'), lambda tmp: tmp.write_text(text))
+        write_text(args.out.with_suffix('.md'), text)
         print(json.dumps(rows), file=sys.stderr)
     return 0 if all(math.isfinite(r['test_ppl']) for r in rows) else 1
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
 from lsvision.data.parallel_text import write_demo_task
+from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.sequence.budget_train import auto_threads
 from lsvision.train.translation import MTConfig, run
 
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         result = dict(task='demo German -> English (lsvision.data.parallel_text)', splits=SPLITS, budget_s=args.budget,
                       threads=args.threads, model_kwargs=DEMO_SIZE, machine=machine_description(), results=rows)
         write_json(args.out, result)
-        write_atomic(args.out.with_suffix('.md'), lambda tmp: tmp.write_text(md + '\n'))
+        write_text(args.out.with_suffix('.md'), md + '\n')
     return 0 if all(math.isfinite(r['valid_ppl']) for r in rows) else 1
 
 

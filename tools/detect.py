@@ -32,9 +32,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
 
 
+def _flag_value(value: Any) -> str:
+    """A config value as it is written on the command line."""
+    if isinstance(value, dict):
+        return ' '.join(f"{k}={str(v).replace(' ', '')}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ' '.join(map(str, value))
+    return str(value) if value != '' else "''"
+
+
+def _demo_preset() -> str:
+    """The demo preset's settings as flags, for --help (the defaults listed there are those of a --data-dir run)."""
+    import yaml
+    with open(DEMO_CONFIG) as f:
+        cfg = yaml.safe_load(f) or {}
+    flags = ', '.join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in cfg.items() if k != 'data_dir')
+    return (f'Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that records its arguments), '
+            f'the demo preset {os.path.relpath(DEMO_CONFIG, ROOT)} replaces these defaults (on generated shapes): '
+            f'{flags}.')
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.
-                                     ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_demo_preset(),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('-c', '--config', default='', metavar='FILE',
                         help='flat YAML of argument names with underscores (configs/detection/*.yaml); a flag given '
                              'on the command line beats it')
@@ -50,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--drop-empty', action=Flag, default=False,
                        help="train only on images with a box (mmdetection's filter_empty_gt); evaluation keeps all")
     group = parser.add_argument_group('Model')
-    group.add_argument('--model', default='', help='backbone: a timm / lsvision model name with feature maps')
+    group.add_argument('--model', default='', help='backbone: a timm / lsvision model name with feature maps '
+                                                   '(needed with --data-dir, unless a config gives it)')
     group.add_argument('--detector', default='mask_rcnn', choices=DETECTORS)
     group.add_argument('--backbone-weights', default='',
                        help="'' (random), 'pretrained' (released weights) or a checkpoint file")

@@ -17,8 +17,8 @@ and the report is rewritten after every point, so a cut run leaves what it measu
    maintainers advise for small batches) at 224 b32.
 6. Swin-T, vil_ls_medium against its full-attention version, the rest of the grid (training at 224 b256, inference
    at 224 b256), the flex path's other token order and block size, compiled at 1024 b8.
-7. With what is left of the budget: issue 54's detection-resolution benchmark (tools/bench_detection.py, cvt_ls_13
-   against cvt_13, bf16) into docs/benchmarks/detection_gpu.{json,md}.
+7. With what is left of the budget: issue 54's detection-resolution benchmark (tools/benchmark.py detection,
+   cvt_ls_13 against cvt_13, bf16) into docs/benchmarks/detection_gpu.{json,md}.
 
 Writes docs/benchmarks/gpu.json and gpu.md (device, torch, commit, every point, the ratios against the issue's targets
 and the floors). `--dry-run` runs all of it on the CPU at tiny sizes (tiny models, 64 px, batch 2, float32, so each
@@ -41,7 +41,8 @@ from typing import Any, Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # lsvision from this checkout when run as a script
 
-from lsvision.bench import Job, measure, run_fresh, write_atomic, write_json  # noqa: E402
+from lsvision.bench import Job, measure, run_fresh  # noqa: E402
+from lsvision.reports import write_json, write_text  # noqa: E402
 from lsvision.runs import source_changed, source_commit  # noqa: E402
 
 SWIN = 'swin_tiny_patch4_window7_224'
@@ -235,7 +236,7 @@ def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]]
         lines += ['', f"## torch.profiler: {profile_result['label']}", '',
                   f"{profile_result['kernels']} CUDA kernels, {profile_result['total_ms']:.1f} ms "
                   f"(sorted by {profile_result['sort_by']})", '', '```', profile_result['table'], '```']
-    write_atomic(out_dir / 'gpu.md', lambda tmp: tmp.write_text('\n'.join(lines) + '\n'))
+    write_text(out_dir / 'gpu.md', '\n'.join(lines) + '\n')
 
 
 def run_tests(dry_run: bool, timeout_s: float) -> Dict[str, Any]:
@@ -291,10 +292,10 @@ def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: fl
 
 
 def detection_command(dry_run: bool, out_dir: Path) -> List[str]:
-    """Issue 54's resolution benchmark (tools/bench_detection.py: backbone + FPN at 800x1333 and 1024x1024, cvt_ls_13
-    against cvt_13) on the GPU, bf16; the dry run: one tiny inference point on the CPU."""
-    cmd = [sys.executable, str(ROOT / 'tools/bench_detection.py'), '--models', 'cvt_ls_13', '--baseline', 'cvt_13',
-           '--out', str(out_dir), '--name', 'detection_gpu', '--repeats', '1']
+    """Issue 54's resolution benchmark (tools/benchmark.py detection: backbone + FPN at 800x1333 and 1024x1024,
+    cvt_ls_13 against cvt_13) on the GPU, bf16; the dry run: one tiny inference point on the CPU."""
+    cmd = [sys.executable, str(ROOT / 'tools/benchmark.py'), 'detection', '--models', 'cvt_ls_13',
+           '--baseline', 'cvt_13', '--out', str(out_dir), '--name', 'detection_gpu', '--repeats', '1']
     if dry_run:
         return cmd + ['--sizes', '64x64', '--bench', 'inference', '--warmup', '0', '--budget-s', '0']
     return cmd + ['--device', 'cuda', '--amp', 'bfloat16', '--warmup', '1', '--budget-s', '2']
@@ -304,7 +305,8 @@ def run_detection(dry_run: bool, out_dir: Path, deadline: float) -> str:
     """The detection benchmark with what is left of the budget (last: issue 53's points come first)."""
     left = deadline - time.monotonic()
     if left < (1 if dry_run else 60):
-        return f'not run: {left:.0f} s of the budget left (run tools/bench_detection.py --device cuda --amp bfloat16)'
+        return (f'not run: {left:.0f} s of the budget left (run tools/benchmark.py detection --device cuda '
+                '--amp bfloat16)')
     try:
         proc = subprocess.run(detection_command(dry_run, out_dir), cwd=ROOT, capture_output=True, text=True,
                               timeout=max(left, 60.))

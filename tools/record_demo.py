@@ -23,7 +23,7 @@ from typing import List
 import torch
 import yaml
 
-from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
+from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.runs import source_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
                   load_average=round(os.getloadavg()[0], 1),  # the last minute's, also in the machine line
                   date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'))
     write_json(args.out.with_suffix('.json'), record)
-    write_atomic(args.out.with_suffix('.md'), lambda tmp: tmp.write_text(markdown(record)))
+    write_text(args.out.with_suffix('.md'), markdown(record))
     print(markdown(record))
     return 0
 

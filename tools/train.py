@@ -55,8 +55,12 @@ def main(argv=None) -> int:
         return 2
     if args.rank == 0:
         weights = 'EMA weights' if result['metrics_of'] == 'ema' else 'model weights'
+        session = result['session']
+        took = f"{result['total_seconds']:.0f}s" if result['total_seconds'] is not None else 'time not recorded'
+        if session['resumed_from']:  # run totals, then this session's share
+            took += f"; this session: {session['updates']} updates, {session['total_seconds']:.0f}s"
         print(f"\n{trained_model(result)}: val top-1 {result['top1']:.2f}% (top-5 {result['top5']:.2f}%, {weights}) "
-              f"after {result['epochs_done']} epoch(s), {result['num_updates']} updates, {result['total_seconds']:.0f}s"
+              f"after {result['epochs_done']} epoch(s), {result['num_updates']} updates, {took}"
               + (' (stopped by --time-budget)' if result['stopped_by_time_budget'] else ''))
         print(f"checkpoint (these weights): {result['last_checkpoint']}")
         if result['best_checkpoint'] and result['best_epoch'] + 1 != result['epochs_done']:

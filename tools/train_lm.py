@@ -8,7 +8,10 @@
 
 Data: WikiText's word-level release (`wiki.train.tokens`, `wiki.valid.tokens`, `wiki.test.tokens`), any text file
 (--train-file, with --valid-file / --test-file or held-out lines of it), or --corpus stdlib (the standard library's
-docstrings, no download). Perplexity is evaluated with the memory carried over each split, every token scored once.
+docstrings, no download). Perplexity is evaluated with the memory carried over each split: --eval-protocol
+every-token (default) scores every token but the first once; --eval-protocol authors is Transformer-XL's eval.py
+(the authors' code, whose numbers the paper reports), --eval-batch-size rows of N // B tokens each predicting its own
+tokens but the first.
 The run directory gets last.pth.tar (resume), model_best.pth.tar, result.json and result.md.
 """
 import argparse
@@ -59,12 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default)')
     train.add_argument('--output', default=d.output, help='run directory')
     train.add_argument('--resume', help="a last.pth.tar, or 'auto' (the one in --output)")
-    ev = p.add_argument_group('evaluation (Transformer-XL eval.py: --eval-tgt-len 64 --eval-mem-len 640 '
-                              '--eval-clamp-len 400 --eval-same-length --eval-batch-size 1)')
+    ev = p.add_argument_group(
+        "evaluation (the authors' eval.py as their run_wt103_base.sh runs it: --eval-protocol "
+        'authors --eval-batch-size 10 --eval-tgt-len 64 --eval-mem-len 640 --eval-clamp-len 400 --eval-same-length)')
+    ev.add_argument('--eval-protocol', default=d.eval_protocol, choices=['every-token', 'authors'],
+                    help="'every-token': every token of the split but the first scored once; 'authors': "
+                         "Transformer-XL eval.py's batches, as the authors' code that gave the paper's numbers "
+                         'evaluates (--eval-batch-size rows of N // B tokens, each predicting its own tokens but '
+                         'the first)')
     ev.add_argument('--eval-tgt-len', type=int, help='segment length (default: --tgt-len)')
-    ev.add_argument('--eval-batch-size', type=int, default=d.eval_batch_size, help='streams the split is cut into')
+    ev.add_argument('--eval-batch-size', type=int, default=d.eval_batch_size,
+                    help="streams the split is cut into (the authors' eval.py: 10)")
     ev.add_argument('--eval-mem-len', type=int, help='memory length for evaluation (Transformer-XL only)')
-    ev.add_argument('--eval-clamp-len', type=int, help='clamp relative distances')
+    ev.add_argument('--eval-clamp-len', type=int,
+                    help="clamp relative distances at this value; <= 0: no clamp (the authors' -1)")
     ev.add_argument('--eval-same-length', action='store_true', help='every query attends as many keys')
     ev.add_argument('--eval-max-tokens', type=int, help='validate on the first this many tokens during training')
     return p

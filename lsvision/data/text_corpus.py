@@ -9,8 +9,9 @@ seen fewer than `min_freq` times or beyond `max_size` map to an added `<unk>`.
 `stdlib_docstrings` builds a local corpus with no download: the docstrings of the Python standard library, one
 paragraph a line, words and punctuation split apart (as WikiText's text is), split into train / valid / test by file.
 
-Batching for a language model over streams (`stream_batches`, `eval_streams`) is here too: the contiguous streams
-that Transformer-XL trains on, and an evaluation layout that scores every token but the first exactly once.
+Batching for a language model over streams (`stream_batches`, `eval_streams`, `authors_eval_streams`) is here too:
+the contiguous streams that Transformer-XL trains on, an evaluation layout that scores every token but the first
+exactly once, and the authors' evaluation layout (their eval.py).
 """
 import ast
 import logging
@@ -28,7 +29,7 @@ from .stdlib_docs import package_files, stdlib_root
 
 __all__ = ['EOS', 'UNK', 'WIKITEXT_FILES', 'Vocab', 'WordCorpus', 'tokenize_line', 'build_vocab', 'encode_lines',
            'load_wikitext', 'load_text_files', 'stdlib_docstrings', 'stream_batches', 'eval_streams',
-           'StreamSegment']
+           'authors_eval_streams', 'StreamSegment']
 
 EOS = '<eos>'
 UNK = '<unk>'
@@ -235,9 +236,26 @@ class StreamSegment:
     mask: torch.Tensor
 
 
+def authors_eval_streams(data: torch.Tensor, batch_size: int, tgt_len: int) -> List[StreamSegment]:
+    """Transformer-XL's evaluation layout (eval.py's `LMOrderedIterator`, ext_len 0): the split cut into
+    `batch_size` contiguous rows of n = N // B tokens (the last N mod B tokens left out), each row read in segments
+    of `tgt_len` and predicting its own tokens 2 ... n: B * (n - 1) targets, every segment full width (no mask).
+    eval.py's default --batch_size is 10 (run_wt103_base.sh and run_wt103_large.sh keep it).
+    """
+    rows = stream_batches(data, batch_size).long()
+    n = rows.shape[1]
+    out = []
+    for i in range(0, n - 1, tgt_len):
+        L = min(tgt_len, n - 1 - i)
+        out.append(StreamSegment(rows[:, i:i + L], rows[:, i + 1:i + 1 + L],
+                                 torch.ones(rows.shape[0], L, dtype=torch.bool)))
+    return out
+
+
 def eval_streams(data: torch.Tensor, batch_size: int, tgt_len: int) -> List[StreamSegment]:
-    """Segments that score every token of `data` but the first exactly once (Transformer-XL evaluates one stream
-    carried over the whole test set; `batch_size` rows cut it into as many streams, each starting afresh).
+    """Segments that score every token of `data` but the first exactly once: `batch_size` rows cut it into as many
+    streams, each starting afresh (1: one stream carried over the whole split). Not the authors' layout
+    (`authors_eval_streams`), which leaves out the first token of each row and the last N mod B tokens.
 
     Row b reads tokens b*S ... (b+1)*S and predicts b*S+1 ... (b+1)*S, S = ceil((N-1)/B); the last row is padded.
     """

@@ -17,6 +17,7 @@ from .models import (
     ExtraLevels,
     backbone_with_fpn,
     create_backbone,
+    detector_input_size,
     faster_rcnn,
     grc_layers,
     mask_rcnn,
@@ -25,6 +26,6 @@ from .models import (
 
 __all__ = [
     'BackboneWithFPN', 'ExtraLevels', 'all_reduce_grc_caches', 'backbone_with_fpn', 'create_backbone',
-    'faster_rcnn', 'grc_layers', 'mask_rcnn', 'retinanet',
+    'detector_input_size', 'faster_rcnn', 'grc_layers', 'mask_rcnn', 'retinanet',
     'CocoDataError', 'CocoInstances', 'coco_evaluate', 'collate_detection', 'detections_to_coco', 'evaluate_detector',
 ]

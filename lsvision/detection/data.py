@@ -13,8 +13,9 @@ Bad input, checked when the dataset is built (every problem named with its image
   and evaluation (the metric is computed over the other images; `left_out` names them);
 - crowd annotations (`iscrowd: 1`): not training targets (as torchvision's and mmdetection's COCO recipes); in
   evaluation they are pycocotools' ignore regions;
-- degenerate boxes (no width or height inside the image): not training targets (torchvision's detectors refuse
-  them), counted in `stats`; evaluation reads them as pycocotools does;
+- degenerate boxes (no width or height inside the image, e.g. a box wholly outside it): not training targets
+  (torchvision's detectors refuse them), counted in `stats` and the first few named there (image, annotation id,
+  the box as the file gives it); evaluation reads them as pycocotools does;
 - images without annotations: kept for evaluation (their detections are false positives); in training they are kept
   as negative images unless `drop_empty=True` (mmdetection's `filter_empty_gt`, which the COCO recipes use);
 - categories that do not match the model: `check_num_classes` says which `num_classes` the file needs.
@@ -39,7 +40,7 @@ from ..eval.distributed import all_gather, shard_range
 from ..train.data import derive_seed
 
 __all__ = ['CocoDataError', 'CocoProblem', 'CocoStats', 'CocoInstances', 'load_coco', 'find_problems',
-           'collate_detection']
+           'collate_detection', 'describe_degenerate_box']
 
 # how many problems an error message lists before it says "and N more"
 _LISTED = 8
@@ -69,9 +70,16 @@ class CocoStats:
     annotations: int = 0
     crowd: int = 0
     degenerate_boxes: int = 0
+    degenerate_examples: List[Dict[str, Any]] = field(default_factory=list)  # the first _LISTED of them
     empty_images: int = 0
     dropped_empty_images: int = 0
     left_out_images: List[int] = field(default_factory=list)
+
+
+def describe_degenerate_box(example: Dict[str, Any]) -> str:
+    """One entry of `CocoStats.degenerate_examples` in words."""
+    return (f"image {example['image_id']} ({example['file_name']}), annotation {example['annotation_id']}: bbox "
+            f"{example['bbox']} {example['why']}")
 
 
 def load_coco(ann_file: str) -> COCO:
@@ -225,10 +233,14 @@ class CocoInstances(torch.utils.data.Dataset):
         for image_id in self.image_ids:
             anns = self.coco.imgToAnns.get(image_id, [])
             crowd = sum(bool(a.get('iscrowd', 0)) for a in anns)
-            boxes = self._boxes([a for a in anns if not a.get('iscrowd', 0)], self.coco.imgs[image_id])[1]
+            solid = [a for a in anns if not a.get('iscrowd', 0)]
+            boxes = self._boxes(solid, self.coco.imgs[image_id])[1]
             self.stats.annotations += len(anns)
             self.stats.crowd += crowd
             self.stats.degenerate_boxes += len(anns) - crowd - int(boxes.sum())
+            for ann in (a for a, has_area in zip(solid, boxes) if not has_area):
+                if len(self.stats.degenerate_examples) < _LISTED:
+                    self.stats.degenerate_examples.append(self._degenerate(ann, self.coco.imgs[image_id]))
             empty = not boxes.any()
             self.stats.empty_images += empty
             if empty and drop_empty:
@@ -237,6 +249,15 @@ class CocoInstances(torch.utils.data.Dataset):
                 kept.append(image_id)
         self.image_ids = kept
         self.stats.images = len(kept)
+
+    @staticmethod
+    def _degenerate(ann: Dict[str, Any], image: Dict[str, Any]) -> Dict[str, Any]:
+        """A box without area inside its image: where it is and why."""
+        w, h = ann['bbox'][2:]
+        why = ('has no width or height' if w <= 0 or h <= 0 else
+               f"lies wholly outside the {image['width']}x{image['height']} image")
+        return dict(image_id=image['id'], file_name=image.get('file_name'), annotation_id=ann.get('id'),
+                    bbox=list(ann['bbox']), why=why)
 
     @property
     def num_classes(self) -> int:

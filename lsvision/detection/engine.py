@@ -36,18 +36,17 @@ import timm
 from timm.optim import create_optimizer_v2
 from timm.scheduler import MultiStepLRScheduler
 
-from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
-from ..eval.report import write_json, write_markdown
-from ..runs import source_commit
+from ..reports import machine_description, markdown_table, write_json, write_text
+from ..runs import source_commit, weights_error_message
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed
 from ..train.dense import agree, amp_dtype, autocast, load_eval_weights, recorded_args, run_directory, setup_run, unwrap
 from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
-from .data import CocoDataError, CocoInstances, collate_detection
+from .data import CocoDataError, CocoInstances, collate_detection, describe_degenerate_box
 
 __all__ = ['DetectionSetupError', 'NonFiniteLossError', 'DETECTORS', 'build_detector', 'evaluate_detector',
            'coco_split_paths', 'run', 'markdown_report']
@@ -80,12 +79,21 @@ def build_detector(args: argparse.Namespace, num_classes: int) -> nn.Module:
                                   + (f'; did you mean {", ".join(close)}?' if close else ''))
     kwargs = dict(min_size=args.min_size, max_size=args.max_size, **(args.detector_kwargs or {}))
     weights, model_kwargs = args.backbone_weights or None, dict(args.model_kwargs or {})
-    if not args.fpn_channels:
-        return getattr(models, args.detector)(args.model, num_classes=num_classes, backbone_weights=weights,
-                                              model_kwargs=model_kwargs, **kwargs)
-    return _narrow_detector(args.detector, models.backbone_with_fpn(
-        args.model, weights, model_kwargs, out_channels=args.fpn_channels,
-        levels='retinanet' if args.detector == 'retinanet' else 'rcnn'), num_classes, kwargs)
+    try:
+        if not args.fpn_channels:
+            return getattr(models, args.detector)(args.model, num_classes=num_classes, backbone_weights=weights,
+                                                  model_kwargs=model_kwargs, **kwargs)
+        backbone = models.backbone_with_fpn(args.model, weights, model_kwargs, out_channels=args.fpn_channels,
+                                            levels='retinanet' if args.detector == 'retinanet' else 'rcnn')
+    except (RuntimeError, OSError) as e:  # 'pretrained': none released, or none reachable
+        message = weights_error_message(e, args.model, (
+            f'give a weights file of {args.model}, --backbone-weights FILE (safetensors, a .pth state dict, a '
+            "tools/train.py checkpoint, or the released file downloaded by hand), or start from random weights, "
+            "--backbone-weights ''"))
+        if message is None:
+            raise
+        raise DetectionSetupError(message) from None
+    return _narrow_detector(args.detector, backbone, num_classes, kwargs)
 
 
 def _narrow_detector(detector: str, backbone: models.BackboneWithFPN, num_classes: int,
@@ -173,6 +181,21 @@ def _log_data(name: str, ds: CocoInstances) -> None:
                  + (f' ({s.dropped_empty_images} of them left out of training)' if s.dropped_empty_images else '')
                  + (f'; {len(s.left_out_images)} bad images left out: ' + '; '.join(str(p) for p in ds.problems[:5])
                     if s.left_out_images else ''))
+    if s.degenerate_boxes:
+        _logger.warning(f'{name}: {_degenerate_boxes(s)} ({_DEGENERATE_USE[name]})')
+
+
+# what becomes of a degenerate box in each split
+_DEGENERATE_USE = dict(train='no training target; an image with no other box trains as background',
+                       val='COCOeval reads them as the file gives them')
+
+
+def _degenerate_boxes(stats: Any) -> str:
+    """The degenerate boxes of a split: their count and the first few, named."""
+    examples = stats['degenerate_examples'] if isinstance(stats, dict) else stats.degenerate_examples
+    count = stats['degenerate_boxes'] if isinstance(stats, dict) else stats.degenerate_boxes
+    more = f' ... and {count - len(examples)} more' if count > len(examples) else ''
+    return f'{count} degenerate box(es): ' + '; '.join(describe_degenerate_box(e) for e in examples) + more
 
 
 class _Training:
@@ -337,15 +360,15 @@ def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: C
 
 def _write_reports(folder: str, report: Dict[str, Any], detections: List[Dict[str, Any]]) -> None:
     """result.json, report.md and detections.json (COCO's result format) in `folder`, atomically."""
-    write_json(report, os.path.join(folder, 'result.json'))
-    write_markdown(markdown_report(report), os.path.join(folder, 'report.md'))
-    write_json(detections, os.path.join(folder, 'detections.json'))
+    write_json(os.path.join(folder, 'result.json'), report)
+    write_text(os.path.join(folder, 'report.md'), markdown_report(report))
+    write_json(os.path.join(folder, 'detections.json'), detections)
 
 
 def _start_or_resume(args: argparse.Namespace, run_state: _Training, keeper: CheckpointKeeper, out_dir: str) -> None:
     if not args.resume:
         if args.rank == 0:
-            write_markdown(yaml.safe_dump(recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
+            write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(recorded_args(args), sort_keys=False))
         return
     ckpt = load_checkpoint(args.resume)
     if 'next_epoch' not in ckpt:
@@ -434,6 +457,10 @@ def markdown_report(report: Dict[str, Any]) -> str:
     if val['left_out_images']:
         lines += [f'Left out as bad input ({len(val["left_out_images"])} images): '
                   + '; '.join(val['problems'][:10]), '']
+    for split in ('train', 'val'):
+        if (report.get(split) or {}).get('degenerate_boxes'):
+            lines += [f'{split.capitalize()} split: {_degenerate_boxes(report[split])} ({_DEGENERATE_USE[split]}).',
+                      '']
     if report.get('epochs_done') is not None:
         lines.append(f'Trained {report["epochs_done"]} epoch(s), {report["num_updates"]} updates, '
                      f'{report["train_seconds"]:.0f} s' + (' (stopped by the time budget)' if

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torchvision.models.detection import FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, FeaturePyramidNetwork
 
 import timm
@@ -34,8 +35,8 @@ from lsvision.models._pretrained import NoPretrainedWeightsError, model_card
 from lsvision.train.weights import file_num_classes, file_tensor_shapes
 
 __all__ = [
-    'BackboneWithFPN', 'ExtraLevels', 'backbone_with_fpn', 'create_backbone', 'faster_rcnn', 'grc_layers',
-    'input_multiple', 'mask_rcnn', 'pad_to_multiple', 'retinanet',
+    'BackboneWithFPN', 'ExtraLevels', 'backbone_with_fpn', 'create_backbone', 'detector_input_size', 'faster_rcnn',
+    'grc_layers', 'input_multiple', 'mask_rcnn', 'pad_to_multiple', 'retinanet',
 ]
 
 # the detectors' five levels: R-CNNs from stride 4 (torchvision's resnet_fpn_backbone names), RetinaNet from 8
@@ -244,6 +245,14 @@ def backbone_with_fpn(
     if levels == 'rcnn':
         return BackboneWithFPN(body, RCNN_LEVELS, first_stride=4, extra_mode='pool', out_channels=out_channels)
     return BackboneWithFPN(body, RETINANET_LEVELS, first_stride=8, extra_mode='conv', out_channels=out_channels)
+
+
+def detector_input_size(height: int, width: int) -> Tuple[int, int]:
+    """The batch torchvision's `GeneralizedRCNNTransform` makes of one `height` x `width` image when its sizes are
+    the image's (min_size = the shorter side, max_size = the longer): kept, then padded to a multiple of 32."""
+    transform = GeneralizedRCNNTransform(min(height, width), max(height, width), [0.] * 3, [1.] * 3)
+    images, _ = transform([torch.zeros(3, height, width)])
+    return tuple(images.tensors.shape[-2:])
 
 
 def _normalization(backbone: BackboneWithFPN, detector_kwargs: Dict[str, Any]) -> Dict[str, Any]:

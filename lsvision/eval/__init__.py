@@ -7,7 +7,7 @@ folder's classes). ``tools/validate.py`` and
 """
 from .dataset import EvalImageDataset, ImageChecks
 from .metrics import In9Accuracy, TopKAccuracy, add_real_results, corruption_summary, real_labels, real_result
-from .report import markdown_report, plot_corruptions, write_json, write_markdown
+from .report import markdown_report, plot_corruptions
 from .runner import (
     EvalSettings,
     default_workers,

@@ -13,12 +13,14 @@ Reading the run is `lsvision.runs`' (which the training side shares); this modul
 """
 import argparse
 import ast
+import contextlib
 import dataclasses
+import logging
 import os
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -28,6 +30,7 @@ import timm
 from timm.data import resolve_model_data_config
 from timm.models import reparameterize_model
 
+from ..reports import write_json, write_text
 from ..runs import (
     TrainingRun,
     channels_of_image_mode,
@@ -37,9 +40,10 @@ from ..runs import (
     normalization_for_channels,
     training_run,
     unknown_model_message,
+    weights_error_message,
 )
 from .distributed import JobProgress, check_paths, init_eval_processes
-from .report import markdown_report, plot_corruptions, write_json, write_markdown
+from .report import markdown_report, plot_corruptions
 from .runner import EvalSettings, default_workers, file_sha256
 from .suites import LayoutWarning
 
@@ -61,6 +65,9 @@ def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
     g.add_argument('--checkpoint', nargs='+', default=None,
                    help='checkpoint file(s) (.pth/.pt/.safetensors), one per model in the order of --models')
     g.add_argument('--pretrained', action='store_true', help="load timm's pretrained weights (may download)")
+    g.add_argument('--num-classes', type=int, default=None, metavar='N',
+                   help="the model's class count (timm's validate.py flag; default: a tools/train.py checkpoint's "
+                        "run, else the model's default); a checkpoint's head must have as many")
     g.add_argument('--model-kwargs', nargs='*', default=[], metavar='KEY=VALUE',
                    help='extra timm.create_model arguments, values parsed as YAML (e.g. depths=[1,1,1]); a '
                         "tools/train.py checkpoint's own run arguments are used without them")
@@ -126,6 +133,78 @@ def _parse_kwargs(items: Sequence[str]) -> Dict[str, Any]:
     return kwargs
 
 
+def _model_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
+    """``--model-kwargs`` with ``--num-classes`` (the two must agree where both give the class count)."""
+    kwargs = _parse_kwargs(args.model_kwargs)
+    num_classes = getattr(args, 'num_classes', None)
+    if num_classes is not None:
+        if kwargs.get('num_classes', num_classes) != num_classes:
+            raise ValueError(f"--num-classes {num_classes} and --model-kwargs num_classes={kwargs['num_classes']} "
+                             'disagree: give the class count once (--num-classes N)')
+        kwargs['num_classes'] = num_classes
+    return kwargs
+
+
+def _checkpoint_head(name: str, path: str, kwargs: Dict[str, Any]) -> Optional[Tuple[str, int, int, bool]]:
+    """The classifier weight of a checkpoint in the model's own key names, its class count, the class count of the
+    model built with ``kwargs``, and whether the rest of the checkpoint fits that model; None where the file has no
+    such key."""
+    from lsvision.models import state_dict_mismatch
+    try:
+        state = timm.models.load_state_dict(path, use_ema=False, weights_only=True)
+        meta = timm.create_model(name, device='meta', **kwargs)
+    except Exception:  # noqa: BLE001  (the error being explained is the one to report)
+        return None
+    classifier = (getattr(meta, 'pretrained_cfg', None) or {}).get('classifier')
+    key = f'{classifier}.weight'
+    if not isinstance(classifier, str) or getattr(state.get(key), 'ndim', 0) < 1:
+        return None
+
+    def body(tensors: Dict[str, Any]) -> Dict[str, Any]:
+        return {k: v for k, v in tensors.items() if not k.startswith(classifier + '.')}
+
+    return (key, int(state[key].shape[0]), int(getattr(meta, 'num_classes', 0)),
+            state_dict_mismatch(body(meta.state_dict()), body(state)) is None)
+
+
+@contextlib.contextmanager
+def _held_head_warnings() -> Iterator[None]:
+    """Holds the checkpoint filters' warning that a head of another class count is not loaded: evaluation loads
+    the head timm is told of, so such a head stops the load (with this module's message); the warning is let through
+    only if the model loads after all."""
+    logger = logging.getLogger('lsvision.models._checkpoint')
+    held: List[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if 'head is not loaded' in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    logger.addFilter(hold)
+    try:
+        yield
+    finally:
+        logger.removeFilter(hold)
+    for record in held:  # reached only without an exception
+        logger.handle(record)
+
+
+def _checkpoint_mismatch_message(error: Exception, name: str, checkpoint: str, kwargs: Dict[str, Any],
+                                 class_source: str) -> str:
+    """The tool's message for a checkpoint that does not fit: in the tools' flags, with the checkpoint's own class
+    count where its head is found."""
+    head = _checkpoint_head(name, checkpoint, kwargs)
+    if head is None:
+        return f'{error} (give the arguments it was trained with as --model-kwargs KEY=VALUE)'
+    key, n, model_classes, body_fits = head
+    if body_fits:
+        return (f'{checkpoint} holds a {n}-class head ({key}) and the model was built for {model_classes} classes '
+                f"({class_source}); evaluation uses the checkpoint's own head: give --num-classes {n}")
+    return (f'{error} (give the arguments it was trained with as --model-kwargs KEY=VALUE; its head has {n} classes: '
+            f'--num-classes {n})')
+
+
 def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = False,
                model_kwargs: Optional[Dict[str, Any]] = None,
                run: Optional[TrainingRun] = None) -> Tuple[nn.Module, Dict[str, Any]]:
@@ -133,6 +212,10 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
 
     Args:
         run: The training run the checkpoint records: the model is built with its arguments (``model_kwargs`` win).
+
+    Raises:
+        CheckpointMismatchError: the checkpoint does not fit the model; the message names the flags that fix it
+            (``--num-classes N`` with the checkpoint's own count where only the head differs).
 
     Returns:
         the model in eval mode, and its identity for the results: name, pretrained tag, checkpoint path and sha256,
@@ -149,13 +232,23 @@ def load_model(name: str, checkpoint: Optional[str] = None, pretrained: bool = F
             overlay['num_classes'] = kwargs['num_classes']
         from lsvision.models import CheckpointMismatchError, explain_checkpoint_errors
         try:
-            with explain_checkpoint_errors(name, checkpoint, kwargs):  # both architectures, not torch's key listing
+            with _held_head_warnings(), explain_checkpoint_errors(name, checkpoint, kwargs):  # not torch's listing
                 model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
         except CheckpointMismatchError as e:
-            raise CheckpointMismatchError(f'{e} (give the arguments as --model-kwargs KEY=VALUE, e.g. '
-                                          'num_classes=10)') from None
+            class_source = ('--num-classes / --model-kwargs' if 'num_classes' in (model_kwargs or {}) else
+                            "its training run's" if 'num_classes' in kwargs else f"{name}'s default")
+            raise CheckpointMismatchError(
+                _checkpoint_mismatch_message(e, name, checkpoint, kwargs, class_source)) from None
     else:
-        model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        try:
+            model = timm.create_model(name, pretrained=pretrained, **kwargs)
+        except (RuntimeError, OSError) as e:  # --pretrained: none released, or none reachable
+            message = weights_error_message(e, name, (
+                f'give a weights file of {name} as --checkpoint FILE (safetensors, a .pth state dict, or the released '
+                'file downloaded by hand), or leave out --pretrained (random weights: a check of the pipeline only)'))
+            if message is None:
+                raise
+            raise ValueError(message) from None
     cfg = getattr(model, 'pretrained_cfg', {}) or {}
     identity = dict(
         # `pretrained`: timm's weights were loaded; a checkpoint's weights are recorded by path and hash instead
@@ -310,7 +403,7 @@ def run_and_report(
                   file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         run = training_run(ckpt) if ckpt else None
-        model, identity = load_model(name, ckpt, args.pretrained, _parse_kwargs(args.model_kwargs), run)
+        model, identity = load_model(name, ckpt, args.pretrained, _model_kwargs(args), run)
         if getattr(args, 'reparam', False):
             model = reparameterize_model(model)
             identity['reparam'] = True
@@ -328,8 +421,8 @@ def run_and_report(
         identity['wall_time_s'] = round(time.perf_counter() - t0, 2)
         results['models'].append(identity)
         if processes.primary:
-            write_json(results, json_path)
-            write_markdown(markdown_report(results), md_path)
+            write_json(json_path, results)
+            write_text(md_path, markdown_report(results))
         del model
     settings.tracker.close()
     if not processes.primary:
@@ -337,7 +430,7 @@ def run_and_report(
     try:
         if plot_corruptions(results, png_path):
             results['plot'] = png_path
-            write_json(results, json_path)
+            write_json(json_path, results)
     except ImportError as e:  # matplotlib is the optional extra lsvision[eval]
         print(f"no PNG chart: {e} (pip install 'lsvision[eval]')", file=sys.stderr)
     print(markdown_report(results))

@@ -153,6 +153,22 @@ def real_result(real: RealLabelsImagenet, evaluated: Optional[int] = None) -> Di
                 skipped_no_label=evaluated - scored)
 
 
+def _covered(errors: Mapping[str, Mapping[int, float]], names: Sequence[str]) -> Dict[str, object]:
+    """The corruptions and severities a mean over ``names`` covers: one severity list if all share it, else one
+    per corruption."""
+    sev = {c: sorted(errors[c]) for c in names}
+    shared = {tuple(v) for v in sev.values()}
+    return dict(corruptions=list(names), severities=list(shared.pop()) if len(shared) == 1 else sev)
+
+
+def _mean_error(per_corruption: Mapping[str, Mapping[str, Optional[float]]], errors: Mapping[str, Mapping[int, float]],
+                names: Sequence[str]) -> Optional[Dict[str, object]]:
+    """The mean of the per-corruption errors (%) over ``names``, with what it covers; None if ``names`` is empty."""
+    if not names:
+        return None
+    return dict(value=sum(per_corruption[c]['mean_error'] for c in names) / len(names), **_covered(errors, names))
+
+
 def corruption_summary(
         errors: Mapping[str, Mapping[int, float]],
         clean_error: Optional[float] = None,
@@ -172,7 +188,10 @@ def corruption_summary(
 
     Returns:
         dict with per-corruption ``mean_error``, ``ce``, ``relative_ce`` (all in %), ``mce``, ``relative_mce``,
-        ``mean_error_15`` (the unnormalised mean over the 15), ``mean_error_extra`` and ``notes``.
+        ``mean_error_15`` (the unnormalised mean over the 15 at severities 1-5; None, with the reason in ``notes``,
+        unless all of them were evaluated), ``mean_error`` and ``mean_error_extra`` (the mean over the evaluated
+        corruptions of the 15, resp. the extra ones, as ``value`` with the ``corruptions`` and ``severities`` it
+        covers; None if there are none) and ``notes``.
     """
     per_corruption: Dict[str, Dict[str, Optional[float]]] = {}
     notes: List[str] = []
@@ -191,7 +210,9 @@ def corruption_summary(
     main = [c for c in CORRUPTIONS if c in per_corruption]
     complete = len(main) == len(CORRUPTIONS) and all(per_corruption[c]['ce'] is not None for c in main)
     if not complete:
-        notes.append(f'mCE needs all 15 corruptions at severities 1-5; have {len(main)} ({", ".join(main)})')
+        notes.append(f'mCE and the mean error over the 15 need all 15 corruptions at severities 1-5; have '
+                     f'{len(main)} ({", ".join(main)})' + (f' at severities {_covered(errors, main)["severities"]}'
+                                                          if main else ''))
     if clean_error is None:
         notes.append('relative CE needs the clean error (evaluate ImageNet val or pass --clean-error)')
     extra = [c for c in EXTRA_CORRUPTIONS if c in per_corruption]
@@ -200,8 +221,9 @@ def corruption_summary(
         mce=sum(per_corruption[c]['ce'] for c in main) / len(main) if complete else None,
         relative_mce=(sum(per_corruption[c]['relative_ce'] for c in main) / len(main)
                       if complete and clean_error is not None else None),
-        mean_error_15=sum(per_corruption[c]['mean_error'] for c in main) / len(main) if main else None,
-        mean_error_extra=sum(per_corruption[c]['mean_error'] for c in extra) / len(extra) if extra else None,
+        mean_error_15=sum(per_corruption[c]['mean_error'] for c in main) / len(main) if complete else None,
+        mean_error=_mean_error(per_corruption, errors, main),
+        mean_error_extra=_mean_error(per_corruption, errors, extra),
         clean_error=None if clean_error is None else 100 * clean_error,
         alexnet_clean_error=100 * alexnet_clean_error,
         notes=notes,

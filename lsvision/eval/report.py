@@ -1,45 +1,20 @@
-"""Reports of the evaluation tools: the JSON file (written atomically), markdown tables laid out like the
-Transformer-LS paper's Tables 6, 13 and 14, and a PNG chart of ImageNet-C CE per corruption and error per severity.
+"""Reports of the evaluation tools: markdown tables laid out like the Transformer-LS paper's Tables 6, 13 and 14, and
+a PNG chart of ImageNet-C CE per corruption and error per severity (the JSON file: `lsvision.reports.write_json`).
 
 The input is the tools' results dict: ``{'models': [{'model': name, 'params': n, 'suites': {suite: result}}, ...]}``
 with the per-suite dicts of `lsvision.eval.runner`.
 """
-import json
 import os
-import tempfile
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..reports import markdown_lines as _table
 from .suites import ALL_CORRUPTIONS, CORRUPTIONS, IN9_VARIANTS, V2_VARIANTS
 
-__all__ = ['write_json', 'markdown_report', 'plot_corruptions']
-
-
-def write_json(obj: Any, path: str) -> None:
-    """Writes JSON through a temporary file and ``os.replace``, so a crash never leaves half a report."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
-    try:
-        with os.fdopen(fd, 'w') as f:
-            json.dump(obj, f, indent=2, allow_nan=True)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _write_text(text: str, path: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix='.tmp')
-    with os.fdopen(fd, 'w') as f:
-        f.write(text)
-    os.replace(tmp, path)
+__all__ = ['markdown_report', 'plot_corruptions']
 
 
 def _f(value: Optional[float], digits: int = 2) -> str:
     return '-' if value is None else f'{value:.{digits}f}'
-
-
-def _table(header: List[str], rows: List[List[str]]) -> List[str]:
-    return ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)] + ['| ' + ' | '.join(r) + ' |' for r in rows]
 
 
 def _c_suites(m: Dict[str, Any]) -> List[tuple]:
@@ -85,20 +60,36 @@ def _corruption_sections(models: List[Dict[str, Any]]) -> List[str]:
             present = [c for c in ALL_CORRUPTIONS if c in res['corruptions']]
             per = res['corruptions']
             lines += ['', f'## {title}: {m["model"]}', '',
-                      "Top-1 error (%) is the mean over severities, unnormalised (what the paper's Table 13 most "
-                      'likely holds); CE = error / AlexNet error x 100 (15 corruptions only; the 4 extra ones have no '
-                      'normaliser).', '']
-            rows = [[c, 'extra' if per[c]['extra'] else '', _f(per[c]['mean_error']), _f(per[c]['ce']),
+                      "Top-1 error (%) is the mean over the severities evaluated, unnormalised (what the paper's "
+                      'Table 13 most likely holds); CE = error / AlexNet error x 100 (15 corruptions only; the 4 '
+                      'extra ones have no normaliser).', '']
+            rows = [[c, 'extra' if per[c]['extra'] else '15 of mCE', _f(per[c]['mean_error']), _f(per[c]['ce']),
                      _f(per[c]['relative_ce'])] + [_f(per[c]['severities'].get(str(s), {}).get('error'))
                                                    for s in res['severities']] for c in present]
-            lines += _table(['corruption', '', 'error (%)', 'CE', 'relative CE']
+            lines += _table(['corruption', 'group', 'error (%)', 'CE', 'relative CE']
                             + [f'error s{s}' for s in res['severities']], rows)
             lines += ['', f"mCE {_f(res['mce'])}, relative mCE {_f(res['relative_mce'])} (clean error "
-                          f"{_f(res['clean_error'])}, AlexNet clean error {_f(res['alexnet_clean_error'])}), mean "
-                          f"error over the 15 {_f(res['mean_error_15'])}, over the extras "
-                          f"{_f(res['mean_error_extra'])}."]
+                          f"{_f(res['clean_error'])}, AlexNet clean error {_f(res['alexnet_clean_error'])}); "
+                          + '; '.join(_mean_error_phrases(res)) + '.']
             lines += [f'- note: {n}' for n in res['notes']]
     return lines
+
+
+def _mean_error_phrases(res: Dict[str, Any]) -> List[str]:
+    """The mean errors of a corruption result, each named for the corruptions and severities it averages."""
+    phrases = []
+    if res['mean_error_15'] is not None:
+        phrases.append(f"mean error over the 15 at severities 1-5 {_f(res['mean_error_15'])}")
+    for key, group in (('mean_error', 'of the 15'), ('mean_error_extra', 'extra')):
+        mean = res.get(key)
+        if mean is None or (key == 'mean_error' and res['mean_error_15'] is not None):
+            continue
+        sev = mean['severities']
+        at = (f"severit{'y' if len(sev) == 1 else 'ies'} {', '.join(map(str, sev))}" if isinstance(sev, list)
+              else 'severities ' + ', '.join(f"{c} {'/'.join(map(str, v))}" for c, v in sev.items()))
+        phrases.append(f"mean error over {len(mean['corruptions'])} {group} ({', '.join(mean['corruptions'])}) "
+                       f"at {at} {_f(mean['value'])}")
+    return phrases or ['no mean error']
 
 
 def _protocol_lines(models: List[Dict[str, Any]]) -> List[str]:
@@ -130,7 +121,7 @@ def markdown_report(results: Dict[str, Any]) -> str:
         return any(m['suites'].get(suite) for m in models)
 
     cols = _summary_columns(models, has)
-    lines += ['## Summary (accuracy in %, mCE with AlexNet = 100)', '']
+    lines += ['## Summary (accuracy in %' + (', mCE with AlexNet = 100)' if has('imagenet_c') else ')'), '']
     lines += _table(['model'] + [c for c, _ in cols], [[m['model']] + [fn(m) for _, fn in cols] for m in models])
     lines += [f"- {m['model']}: {m['suites']['imagenet']['real_note']}" for m in models
               if (m['suites'].get('imagenet') or {}).get('real_note')]
@@ -232,7 +223,9 @@ def plot_corruptions(results: Dict[str, Any], path: str) -> bool:
     ax_c.set_title('ImageNet-C per corruption')
     ax_c.legend(fontsize=8)
     ax_s.set_xlabel('severity')
-    ax_s.set_ylabel('top-1 error (%), mean over the mCE corruptions')
+    n_15 = max(sum(c in CORRUPTIONS for c in res['corruptions']) for _, res in series)
+    ax_s.set_ylabel('top-1 error (%), mean over ' + ('the 15 mCE corruptions' if n_15 == len(CORRUPTIONS) else
+                                                     f'the {n_15} of the 15 evaluated' if n_15 else 'the extras'))
     ax_s.set_xticks(list(range(1, 6)))
     ax_s.set_title('error per severity')
     fig.tight_layout()
@@ -241,8 +234,3 @@ def plot_corruptions(results: Dict[str, Any], path: str) -> bool:
     plt.close(fig)
     return True
 
-
-def write_markdown(text: str, path: str) -> None:
-    """Writes the markdown report atomically."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    _write_text(text, path)

@@ -34,10 +34,9 @@ from timm.optim import create_optimizer_v2
 from timm.scheduler import PolyLRScheduler
 from timm.utils import distribute_bn
 
-from ..bench import machine_description, markdown_table
 from ..data.coco_shapes import generate_semantic_shapes
 from ..eval.distributed import all_gather
-from ..eval.report import write_json, write_markdown
+from ..reports import machine_description, markdown_table, write_json, write_text
 from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
 from ..train.data import derive_seed
@@ -343,7 +342,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if args.rank == 0:
             _logger.info(f'resumed {args.resume}: iteration {run_state.iters}')
     elif args.rank == 0:
-        write_markdown(yaml.safe_dump(recorded_args(args), sort_keys=False), os.path.join(out_dir, 'args.yaml'))
+        write_text(os.path.join(out_dir, 'args.yaml'), yaml.safe_dump(recorded_args(args), sort_keys=False))
     untrained = None
     if args.eval_untrained and not args.resume:  # the same initialization, before any update
         untrained = _json_safe(_evaluate(args, run_state.model, val, device))
@@ -402,8 +401,8 @@ def _report(args: argparse.Namespace, metrics: Dict[str, Any], val: Segmentation
 
 
 def _write_reports(folder: str, report: Dict[str, Any]) -> None:
-    write_json(report, os.path.join(folder, 'result.json'))
-    write_markdown(markdown_report(report), os.path.join(folder, 'report.md'))
+    write_json(os.path.join(folder, 'result.json'), report)
+    write_text(os.path.join(folder, 'report.md'), markdown_report(report))
 
 
 def _pct(v: Optional[float]) -> str:

@@ -1,4 +1,4 @@
-"""Official Transformer-LS checkpoints -> lsvision sequence models.
+"""Official Transformer-LS and Transformer-XL checkpoints -> lsvision sequence models.
 
 * LRA (`lra/model_wrapper.py::ModelForSC` / `ModelForSCDual`): keys such as
   `model.embeddings.word_embeddings.weight`, `model.transformer_{i}.mha.{W_q,W_k,W_v,W_o,dconv_fc,dual_ln_l,
@@ -15,6 +15,17 @@
   dual_ln_dproj}.*`, `r_w_bias` (1, h, 1, 1, d), `r_r_bias` (1, h, 1, d), `layers.{i}.{norm1,norm2}.*`,
   `layers.{i}.ff.{fc1,fc2}.*`. Either the bare state_dict or a fairseq checkpoint (`checkpoint_best.pt`: the same
   keys under `['model']` with the prefix `decoder.model.`).
+
+* Transformer-XL (kimiyoung/transformer-xl `pytorch/mem_transformer.py::MemTransformerLM`, attn_type 0): the
+  module's state_dict, `word_emb.emb_layers.{i}.weight`, `word_emb.emb_projs.{i}` (div_val > 1),
+  `layers.{i}.dec_attn.{qkv_net,o_net,r_net}.weight`, `layers.{i}.dec_attn.layer_norm.*`,
+  `layers.{i}.pos_ff.CoreNet.{0,3}.*`, `layers.{i}.pos_ff.layer_norm.*`, `r_w_bias`, `r_r_bias`, the
+  `pos_emb.inv_freq` buffer (checked, then dropped), `crit.cluster_{weight,bias}`, `crit.out_layers.{i}.{weight,bias}`
+  (weights tied to the embedding: they must be equal, or absent), `crit.out_projs.{i}` (the head's own; the tails'
+  tied to `emb_projs`). Their train.py pickles the whole module (`model.pt`); in their environment
+  `torch.load('model.pt', weights_only=False).state_dict()` gives this state_dict (save it with `torch.save`). The
+  Hugging Face Hub's `transfo-xl/transfo-xl-wt103` (transformers' `TransfoXLLMHeadModel`) holds the same names
+  under `transformer.` (and `crit.`), with per-layer `layers.{i}.dec_attn.r_w_bias` / `r_r_bias` (`untie_r`).
 
 Files are read with `torch.load(..., weights_only=True)`. Every key that nothing maps is named in the error, never
 silently dropped, and the models load strictly. Half-precision files (fairseq `--fp16`, `.half()` state_dicts) load
@@ -36,7 +47,10 @@ import torch.nn as nn
 
 from lsvision.layers import sinusoid_frequencies
 
-__all__ = ['convert_lra_state_dict', 'convert_char_lm_state_dict', 'load_official_checkpoint']
+from .transformer_xl import TransformerXL
+
+__all__ = ['convert_lra_state_dict', 'convert_char_lm_state_dict', 'convert_txl_state_dict',
+           'load_official_checkpoint']
 
 StateDict = Dict[str, torch.Tensor]
 _logger = logging.getLogger(__name__)
@@ -143,6 +157,15 @@ def convert_lra_state_dict(state: Dict) -> StateDict:
     return out
 
 
+def _check_layout(layout: str, missing: List[str], unused: List[str]) -> None:
+    """A KeyError `<layout>: ...` naming the official keys missing and the keys without an lsvision counterpart."""
+    if missing or unused:
+        problems = [f'{text}: {keys[:8]}{" ..." if len(keys) > 8 else ""}' for text, keys in (
+            (f'{len(missing)} official keys are missing', missing),
+            (f'{len(unused)} keys have no lsvision counterpart', unused)) if keys]
+        raise KeyError(f'{layout}: ' + '; '.join(problems))
+
+
 def _unwrap_char_lm(state: Dict) -> Tuple[StateDict, str]:
     """The bare `TransformerLSModel` state_dict inside an official char-LM file, and what the file was.
 
@@ -164,7 +187,8 @@ def _inv_freq_offset(inv_freq: torch.Tensor, dim: int) -> torch.Tensor:
     """The official `pos_emb.inv_freq` buffer minus lsvision's sinusoid frequencies (fp32), after checking that it
     holds those frequencies up to the rounding of its dtype.
 
-    An fp32 file gives zeros (same formula); a fairseq `--fp16` file holds them rounded to fp16 (up to 4.9e-4
+    An fp32 file gives zeros (same formula), or an ulp where the CPU that wrote it rounded float32 `10000 ** x`
+    otherwise than this one does; a fairseq `--fp16` file holds them rounded to fp16 (up to 4.9e-4
     relative), and the model it saved ran with the rounded ones, so the offset keeps them.
 
     Raises:
@@ -226,13 +250,8 @@ def convert_char_lm_state_dict(state: Dict) -> StateDict:
                 out[dst + dst_name] = t.reshape(-1, t.shape[-1])
     emb, out_weight, out_bias, inv_freq = (
         take(k) for k in ('in_emb.weight', 'out_emb.weight', 'out_emb.bias', 'pos_emb.inv_freq'))
-    unused = sorted(set(state) - used)
-    if missing or unused:
-        problems = [f'{text}: {keys[:8]}{" ..." if len(keys) > 8 else ""}' for text, keys in (
-            (f'{len(missing)} official keys are missing', missing),
-            (f'{len(unused)} keys have no lsvision counterpart', unused)) if keys]
-        raise KeyError(f'{what} is not in the official TransformerLSModel layout (NVIDIA/transformer-ls '
-                       'autoregressive/): ' + '; '.join(problems))
+    _check_layout(f'{what} is not in the official TransformerLSModel layout (NVIDIA/transformer-ls autoregressive/)',
+                  missing, sorted(set(state) - used))
     if not torch.equal(out_weight, emb):
         raise ValueError(f"{what}: 'out_emb.weight' differs from 'in_emb.weight'; the official model ties them, and "
                          'lsvision CharLM has one tied matrix')
@@ -242,6 +261,136 @@ def convert_char_lm_state_dict(state: Dict) -> StateDict:
     out['embed.weight'] = emb
     out['out_bias'] = out_bias
     return out
+
+
+# one Transformer-XL layer: the authors' module -> lsvision's, and its parameters
+_TXL_LAYER: List[Tuple[str, str, Tuple[str, ...]]] = [
+    ('dec_attn.qkv_net', 'attn.qkv', ('weight',)),
+    ('dec_attn.r_net', 'attn.r_net', ('weight',)),
+    ('dec_attn.o_net', 'attn.proj', ('weight',)),
+    ('dec_attn.layer_norm', 'norm1', ('weight', 'bias')),
+    ('pos_ff.CoreNet.0', 'mlp.fc1', ('weight', 'bias')),
+    ('pos_ff.CoreNet.3', 'mlp.fc2', ('weight', 'bias')),
+    ('pos_ff.layer_norm', 'norm2', ('weight', 'bias')),
+]
+_HUB_PREFIX = 'transformer.'  # transformers' TransfoXLLMHeadModel: the MemTransformerLM body; `crit.` beside it
+
+
+def _txl_layout(state: Dict) -> Tuple[StateDict, str]:
+    """The MemTransformerLM names of a Transformer-XL state_dict (the Hub's `transformer.` prefix removed)."""
+    state = _unwrap(state)
+    if not any(k.startswith(_HUB_PREFIX) for k in state):
+        return state, 'Transformer-XL state_dict'
+    stray = sorted(k for k in state if not k.startswith((_HUB_PREFIX, 'crit.')))
+    if stray:
+        raise KeyError(f'Hugging Face Transformer-XL weights: {len(stray)} keys are neither under '
+                       f"'{_HUB_PREFIX}' nor 'crit.': {stray[:8]}")
+    return {k[len(_HUB_PREFIX):] if k.startswith(_HUB_PREFIX) else k: v for k, v in state.items()}, \
+        'Hugging Face Transformer-XL weights (transfo-xl-wt103 layout)'
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal tensors; the same view of one storage (a tied parameter saved twice) without reading it, and meta
+    tensors (shapes only) by shape."""
+    if a.shape != b.shape:
+        return False
+    if a.is_meta or b.is_meta:
+        return True
+    if (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.dtype == b.dtype
+            and a.storage_offset() == b.storage_offset() and a.stride() == b.stride()):
+        return True
+    return torch.equal(a, b)
+
+
+def _check_tied(what: str, tied: Optional[torch.Tensor], to: torch.Tensor, name: str, source: str) -> None:
+    if tied is not None and not _same_values(tied, to):
+        raise ValueError(f"{what}: {name!r} differs from {source!r}; lsvision's Transformer-XL ties them (the "
+                         "authors' WikiText-103 models: tie_weight, tie_projs of the tail clusters) and cannot load "
+                         'untied ones')
+
+
+def convert_txl_state_dict(state: Dict) -> StateDict:
+    """Transformer-XL's `MemTransformerLM` state_dict (or the Hub's `TransfoXLLMHeadModel` one) -> `TransformerXL`.
+
+    Shared u, v give `r_w_bias` / `r_r_bias` (heads, head_dim), per-layer ones (the Hub's `untie_r`) stacked to
+    (depth, heads, head_dim). One embedding (div_val 1) gives `embed.weight`; several (div_val > 1) give
+    `embed.layers.{i}.weight` and `embed.projs.{i}`, the head's own output projection `crit.head_proj`. The output
+    biases of the clusters are concatenated into `crit.bias`.
+
+    Raises:
+        KeyError: Naming every expected key that is missing and every key that has no lsvision counterpart.
+        ValueError: Untied output weights or tail projections, an input projection with div_val 1, other
+            position frequencies.
+    """
+    state, what = _txl_layout(state)
+    used: set = set()
+    out: StateDict = {}
+    missing: List[str] = []
+
+    def take(key: str, optional: bool = False) -> Optional[torch.Tensor]:
+        if key not in state:
+            if not optional:
+                missing.append(key)
+            return None
+        return _take(state, used, key)
+
+    layers = sorted({int(m.group(1)) for k in state if (m := re.match(r'^layers\.(\d+)\.', k))})
+    depth = max(layers, default=-1) + 1
+    for i in range(depth):
+        for src_name, dst_name, params in _TXL_LAYER:
+            for param in params:
+                t = take(f'layers.{i}.{src_name}.{param}')
+                if t is not None:
+                    out[f'blocks.{i}.{dst_name}.{param}'] = t
+    for name in ('r_w_bias', 'r_r_bias'):
+        if name in state or f'layers.0.dec_attn.{name}' not in state:
+            out[name] = take(name)
+        else:  # untie_r: one per layer
+            per_layer = [take(f'layers.{i}.dec_attn.{name}') for i in range(depth)]
+            if all(t is not None for t in per_layer):
+                out[name] = torch.stack(per_layer)
+    n_emb = len({k for k in state if re.match(r'^word_emb\.emb_layers\.\d+\.weight$', k)})
+    emb = [take(f'word_emb.emb_layers.{i}.weight') for i in range(max(n_emb, 1))]
+    projs = [take(f'word_emb.emb_projs.{i}', optional=n_emb <= 1) for i in range(max(n_emb, 1))]
+    out_w = [take(f'crit.out_layers.{i}.weight', optional=True) for i in range(max(n_emb, 1))]
+    out_b = [take(f'crit.out_layers.{i}.bias') for i in range(max(n_emb, 1))]
+    out_p = [take(f'crit.out_projs.{i}', optional=True) for i in range(max(n_emb, 1))]
+    n_clusters = len({k for k in state if k.startswith('crit.cluster_')})
+    if n_clusters:
+        out['crit.cluster_weight'], out['crit.cluster_bias'] = take('crit.cluster_weight'), take('crit.cluster_bias')
+    inv_freq = take('pos_emb.inv_freq', optional=True)
+    _check_layout(f"{what} is not in the layout of the authors' MemTransformerLM (kimiyoung/transformer-xl "
+                  'pytorch/mem_transformer.py, attn_type 0)', missing, sorted(set(state) - used))
+    for i, (w, tied) in enumerate(zip(emb, out_w)):
+        _check_tied(what, tied, w, f'crit.out_layers.{i}.weight', f'word_emb.emb_layers.{i}.weight')
+    if n_emb <= 1:
+        if projs[0] is not None:
+            raise ValueError(f'{what}: an input projection word_emb.emb_projs.0 (d_embed {projs[0].shape[1]} != '
+                             f'd_model {projs[0].shape[0]}) with div_val 1; lsvision embeds in d_model directly')
+        out['embed.weight'] = emb[0]
+    else:
+        for i in range(n_emb):
+            out[f'embed.layers.{i}.weight'], out[f'embed.projs.{i}'] = emb[i], projs[i]
+        for i in range(1, n_emb):
+            _check_tied(what, out_p[i], projs[i], f'crit.out_projs.{i}', f'word_emb.emb_projs.{i}')
+        if out_p[0] is None:
+            raise KeyError(f"{what}: 'crit.out_projs.0' (the head's output projection) is missing")
+        out['crit.head_proj'] = out_p[0]
+    out['crit.bias'] = torch.cat(out_b)
+    if inv_freq is not None:
+        _inv_freq_offset(inv_freq, out['blocks.0.attn.r_net.weight'].shape[1])  # checks the frequencies
+    return out
+
+
+def _fit_txl_biases(model: nn.Module, converted: StateDict, what: str) -> None:
+    """Shared u, v into a model with per-layer ones (`untie_r`): the same value for every layer."""
+    for name in ('r_w_bias', 'r_r_bias'):
+        t, target = converted[name], getattr(model, name)
+        if t.dim() == 2 and target.dim() == 3:
+            converted[name] = t.expand(target.shape[0], -1, -1).clone()
+        elif t.dim() == 3 and target.dim() == 2:
+            raise ValueError(f"{what} has per-layer {name} (untie_r, as the Hub's transfo-xl-wt103); build the model "
+                             'with untie_r=True (txl_wt103_large has it)')
 
 
 def _set_official_settings(model: nn.Module, kind: str, converted: StateDict) -> None:
@@ -281,11 +430,13 @@ def load_official_checkpoint(
       *token id* prepended to the input, saves no cls vector either; lsvision has no such mode.)
 
     Args:
-        model: An `LraClassifier` / `LraDualClassifier` or a `CharLM`.
+        model: An `LraClassifier` / `LraDualClassifier`, a `CharLM` or a `TransformerXL`.
         path_or_state: A checkpoint file (read with weights_only=True) or a loaded checkpoint / state_dict: for the
-            char-LM the bare `TransformerLSModel` state_dict or a fairseq checkpoint (`['model']`). fp16 files
-            (fairseq `--fp16`) are accepted: every tensor is cast to the model's dtype.
-        kind: 'lra' or 'char_lm'; inferred from the model when None.
+            char-LM the bare `TransformerLSModel` state_dict or a fairseq checkpoint (`['model']`); for
+            Transformer-XL the `MemTransformerLM` state_dict or the Hub's weights (`convert_txl_state_dict`; shared
+            u, v go into every layer of an `untie_r` model). fp16 files (fairseq `--fp16`) are accepted: every
+            tensor is cast to the model's dtype.
+        kind: 'lra', 'char_lm' or 'txl'; inferred from the model when None.
         official_settings: Set the settings above (False: load the weights only and keep the model's settings; an
             LRA model whose pooling does not fit the file's cls vector then fails the strict load).
 
@@ -296,9 +447,14 @@ def load_official_checkpoint(
     state = torch.load(path_or_state, map_location='cpu', weights_only=True) \
         if isinstance(path_or_state, str) else path_or_state
     if kind is None:
-        kind = 'lra' if hasattr(model, 'encoder') else 'char_lm'
-    if kind not in ('lra', 'char_lm'):
-        raise ValueError(f"kind must be 'lra' or 'char_lm', got {kind!r}")
+        kind = 'txl' if isinstance(model, TransformerXL) else 'lra' if hasattr(model, 'encoder') else 'char_lm'
+    if kind not in ('lra', 'char_lm', 'txl'):
+        raise ValueError(f"kind must be 'lra', 'char_lm' or 'txl', got {kind!r}")
+    if kind == 'txl':
+        converted = convert_txl_state_dict(state)
+        _fit_txl_biases(model, converted, 'the Transformer-XL checkpoint')
+        model.load_state_dict(converted, strict=True)
+        return
     converted = convert_lra_state_dict(state) if kind == 'lra' else convert_char_lm_state_dict(state)
     if official_settings:
         _set_official_settings(model, kind, converted)

@@ -8,7 +8,9 @@ Transformers: Improving Transformers with Differentiable Memory Cache` (AAAI 202
 (q + u) k^T + (q + v) R^T with the learned biases u = r_w_bias, v = r_r_bias shared by all layers, sinusoid relative
 positions projected by each layer's r_net), the segment-level recurrence of Sec. 3.2 (each layer also attends to a
 memory of the previous `mem_len` inputs of that layer, with the gradient stopped), a ReLU FFN, embeddings scaled by
-sqrt(D), and the tied (adaptive) softmax of the WikiText-103 configuration.
+sqrt(D), and the tied (adaptive) softmax of the WikiText-103 configuration. The large WikiText-103 model
+(`txl_wt103_large`, the authors' released weights) adds the adaptive input (`div_val` 4) and per-layer u, v
+(`untie_r`); `lsvision.sequence.convert.load_official_checkpoint` reads the authors' checkpoints.
 
 `TransformerXL(memory='grc')` replaces that memory with a GRC cache carried from segment to segment of each stream
 (the Cached Transformers paper: "replacing the caching scheme with the GRC approach while keeping all data
@@ -50,8 +52,8 @@ from ._init import init_normal_lm_weights
 from ._registry import register_model
 from ._tokens import check_token_ids
 
-__all__ = ['TransformerXL', 'TxlState', 'GrcStreamState', 'AdaptiveLogSoftmax', 'RelPartialLearnableAttention',
-           'RelGrcAttention', 'WT103_VOCAB_SIZE', 'WT103_CUTOFFS']
+__all__ = ['TransformerXL', 'TxlState', 'GrcStreamState', 'AdaptiveInput', 'AdaptiveLogSoftmax',
+           'RelPartialLearnableAttention', 'RelGrcAttention', 'WT103_VOCAB_SIZE', 'WT103_CUTOFFS']
 
 WT103_VOCAB_SIZE = 267735  # words of wiki.train.tokens + <eos> (Transformer-XL's vocabulary)
 WT103_CUTOFFS = (20000, 40000, 200000)
@@ -81,18 +83,62 @@ def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return (logits if logits.dtype == torch.float64 else logits.float()).log_softmax(-1)
 
 
-class AdaptiveLogSoftmax(nn.Module):
-    """Transformer-XL's adaptive softmax (`ProjectedAdaptiveLogSoftmax`, div_val 1) with the output weight tied to the
-    input embedding: a head over the `cutoffs[0]` most frequent words and one logit per tail cluster, each tail a
-    softmax over its words. With no cutoffs it is the plain tied softmax.
+class AdaptiveInput(nn.Module):
+    """Transformer-XL's adaptive input embedding with div_val > 1 (`AdaptiveEmbedding`): the words of cluster i
+    (split at `cutoffs`) have embeddings of width dim // div_val**i, each cluster's projected to `dim` by its own
+    matrix (`projs[i]`, (dim, dim // div_val**i)). The adaptive softmax reuses both (tied weights and, for the tail
+    clusters, tied projections, as the authors' WikiText-103 models)."""
 
-    The embedding's weight is passed to each call (the module owns the output bias and the cluster logits). torch's
-    `nn.AdaptiveLogSoftmaxWithLoss` cannot tie its tails to the embedding, which the 151M of the paper's
-    WikiText-103 base model counts once. Cluster i's logit is the head's i-th column from the end, as in the authors'
-    code (their checkpoints read the same way).
+    def __init__(self, vocab_size: int, dim: int, cutoffs: Sequence[int], div_val: int):
+        super().__init__()
+        if not cutoffs or div_val < 2:
+            raise ValueError(f'an adaptive input needs cutoffs and div_val >= 2 (got {list(cutoffs)}, {div_val}); '
+                             'div_val=1 is the plain tied embedding')
+        widths = [dim // div_val ** i for i in range(len(cutoffs) + 1)]
+        if widths[-1] < 1:
+            raise ValueError(f'div_val {div_val} leaves the last of {len(widths)} clusters no channels of {dim}')
+        self.num_embeddings = vocab_size
+        self.dim = dim
+        self.bounds = [0] + list(cutoffs) + [vocab_size]
+        self.layers = nn.ModuleList([nn.Embedding(hi - lo, w) for lo, hi, w in
+                                     zip(self.bounds[:-1], self.bounds[1:], widths)])
+        self.projs = nn.ParameterList([nn.Parameter(torch.empty(dim, w)) for w in widths])
+        for proj in self.projs:
+            nn.init.normal_(proj, std=0.01)  # the authors' proj_init_std
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The first cluster's embedding (its device and dtype are the module's)."""
+        return self.layers[0].weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        out = self.weight.new_zeros(flat.shape[0], self.dim)
+        for i, (lo, hi) in enumerate(zip(self.bounds[:-1], self.bounds[1:])):
+            idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
+            if idx.numel():
+                out = out.index_copy(0, idx, F.linear(self.layers[i](flat[idx] - lo), self.projs[i]))
+        return out.view(*ids.shape, self.dim)
+
+
+Embedding = Union[nn.Embedding, AdaptiveInput]
+ClusterParams = List[Tuple[torch.Tensor, Optional[torch.Tensor]]]  # per cluster: output weight, projection or None
+
+
+class AdaptiveLogSoftmax(nn.Module):
+    """Transformer-XL's adaptive softmax (`ProjectedAdaptiveLogSoftmax`) with the output weights tied to the input
+    embedding: a head over the `cutoffs[0]` most frequent words and one logit per tail cluster, each tail a softmax
+    over its words. With no cutoffs it is the plain tied softmax.
+
+    The embedding is passed to each call: its weight (div_val 1), or an `AdaptiveInput` (div_val > 1), whose
+    cluster weights and tail projections are reused; the module owns the output bias (one per word), the cluster
+    logits and, with div_val > 1, the head's own projection `head_proj` (the authors' `tie_projs = [False, True,
+    ...]` of WikiText-103). torch's `nn.AdaptiveLogSoftmaxWithLoss` cannot tie its tails to the embedding, which the
+    151M of the paper's WikiText-103 base model counts once. Cluster i's logit is the head's i-th column from the end,
+    as in the authors' code (their checkpoints read the same way).
     """
 
-    def __init__(self, dim: int, vocab_size: int, cutoffs: Sequence[int] = ()):
+    def __init__(self, dim: int, vocab_size: int, cutoffs: Sequence[int] = (), div_val: int = 1):
         super().__init__()
         cutoffs = list(cutoffs)
         if cutoffs and (cutoffs != sorted(set(cutoffs)) or cutoffs[0] <= 0 or cutoffs[-1] >= vocab_size):
@@ -105,18 +151,39 @@ class AdaptiveLogSoftmax(nn.Module):
         n = len(cutoffs)
         self.cluster_weight = nn.Parameter(torch.zeros(n, dim)) if n else None
         self.cluster_bias = nn.Parameter(torch.zeros(n)) if n else None
+        self.head_proj = nn.Parameter(torch.empty(dim, dim).normal_(std=0.01)) if div_val > 1 else None
 
-    def _head_logprob(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _clusters(self, embed: Union[torch.Tensor, AdaptiveInput]) -> ClusterParams:
+        if isinstance(embed, AdaptiveInput):
+            return [(layer.weight, self.head_proj if i == 0 else proj)
+                    for i, (layer, proj) in enumerate(zip(embed.layers, embed.projs))]
+        return [(embed[lo:hi], None) for lo, hi in zip(self.bounds[:-1], self.bounds[1:])]
+
+    def _logits(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                proj: Optional[torch.Tensor]) -> torch.Tensor:
+        if proj is not None:  # the authors' order: project the hidden state into the cluster's width first
+            hidden = F.linear(hidden, proj.t())
+        return F.linear(hidden, weight, bias)
+
+    def _head_logprob(self, hidden: torch.Tensor, clusters: ClusterParams) -> torch.Tensor:
         c0 = self.bounds[1]
+        weight, proj = clusters[0]
         if self.cluster_weight is None:
-            return _log_softmax(F.linear(hidden, weight, self.bias))
-        w = torch.cat([weight[:c0], self.cluster_weight.to(weight.dtype)])
+            return _log_softmax(self._logits(hidden, weight, self.bias, proj))
+        w = torch.cat([weight, self.cluster_weight.to(weight.dtype)])
         b = torch.cat([self.bias[:c0], self.cluster_bias])
-        return _log_softmax(F.linear(hidden, w, b))
+        return _log_softmax(self._logits(hidden, w, b, proj))
 
-    def nll(self, hidden: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """-log p(target) in fp32 (fp64 kept) for hidden (N, D) and target (N,); tail logits only for their targets."""
-        head = self._head_logprob(hidden, weight)
+    def _tail_logprob(self, hidden: torch.Tensor, clusters: ClusterParams, i: int) -> torch.Tensor:
+        weight, proj = clusters[i]
+        return _log_softmax(self._logits(hidden, weight, self.bias[self.bounds[i]:self.bounds[i + 1]], proj))
+
+    def nll(self, hidden: torch.Tensor, target: torch.Tensor, embed: Union[torch.Tensor, AdaptiveInput]
+            ) -> torch.Tensor:
+        """-log p(target) in fp32 (fp64 kept) for hidden (N, D) and target (N,); tail logits only for their targets.
+        `embed`: the tied embedding weight, or the `AdaptiveInput`."""
+        clusters = self._clusters(embed)
+        head = self._head_logprob(hidden, clusters)
         if self.cluster_weight is None:
             return -head.gather(1, target[:, None]).squeeze(1)
         out = head.new_zeros(target.shape)
@@ -128,22 +195,21 @@ class AdaptiveLogSoftmax(nn.Module):
             idx = ((target >= lo) & (target < hi)).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
-            tail = _log_softmax(F.linear(hidden[idx], weight[lo:hi], self.bias[lo:hi]))
+            tail = self._tail_logprob(hidden[idx], clusters, i)
             lp = head[idx, -i] + tail.gather(1, (target[idx] - lo)[:, None]).squeeze(1)
             out = out.index_put((idx,), -lp)
         return out
 
-    def log_prob(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def log_prob(self, hidden: torch.Tensor, embed: Union[torch.Tensor, AdaptiveInput]) -> torch.Tensor:
         """log p(word) for every word, (N, vocab_size) in fp32."""
-        head = self._head_logprob(hidden, weight)
+        clusters = self._clusters(embed)
+        head = self._head_logprob(hidden, clusters)
         if self.cluster_weight is None:
             return head
         c0 = self.bounds[1]
         parts = [head[:, :c0]]
         for i in range(1, len(self.bounds) - 1):
-            lo, hi = self.bounds[i], self.bounds[i + 1]
-            tail = _log_softmax(F.linear(hidden, weight[lo:hi], self.bias[lo:hi]))
-            parts.append(head[:, -i, None] + tail)
+            parts.append(head[:, -i, None] + self._tail_logprob(hidden, clusters, i))
         return torch.cat(parts, dim=1)
 
 
@@ -258,6 +324,8 @@ class TransformerXL(nn.Module):
             memory: str = 'xl',
             clamp_len: Optional[int] = None,
             same_length: bool = False,
+            div_val: int = 1,
+            untie_r: bool = False,
             grc_config: Optional[GrcConfig] = None,
             **grc_kwargs,
     ):
@@ -270,8 +338,15 @@ class TransformerXL(nn.Module):
             drop: Dropout of embeddings, positions, attention output, FFN and the last hidden state.
             attn_drop: Dropout of the attention probabilities (dropatt).
             memory: 'xl' (Transformer-XL's memory) or 'grc' (the GRC cache instead).
-            clamp_len: Relative distances beyond this use its sinusoid (the authors' eval sets 400); None: none.
+            clamp_len: Relative distances beyond this use its sinusoid (the authors' run_wt103_base.sh evaluates
+                with 400, run_wt103_large.sh with 1000); None or <= 0: no clamp (the authors clamp only when
+                clamp_len > 0; their default is -1).
             same_length: Every query attends the same number of keys (the authors' evaluation option; 'xl').
+            div_val: 1: one tied embedding of width `dim`. > 1: the adaptive input of the authors' large
+                WikiText-103 model (`AdaptiveInput`: cluster i embedded in dim // div_val**i channels and projected
+                to dim; the softmax ties both the cluster weights and the tail projections).
+            untie_r: Each layer has its own u, v (`r_w_bias` (depth, heads, head_dim)), as the released
+                WikiText-103 model (trained with the authors' TensorFlow code, `untie_r=True`); False: shared.
             grc_config: GRC options (`GrcConfig`), or the `grc_*` keyword arguments; r = 0.5 by default.
         """
         super().__init__()
@@ -288,13 +363,16 @@ class TransformerXL(nn.Module):
         self.memory = memory
         self.clamp_len = clamp_len
         self.same_length = same_length
-        self.embed = nn.Embedding(vocab_size, dim)
+        self.untie_r = untie_r
+        self.embed: Embedding = (nn.Embedding(vocab_size, dim) if div_val == 1 else
+                                 AdaptiveInput(vocab_size, dim, cutoffs, div_val))
         self.drop = nn.Dropout(drop)
-        self.r_w_bias = nn.Parameter(torch.zeros(num_heads, head_dim))
-        self.r_r_bias = nn.Parameter(torch.zeros(num_heads, head_dim))
+        bias_shape = (depth, num_heads, head_dim) if untie_r else (num_heads, head_dim)
+        self.r_w_bias = nn.Parameter(torch.zeros(bias_shape))
+        self.r_r_bias = nn.Parameter(torch.zeros(bias_shape))
         self.blocks = nn.ModuleList([TxlBlock(dim, num_heads, head_dim, mlp_hidden, drop, attn_drop)
                                      for _ in range(depth)])
-        self.crit = AdaptiveLogSoftmax(dim, vocab_size, cutoffs)
+        self.crit = AdaptiveLogSoftmax(dim, vocab_size, cutoffs, div_val)
         if memory == 'grc':
             for block in self.blocks:
                 grc = GatedRecurrentCache1d(dim, num_heads, mem_len, config=config, pe=False,
@@ -346,7 +424,7 @@ class TransformerXL(nn.Module):
 
     def _pos_emb(self, K: int, device, dtype) -> torch.Tensor:
         dist = torch.arange(K - 1, -1, -1, device=device, dtype=torch.float32)
-        if self.clamp_len is not None:
+        if self.clamp_len is not None and self.clamp_len > 0:  # the authors': -1 (their default) or 0 is no clamp
             dist = dist.clamp(max=self.clamp_len)
         return sinusoid_positions(dist, self.dim, dtype)
 
@@ -384,6 +462,12 @@ class TransformerXL(nn.Module):
                             'init_state() or None and pass what forward returned')
         return self._forward_grc(x, state, valid)
 
+    def _biases(self, i: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """u, v of layer i."""
+        if self.untie_r:
+            return self.r_w_bias[i], self.r_r_bias[i]
+        return self.r_w_bias, self.r_r_bias
+
     def _forward_xl(self, x: torch.Tensor, state: TxlState, valid: Optional[torch.Tensor]
                     ) -> Tuple[torch.Tensor, TxlState]:
         B, L, _ = x.shape
@@ -394,10 +478,10 @@ class TransformerXL(nn.Module):
         keep = self._keep_mask(L, M, state.valid, x.device)
         pos = self.drop(self._pos_emb(M + L, x.device, x.dtype))
         mems, new_valid = [], None
-        for block, mem in zip(self.blocks, state.mems):
+        for i, (block, mem) in enumerate(zip(self.blocks, state.mems)):
             new_mem, new_valid = self._next_memory(mem, x, state.valid, valid)
             mems.append(new_mem)
-            x = block(x, block.attn(x, pos, self.r_w_bias, self.r_r_bias, keep, mem))
+            x = block(x, block.attn(x, pos, *self._biases(i), keep, mem))
         return self.drop(x), TxlState(tuple(mems), new_valid)
 
     def _forward_grc(self, x: torch.Tensor, state: GrcStreamState, valid: Optional[torch.Tensor]
@@ -406,8 +490,8 @@ class TransformerXL(nn.Module):
         keep = self._keep_mask(L, 0, None, x.device)
         pos = self.drop(self._pos_emb(L, x.device, x.dtype))
         caches, summaries, pending = [], [], state.pending
-        for block, cache, summary in zip(self.blocks, state.caches, state.summaries):
-            out, cache, summary, pending = block.attn(x, pos, self.r_w_bias, self.r_r_bias, keep, cache, summary,
+        for i, (block, cache, summary) in enumerate(zip(self.blocks, state.caches, state.summaries)):
+            out, cache, summary, pending = block.attn(x, pos, *self._biases(i), keep, cache, summary,
                                                       state.pending, valid)
             caches.append(cache.detach())
             summaries.append(summary.detach())
@@ -426,7 +510,7 @@ class TransformerXL(nn.Module):
         """
         h, state = self.forward_features(ids, state, mask)
         B, L, D = h.shape
-        weight = self.embed.weight
+        weight = self.embed if isinstance(self.embed, AdaptiveInput) else self.embed.weight
         if targets is None:
             return self.crit.log_prob(h.reshape(B * L, D), weight).view(B, L, -1), state
         if targets.shape != ids.shape:
@@ -447,6 +531,17 @@ def _txl(memory: str, defaults: dict, /, **kwargs) -> TransformerXL:
 # tgt_len = mem_len = 150, adaptive softmax (cutoffs 20k / 40k / 200k, div_val 1, tied)
 _WT103_BASE = dict(vocab_size=WT103_VOCAB_SIZE, dim=410, depth=16, num_heads=10, head_dim=41, mlp_hidden=2100,
                    mem_len=150, cutoffs=WT103_CUTOFFS, drop=0.1, attn_drop=0.)
+# Transformer-XL's run_wt103_large.sh and the released WikiText-103 model (the paper's Table 1: test ppl 18.3):
+# 18 layers, d_model 1024, 16 heads of 64, d_inner 4096, dropout and dropatt 0.2, adaptive input and softmax
+# (div_val 4, cutoffs 20k / 40k / 200k, weights and tail projections tied), per-layer u, v (the released weights were
+# trained with the TensorFlow code's untie_r); the memory, clamp and same-length settings of its evaluation
+# (run_wt103_large.sh eval: --tgt_len 128 --mem_len 1600 --clamp_len 1000 --same_length)
+_WT103_LARGE = dict(vocab_size=WT103_VOCAB_SIZE, dim=1024, depth=18, num_heads=16, head_dim=64, mlp_hidden=4096,
+                    mem_len=1600, cutoffs=WT103_CUTOFFS, drop=0.2, attn_drop=0.2, div_val=4, untie_r=True,
+                    clamp_len=1000, same_length=True)
+WT103_LARGE_EVAL_TGT_LEN = 128  # segment length of the authors' evaluation of the large model
+# the released weights on the Hugging Face Hub: transformers' TransfoXLLMHeadModel (`transformer.*`, `crit.*`)
+WT103_LARGE_HUB_ID = 'transfo-xl/transfo-xl-wt103'
 # a small model for CPU demos and tests: pass vocab_size (plain tied softmax unless cutoffs are given)
 _TINY = dict(dim=128, depth=4, num_heads=4, head_dim=32, mlp_hidden=512, mem_len=64, cutoffs=(), drop=0.1)
 
@@ -462,6 +557,17 @@ def grc_txl_wt103_base(**kwargs) -> TransformerXL:
     """Transformer-XL base with its memory replaced by a GRC cache (T_m 150, D_m 200; Cached Transformers Table 5:
     test ppl 22.9)."""
     return _txl('grc', _WT103_BASE, **kwargs)
+
+
+@register_model
+def txl_wt103_large(**kwargs) -> TransformerXL:
+    """Transformer-XL large for WikiText-103 with its evaluation settings (mem_len 1600, clamp_len 1000,
+    same_length; segments of 128): the released model (285,205,322 parameters; the paper's Table 1: test ppl 18.3).
+    `pretrained=True` loads its weights from the Hugging Face Hub (`transfo-xl/transfo-xl-wt103`)."""
+    return _txl('xl', _WT103_LARGE, **kwargs)
+
+
+txl_wt103_large.hf_hub_id = WT103_LARGE_HUB_ID  # type: ignore[attr-defined]
 
 
 @register_model

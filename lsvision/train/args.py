@@ -394,13 +394,14 @@ def tool_defaults(parser: argparse.ArgumentParser, argv: Sequence[str], tool: st
                   ) -> Tuple[Dict[str, Any], str]:
     """The defaults of a dense-prediction tool (`tools/<tool>`: detect.py, segment.py) before its command line: the
     arguments a checkpoint records (--resume; or --checkpoint: the model it holds, not its output place), then the
-    config (-c; `demo_config` when neither a checkpoint nor --data-dir is given), the later winning.
+    config (-c; `demo_config` when neither a checkpoint, --data-dir nor --help is given), the later winning.
 
     Returns:
         The defaults and the config path ('' for none).
     """
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument('-c', '--config', default='')
+    first.add_argument('-h', '--help', action='store_true')
     for flag in ('--resume', '--checkpoint', '--data-dir'):
         first.add_argument(flag, default='')
     known, _ = first.parse_known_args(list(argv))
@@ -410,7 +411,8 @@ def tool_defaults(parser: argparse.ArgumentParser, argv: Sequence[str], tool: st
     elif known.checkpoint:
         recorded = recorded_run_args('--checkpoint', known.checkpoint, parser, False, tool)
         cfg.update({k: v for k, v in recorded.items() if k not in ('output', 'experiment')})
-    config = known.config or ('' if cfg or known.resume or known.data_dir else demo_config)
+    # --help alone lists the defaults of a --data-dir run (a tool may name its demo preset in its epilog)
+    config = known.config or ('' if cfg or known.resume or known.data_dir or known.help else demo_config)
     if config:
         cfg.update(load_config(config, parser, tool))
     return cfg, config

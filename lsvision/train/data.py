@@ -5,6 +5,7 @@ function of (seed, epoch) (a DistributedSampler or timm's RepeatAugSampler, also
 any position, and each sample's augmentation is seeded from (seed, epoch, rank, position): the result depends
 neither on the number of workers nor on where the run was interrupted.
 """
+import collections
 import logging
 import os
 import random
@@ -18,12 +19,14 @@ from PIL import Image
 
 from timm.data.dataset import ImageDataset
 from timm.data.distributed_sampler import RepeatAugSampler
+from timm.data.readers.img_extensions import get_img_extensions
 from timm.data.readers.reader import Reader
-from timm.data.readers.reader_image_folder import ReaderImageFolder, find_images_and_targets
+from timm.data.readers.reader_image_folder import ReaderImageFolder
 from timm.utils.misc import natural_key
 
 __all__ = ['ResumableSampler', 'SeededTrainDataset', 'TrainBatchSampler', 'TrainSetupError', 'SplitScan',
-           'ScannedFolderReader', 'derive_seed', 'scan_split', 'split_problems', 'class_counts_text']
+           'ScannedFolderReader', 'derive_seed', 'scan_split', 'split_problems', 'class_counts_text',
+           'skipped_files_text']
 
 _logger = logging.getLogger(__name__)
 _MAX_SKIPPED_IN_A_ROW = 20
@@ -236,12 +239,14 @@ class SplitScan:
         empty: Class folders (directly in ``root``) without one image timm reads.
         loose: Images directly in ``root``, outside any class folder.
         samples: (image path, class folder name) in timm's order (natural sort of the paths).
+        skipped: Files that are not of timm's image types (hidden ones aside), which the split leaves out.
     """
     root: str
     counts: Dict[str, int]
     empty: List[str] = field(default_factory=list)
     loose: int = 0
     samples: List[Tuple[str, str]] = field(default_factory=list)
+    skipped: List[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -263,18 +268,38 @@ class ScannedFolderReader(ReaderImageFolder):
         self.root, self.samples, self.class_to_idx = root, samples, class_to_idx
 
 
+def _walk_split(root: str) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """timm's `find_images_and_targets` walk (a class is the leaf folder an image lies in, timm's image types, the
+    natural sort of the paths), which also keeps the files it passes over: (image path, class folder name) pairs
+    and the other files, hidden ones (names starting with '.') aside, in one walk."""
+    types = get_img_extensions(as_set=True)
+    samples, skipped = [], []
+    for dirpath, _, files in os.walk(root, topdown=False, followlinks=True):
+        label = os.path.basename(os.path.relpath(dirpath, root)) if dirpath != root else ''
+        for f in files:
+            if os.path.splitext(f)[1].lower() in types:
+                samples.append((os.path.join(dirpath, f), label))
+            elif not f.startswith('.'):
+                skipped.append(os.path.join(dirpath, f))
+    return sorted(samples, key=lambda sample: natural_key(sample[0])), sorted(skipped, key=natural_key)
+
+
 def scan_split(root: str) -> SplitScan:
-    """The class folders of an image-folder split and their image counts, by timm's own scan
-    (`find_images_and_targets`: a class is the leaf folder an image lies in)."""
-    samples, class_to_idx = find_images_and_targets(root)
-    per_index = np.bincount([t for _, t in samples], minlength=len(class_to_idx)) if samples else []
-    counts = {name: int(per_index[i]) for name, i in class_to_idx.items()}
+    """The class folders of an image-folder split, their image counts and the files that are no images, by timm's
+    own rules (`find_images_and_targets`: a class is the leaf folder an image lies in)."""
+    samples, skipped = _walk_split(root)
+    per_class = collections.Counter(name for _, name in samples)
+    counts = {name: per_class[name] for name in sorted(per_class, key=natural_key)}
     loose = counts.pop('', 0)
     folders = sorted((d for d in os.listdir(root) if not d.startswith('.') and os.path.isdir(os.path.join(root, d))),
                      key=natural_key)
-    names = {i: name for name, i in class_to_idx.items()}
-    return SplitScan(root, counts, [d for d in folders if d not in counts], loose,
-                     [(path, names[t]) for path, t in samples])
+    return SplitScan(root, counts, [d for d in folders if d not in counts], loose, samples, skipped)
+
+
+def skipped_files_text(scan: SplitScan, n: int = 3) -> str:
+    """`2 file(s) in <root> are not .png/.jpg/.jpeg images and are skipped: a, b`, as validate.py words it."""
+    return (f"{len(scan.skipped)} file(s) in {scan.root} are not {'/'.join(get_img_extensions())} images and are "
+            f'skipped: {_listed(scan.skipped, n)}')
 
 
 def _listed(names: Sequence[str], n: int = 8) -> str:

@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -53,7 +53,7 @@ from ..eval.distributed import DatasetShard, all_gather, shard_range
 from ..eval.runner import usable_cores
 from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
-from ..runs import image_mode_for_channels, normalization_for_channels
+from ..runs import image_mode_for_channels, normalization_for_channels, weights_error_message
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import (
@@ -68,6 +68,7 @@ from .data import (
     num_classes_of,
     scan_split,
     seed_everything,
+    skipped_files_text,
     split_problems,
 )
 from .weights import describe_load, file_num_classes, file_tensor_shapes, recorded_loads
@@ -241,6 +242,9 @@ def _check_folder_classes(args: argparse.Namespace, train_root: str, val_root: s
     if primary:
         _logger.info(f'training split {train_root}: {class_counts_text(train)}')
         _logger.info(f'validation split {val_root}: {class_counts_text(val)}')
+        for scan in (train, val):
+            if scan.skipped:  # as validate.py names them
+                _logger.warning(skipped_files_text(scan))
     return train, val, class_map
 
 
@@ -320,6 +324,13 @@ def _build_model(args: argparse.Namespace, primary: bool) -> Tuple[nn.Module, Di
             raise TrainSetupError(f'{args.model} takes only its fixed input size and no img_size argument; drop '
                                   '--img-size / --input-size') from None
         raise
+    except (RuntimeError, OSError) as e:  # no released weights, or none reachable: the fix in train.py's flags
+        message = weights_error_message(e, args.model, (
+            f'give a weights file of {args.model}, --pretrained-path FILE (safetensors, a .pth state dict, or the '
+            'released file downloaded by hand), or train from random weights, --no-pretrained'))
+        if message is None:
+            raise
+        raise TrainSetupError(message) from None
     if args.pretrained and primary:
         cfg = getattr(model, 'pretrained_cfg', None) or {}
         source = args.pretrained_path or cfg.get('hf_hub_id') or cfg.get('url') or 'its pretrained cfg'
@@ -866,6 +877,9 @@ def _run_directory(args: argparse.Namespace, data_config: Dict[str, Any], primar
     return output_dir[0]
 
 
+_NO_TIME = dict(train_seconds=0.0, total_seconds=0.0, samples_seen=0)
+
+
 @dataclass
 class _Progress:
     """Where the run stands: the next epoch and batch, the updates made, the epoch's loss totals so far."""
@@ -874,6 +888,10 @@ class _Progress:
     num_updates: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
+    resumed_from: Optional[str] = None
+    # the earlier sessions' totals up to the checkpoint (train_seconds, total_seconds, samples_seen); None when the
+    # checkpoint predates them
+    earlier: Optional[Dict[str, float]] = field(default_factory=lambda: dict(_NO_TIME))
 
 
 def _resume(args: argparse.Namespace, resume_path: str, model: nn.Module, opt: _Optimization,
@@ -897,7 +915,8 @@ def _resume(args: argparse.Namespace, resume_path: str, model: nn.Module, opt: _
         if opt.scaler is not None and 'scaler' in ckpt:
             opt.scaler.load_state_dict(ckpt['scaler'])
     progress = _Progress(ckpt['next_epoch'], ckpt['next_batch'], ckpt['num_updates'],
-                         ckpt.get('train_loss_sum', 0.0), ckpt.get('train_loss_count', 0))
+                         ckpt.get('train_loss_sum', 0.0), ckpt.get('train_loss_count', 0), resume_path,
+                         ckpt.get('run_totals'))
     keeper.load_state_dict(ckpt.get('keeper', {}))
     set_rng_state(ckpt['rng'])
     if primary:
@@ -1040,6 +1059,8 @@ class _Run:
         self.batches_per_epoch = loaders.batches_per_epoch
         self.start_epoch, self.start_batch = progress.epoch, progress.batch
         self.num_updates = progress.num_updates
+        self.progress = progress
+        self.train_t0: Optional[float] = None  # when this session's first epoch began
         self.losses = _LossWindow(device, args.distributed)
         self.losses.epoch_sum, self.losses.epoch_count = progress.loss_sum, progress.loss_count
         self.use_bar = self.primary and (args.progress == 'bar' or (args.progress == 'auto' and sys.stderr.isatty()))
@@ -1061,7 +1082,7 @@ class _Run:
             'state_dict': _unwrap(self.model).state_dict(), 'optimizer': opt.optimizer.state_dict(),
             'rng': get_rng_state(), 'keeper': self.keeper.state_dict(), 'metric': metric,
             'train_loss_sum': self.losses.epoch_sum, 'train_loss_count': self.losses.epoch_count,
-            'lsvision_checkpoint': 1,
+            'run_totals': self.run_totals(), 'lsvision_checkpoint': 1,
             'args': args_to_dict(args),  # what --resume <this file> restores
             'class_names': self.class_names,  # the classes in logit order (tools/validate.py --data-dir)
         }
@@ -1218,7 +1239,7 @@ class _Run:
         """The epochs from the start (or resume) point to the end or the time budget; returns the result."""
         epoch = self.start_epoch
         batch_idx = 0
-        train_t0 = time.time()
+        self.train_t0 = time.time()
         for epoch in range(self.start_epoch, self.num_epochs):
             batch_idx, epoch_t0 = self.train_epoch(epoch)
             if self.out_of_time and batch_idx + 1 < self.batches_per_epoch:
@@ -1235,11 +1256,31 @@ class _Run:
             if self.primary:
                 _logger.info(_metrics_text(self.model_metrics, self.ema_metrics))
                 self.keeper.save_epoch(self.checkpoint_state(epoch, batch_idx + 1, None), epoch, None)
-        return self.result(epoch, train_t0)
+        return self.result(epoch)
 
-    def result(self, epoch: int, train_t0: float) -> Dict[str, Any]:
-        """The run's outcome (result.json): metrics, checkpoints, updates, times."""
+    def session_totals(self) -> Dict[str, float]:
+        """This session's training time (from its first epoch), wall time (from its start) and samples."""
+        now = time.time()
+        return dict(train_seconds=round(now - (self.train_t0 or now), 1),
+                    total_seconds=round(now - self.start_time, 1), samples_seen=self.samples_seen)
+
+    def run_totals(self) -> Optional[Dict[str, float]]:
+        """The run's totals so far: the earlier sessions' (up to the checkpoint this one resumed) plus this one's;
+        None when the resumed checkpoint predates them."""
+        earlier = self.progress.earlier
+        if earlier is None:
+            return None
+        return {k: round(earlier[k] + v, 1) if k != 'samples_seen' else earlier[k] + v
+                for k, v in self.session_totals().items()}
+
+    def result(self, epoch: int) -> Dict[str, Any]:
+        """The run's outcome (result.json): metrics, checkpoints, and run totals (epochs, updates, times, samples:
+        every session's, up to the checkpoint each resumed; null where a resumed checkpoint predates them), with
+        this session's own numbers under ``session``."""
         keeper, metrics = self.keeper, self.eval_metrics
+        run = self.run_totals() or dict.fromkeys(_NO_TIME)
+        session = dict(self.session_totals(), resumed_from=self.progress.resumed_from,
+                       updates=self.num_updates - self.progress.num_updates)
         return dict(
             model=self.args.model, model_kwargs=dict(self.args.model_kwargs or {}),
             params=sum(p.numel() for p in self.model.parameters()),
@@ -1250,8 +1291,8 @@ class _Run:
             ema_metrics=self.ema_metrics, best_metric=keeper.best_metric, best_epoch=keeper.best_epoch,
             last_checkpoint=keeper.path('last.pth.tar'),
             best_checkpoint=keeper.path('model_best.pth.tar') if keeper.best_epoch is not None else None,
-            train_seconds=round(time.time() - train_t0, 1), total_seconds=round(time.time() - self.start_time, 1),
-            samples_seen=self.samples_seen,
+            train_seconds=run['train_seconds'], total_seconds=run['total_seconds'], samples_seen=run['samples_seen'],
+            session=session,
         )
 
 

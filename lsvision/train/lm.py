@@ -6,9 +6,14 @@ weight decay) at 2.5e-4 with a cosine schedule over the updates (timm's CosineLR
 0.25; a new epoch starts the streams again with an empty memory. With a time budget the learning rate follows the
 time instead (`lsvision.sequence.budget_train.lr_factor`), as the other CPU demos do.
 
-Perplexity is evaluated as Transformer-XL evaluates it: the memory (cache) is carried over the whole stream and each
-token is scored once. `eval_batch_size` rows cut the split into as many streams (every token but the first scored
-exactly once; see `lsvision.data.text_corpus.eval_streams`); 1 is the authors' single stream.
+Perplexity is evaluated with the memory (cache) carried over each stream, by one of two protocols
+(`eval_protocol`): 'authors' is Transformer-XL's pytorch/eval.py (their TensorFlow code cuts the rows the same way;
+the paper's numbers come from that code): the split cut into `eval_batch_size` contiguous rows of N // B tokens
+(eval.py's default 10, kept by their PyTorch scripts), each row predicting its own tokens but the first
+(B * (N // B - 1) targets; `lsvision.data.text_corpus.authors_eval_streams`).
+'every-token' (the default) scores every token of the split but the first exactly once, over `eval_batch_size`
+streams (`eval_streams`; 1: one stream over the whole split). Relative distances are clamped only for a clamp_len
+> 0, as the authors' (their default -1 is no clamp).
 
 Runs under torchrun (one process per device; DDP; the global `batch_size` streams are split over the processes, so
 that N processes equal one process with the same global batch), with autocast (bfloat16, or float16 with a loss
@@ -31,9 +36,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import lsvision.sequence as seq
-from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
 from lsvision.data.text_corpus import (
     WordCorpus,
+    authors_eval_streams,
     eval_streams,
     load_text_files,
     load_wikitext,
@@ -41,6 +46,7 @@ from lsvision.data.text_corpus import (
     stream_batches,
 )
 from lsvision.eval.distributed import close_eval_processes, init_eval_processes, shard_range
+from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.runs import source_commit
 from lsvision.sequence.budget_train import lr_factor
 from lsvision.sequence.transformer_xl import GrcStreamState, TransformerXL, TxlState
@@ -52,6 +58,7 @@ __all__ = ['LMConfig', 'LMSetupError', 'run', 'evaluate_perplexity', 'load_corpu
            'state_from_dict']
 
 _logger = logging.getLogger('train_lm')
+EVAL_PROTOCOLS = ('every-token', 'authors')  # see the module doc
 
 
 class LMSetupError(ValueError):
@@ -89,6 +96,7 @@ class LMConfig:
     eval_mem_len: Optional[int] = None
     eval_clamp_len: Optional[int] = None
     eval_same_length: bool = False
+    eval_protocol: str = 'every-token'
     eval_max_tokens: Optional[int] = None
     log_interval: int = 200
     save_interval: int = 1000
@@ -112,6 +120,9 @@ class LMConfig:
                                f'{", ".join(seq.list_models("*txl*"))}')
         if self.corpus not in (None, 'stdlib'):
             raise LMSetupError(f"--corpus must be 'stdlib', got {self.corpus!r}")
+        if self.eval_protocol not in EVAL_PROTOCOLS:
+            raise LMSetupError(f'--eval-protocol must be one of {", ".join(EVAL_PROTOCOLS)}, got '
+                               f'{self.eval_protocol!r}')
         if self.amp_dtype not in ('bfloat16', 'float16'):
             raise LMSetupError(f"--amp-dtype must be 'bfloat16' or 'float16', got {self.amp_dtype!r}")
         for name in ('tgt_len', 'batch_size', 'eval_batch_size', 'max_steps', 'log_interval', 'save_interval',
@@ -154,7 +165,7 @@ def _unwrap(model: nn.Module) -> TransformerXL:
 def _eval_settings(model: TransformerXL, mem_len: Optional[int], clamp_len: Optional[int],
                    same_length: Optional[bool]) -> Iterator[None]:
     """Transformer-XL's evaluation options for the duration of an evaluation (the authors evaluate with a longer
-    memory, clamped distances and same-length attention)."""
+    memory, clamped distances and same-length attention). None keeps the model's; a clamp_len <= 0 is no clamp."""
     if mem_len is not None and model.memory != 'xl':
         raise LMSetupError('--eval-mem-len changes the memory of Transformer-XL; a GRC model keeps its cache length '
                            f'(T_m = {model.mem_len}): leave it out')
@@ -178,8 +189,11 @@ def _autocast(cfg: LMConfig, device: torch.device):
 def evaluate_perplexity(model: nn.Module, data: torch.Tensor, tgt_len: int, batch_size: int = 1,
                         device: Optional[torch.device] = None, max_tokens: Optional[int] = None,
                         mem_len: Optional[int] = None, clamp_len: Optional[int] = None,
-                        same_length: Optional[bool] = None, autocast: Any = None) -> Dict[str, float]:
-    """Perplexity of a token stream, each token but the first scored once, the state carried over the stream.
+                        same_length: Optional[bool] = None, autocast: Any = None,
+                        protocol: str = 'every-token') -> Dict[str, float]:
+    """Perplexity of a token stream with the state carried over each row: `protocol` 'every-token' scores each
+    token but the first once (`eval_streams`), 'authors' as Transformer-XL's eval.py (`authors_eval_streams`: B
+    rows of N // B tokens, each predicting its own tokens but the first).
 
     Under torchrun each process scores its share of the `batch_size` rows and the sums are all-reduced.
 
@@ -192,7 +206,9 @@ def evaluate_perplexity(model: nn.Module, data: torch.Tensor, tgt_len: int, batc
     device = device or lm.embed.weight.device
     if max_tokens is not None:
         data = data[:max_tokens + 1]
-    segments = eval_streams(data, batch_size, tgt_len)
+    if protocol not in EVAL_PROTOCOLS:
+        raise ValueError(f'protocol must be one of {", ".join(EVAL_PROTOCOLS)}, got {protocol!r}')
+    segments = (authors_eval_streams if protocol == 'authors' else eval_streams)(data, batch_size, tgt_len)
     rows = shard_range(segments[0].inputs.shape[0])
     total = torch.zeros(2, dtype=torch.float64, device=device)
     state = None
@@ -321,7 +337,7 @@ class _Trainer:
         return evaluate_perplexity(
             self.lm, getattr(self.corpus, split), cfg.eval_tgt_len or cfg.tgt_len, cfg.eval_batch_size,
             self.device, max_tokens, cfg.eval_mem_len, cfg.eval_clamp_len, cfg.eval_same_length or None,
-            _autocast(cfg, self.device))
+            _autocast(cfg, self.device), cfg.eval_protocol)
 
     def _log_progress(self, t0: float, steps0: int) -> None:
         cfg = self.cfg
@@ -380,8 +396,12 @@ def _report_markdown(r: Dict[str, Any]) -> str:
             f"{r['params']:,} parameters; vocabulary {r['vocab']:,}; segments of {r['tgt_len']} tokens, "
             f"{r['batch_size']} streams; commit {r['commit']}; {r['machine']}.\n\n"
             + markdown_table(['split', 'perplexity', 'NLL (nats)', 'tokens scored'], rows)
-            + f"\n\nEvaluated with the memory carried over each split ({r['eval_batch_size']} streams, each token but "
-              f"the first scored once), weights: {r['weights']}.\n")
+            + f"\n\nEvaluated with the memory carried over each split ({_PROTOCOL_TEXT[r['eval_protocol']]} "
+              f"{r['eval_batch_size']} streams), weights: {r['weights']}.\n")
+
+
+_PROTOCOL_TEXT = {'every-token': 'each token but the first scored once, over',
+                  'authors': "the authors' eval.py protocol: each row's tokens but its first scored, over"}
 
 
 def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
@@ -398,7 +418,7 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
         # below the checkpoint's step only evaluates, e.g. with the authors' --eval-* settings)
         keep = ('max_steps', 'time_budget_s', 'output', 'resume', 'log_interval', 'eval_interval', 'save_interval',
                 'eval_tgt_len', 'eval_batch_size', 'eval_mem_len', 'eval_clamp_len', 'eval_same_length',
-                'eval_max_tokens')
+                'eval_max_tokens', 'eval_protocol')
         cfg = dataclasses.replace(LMConfig(**resume['config']), **{k: getattr(cfg, k) for k in keep})
     cfg.check()
     procs = init_eval_processes(cfg.device)
@@ -423,14 +443,15 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
             model=cfg.model, model_kwargs=cfg.model_kwargs, params=sum(p.numel() for p in lm.parameters()),
             corpus=corpus.source, vocab=len(corpus.vocab), tgt_len=cfg.tgt_len, batch_size=cfg.batch_size,
             steps=trainer.step, epochs=trainer.epoch, train_seconds=round(trainer.train_seconds, 1),
-            stopped_by_time_budget=by_budget, eval_batch_size=cfg.eval_batch_size, weights=weights,
+            stopped_by_time_budget=by_budget, eval_batch_size=cfg.eval_batch_size,
+            eval_protocol=cfg.eval_protocol, weights=weights,
             commit=source_commit(), machine=machine_description(str(procs.device)), world_size=procs.world_size,
             amp=cfg.amp and cfg.amp_dtype, history=trainer.history, checkpoint=last)
         result['valid'] = trainer.evaluate('valid')
         result['test'] = trainer.evaluate('test')
         if procs.primary:
             write_json(os.path.join(cfg.output, 'result.json'), result)
-            write_atomic(os.path.join(cfg.output, 'result.md'), lambda tmp: tmp.write_text(_report_markdown(result)))
+            write_text(os.path.join(cfg.output, 'result.md'), _report_markdown(result))
         return result
     finally:
         close_eval_processes()

@@ -31,10 +31,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import lsvision.sequence as seq
-from lsvision.bench import machine_description, markdown_table, write_atomic, write_json
 from lsvision.data.parallel_text import BOS_ID, EOS_ID, PAD_ID, SubwordVocab, read_parallel, write_demo_task
 from lsvision.eval.distributed import all_gather, close_eval_processes, init_eval_processes, shard_range
 from lsvision.layers import GatedRecurrentCache
+from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.runs import source_commit, unknown_name_message
 from lsvision.sequence.translation import EncoderOut, TranslationTransformer
 
@@ -634,8 +634,7 @@ def run(cfg: MTConfig) -> Dict[str, Any]:
                         os.path.join(cfg.output, 'averaged.pt'))
             result['output'] = cfg.output
             write_json(os.path.join(cfg.output, 'result.json'), result)
-            write_atomic(os.path.join(cfg.output, 'result.md'),
-                         lambda tmp: tmp.write_text(_report_markdown(result)))
+            write_text(os.path.join(cfg.output, 'result.md'), _report_markdown(result))
         return result
     finally:
         close_eval_processes()

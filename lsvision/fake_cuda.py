@@ -1,0 +1,129 @@
+"""A fake CUDA device on a CPU-only machine: run a model's CUDA branches, forward and backward, without a GPU.
+
+Under `torch._subclasses.fake_tensor.FakeTensorMode`, tensors on `cuda` carry shapes, dtypes and devices only; every
+op runs its meta kernel, so the layers take their CUDA branches and the private kernels' signatures are checked. The
+autograd engine cannot run backward there (it needs a real device context: "hasPrimaryContext expects a valid device
+index"), so `run_backward` walks the graph itself, as the engine would: each node once, in topological order, with its
+incoming gradients summed (each reduced to the shape and cast to the dtype the node was recorded with, as the
+engine's `validate_outputs` does), and the leaves' gradients accumulated into `.grad`. Autocast on `cuda` refuses to
+turn on without a device, so `cuda_autocast` sets its state directly (the dispatcher then casts fake CUDA tensors as
+it would real ones). Meta kernels do not check a kernel's eligibility rules or numerics: a real GPU does
+(tests/test_cuda.py, `make gpu-check`).
+
+Used by the tests (tests/test_cuda_fake.py) and by the CUDA cost counter (`lsvision.measure_cuda`).
+"""
+import contextlib
+from collections import Counter
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = ['FAKE_CUDA', 'cuda_autocast', 'fake_cuda', 'run_backward']
+
+FAKE_CUDA = torch.device('cuda')
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[FakeTensorMode]:
+    """A fake-tensor mode in which real (CPU) tensors may enter: `module.to('cuda')` makes fake CUDA copies."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """Autocast on `cuda` to `dtype` (None: off), set directly: `torch.autocast('cuda')` disables itself where CUDA is
+    not available."""
+    if dtype is None:
+        yield
+        return
+    enabled, previous = torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda')
+    torch.set_autocast_enabled('cuda', True)
+    torch.set_autocast_dtype('cuda', dtype)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled('cuda', enabled)
+        torch.set_autocast_dtype('cuda', previous)
+
+
+def _graph_order(root: torch.autograd.graph.Node) -> Dict[torch.autograd.graph.Node, int]:
+    """The number of incoming edges of every node reachable from `root`."""
+    pending: Counter = Counter()
+    seen, stack = {root}, [root]
+    while stack:
+        for nxt, _ in stack.pop().next_functions:
+            if nxt is None:
+                continue
+            pending[nxt] += 1
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return pending
+
+
+def _as_recorded(grad: torch.Tensor, meta) -> torch.Tensor:
+    """A gradient reduced to the shape and cast to the dtype its node recorded (the engine's validate_outputs)."""
+    if list(grad.shape) != list(meta.shape):
+        grad = grad.sum_to_size(meta.shape)
+    return grad if grad.dtype == meta.dtype else grad.to(meta.dtype)
+
+
+def _call_node(node, grads: List[Optional[torch.Tensor]]) -> List[Tuple[torch.Tensor, Tuple]]:
+    """Run one backward node: its (gradient, edge) pairs for the edges that lead somewhere."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        # a custom Function: missing output gradients as zeros; its backward returns one entry per forward argument,
+        # of which those that need a gradient are, in order, its edges that lead somewhere
+        grads = [torch.zeros(m.shape, dtype=m.dtype, device=m.device) if g is None else g
+                 for g, m in zip(grads, node._input_metadata)]
+        out = node.apply(*grads)
+        out = [g for g, need in zip(out if isinstance(out, tuple) else (out,), node.needs_input_grad) if need]
+        edges = [e for e in node.next_functions if e[0] is not None]
+    else:
+        out = node(*grads)
+        out = list(out) if isinstance(out, tuple) else [out]
+        edges = list(node.next_functions)
+        out, edges = [g for g, e in zip(out, edges) if e[0] is not None], [e for e in edges if e[0] is not None]
+    assert len(out) == len(edges), f'{node.name()}: {len(out)} gradients for {len(edges)} edges'
+    return [(g, e) for g, e in zip(out, edges) if g is not None]
+
+
+@torch.no_grad()
+def run_backward(loss: torch.Tensor, around_node: Optional[Callable[[Any], ContextManager]] = None) -> int:
+    """``loss.backward()`` by walking the autograd graph (works on fake CUDA tensors). Returns the nodes run.
+
+    Args:
+        loss: A scalar that requires grad.
+        around_node: Optional: a context manager entered around each node's backward (given the node).
+    """
+    root = loss.grad_fn
+    assert root is not None, 'the loss does not require grad'
+    pending = _graph_order(root)
+    inbox: Dict = {root: [torch.ones_like(loss)]}
+    ready, done = [root], 0
+    while ready:
+        node = ready.pop()
+        done += 1
+        grads = inbox.pop(node, [])
+        grads += [None] * (len(node._input_metadata) - len(grads))
+        if node.name() == 'torch::autograd::AccumulateGrad':
+            leaf = node.variable
+            if grads[0] is not None:
+                leaf.grad = grads[0] if leaf.grad is None else leaf.grad + grads[0]
+            continue
+        with around_node(node) if around_node is not None else contextlib.nullcontext():
+            results = _call_node(node, grads)
+        for grad, (nxt, slot) in results:
+            box = inbox.setdefault(nxt, [None] * len(nxt._input_metadata))
+            grad = _as_recorded(grad, nxt._input_metadata[slot])
+            box[slot] = grad if box[slot] is None else box[slot] + grad
+        for nxt, _ in node.next_functions:
+            if nxt is not None:
+                pending[nxt] -= 1
+                if pending[nxt] == 0:
+                    ready.append(nxt)
+    return done

@@ -1,0 +1,118 @@
+"""The CUDA cost counter (`lsvision.measure_cuda`): its rules on modules whose costs are known by hand, and the counts
+of the models against the table measured outside the project at cb74399 (issue 59)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lsvision  # noqa: F401  (registers the models)
+from lsvision.layers import LongShortAttention2d
+from lsvision.measure_cuda import (
+    CountPoint,
+    add_count_ratios,
+    cost_row,
+    count_row,
+    count_step,
+    counts_markdown,
+    parse_point,
+)
+
+F32, BF16 = 4, 2
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x).view(-1, 16).transpose(0, 1).transpose(0, 1))  # views launch nothing
+
+
+def test_linear_layers_cost_what_they_read_and_write():
+    """fp32 inference: one addmm per Linear, reading input, weight and bias and writing the output; the loss's mean
+    on the output (read 4 x 4 values, write one) is charged to no module."""
+    cost = count_step(_TwoLinears(), lambda: [torch.randn(4, 8)], train=False, dtype=None)
+    by_module = cost.by('module')
+    assert by_module['a'] == {'kernels': 1, 'bytes': (4 * 8 + 16 * 8 + 16 + 4 * 16) * F32, 'flops': 2 * 4 * 8 * 16}
+    assert by_module['b'] == {'kernels': 1, 'bytes': (4 * 16 + 4 * 16 + 4 + 4 * 4) * F32, 'flops': 2 * 4 * 16 * 4}
+    assert cost.by('op')['mean.default']['kernels'] == 1
+    assert cost.total()['kernels'] == 3
+
+
+def test_training_step_charges_backward_kernels_to_the_module_that_made_them():
+    """bf16 autocast training: the casts of weights and input, addmm forward; mm for the input and weight gradients,
+    sum for the bias; the optimizer apart."""
+    cost = count_step(_TwoLinears(), lambda: [torch.randn(4, 8)], train=True)
+    fwd, bwd = cost.by('op', ('forward',)), cost.by('op', ('backward',))
+    # casts: the input, 2 weights, 2 biases, the output to float32 for the loss
+    assert fwd['addmm.default']['kernels'] == 2 and fwd['_to_copy.default']['kernels'] == 6
+    assert bwd['mm.default']['kernels'] == 3  # a's input needs no gradient
+    modules = cost.by('module', ('backward',))
+    assert modules['a']['kernels'] > 0 and modules['b']['kernels'] > modules['a']['kernels']
+    assert cost.total(('optimizer',))['kernels'] > 0 and 'optimizer' not in str(cost.by('module'))
+
+
+class _Attention(nn.Module):
+    def forward(self, x):
+        q = x.unflatten(-1, (2, 8)).transpose(1, 2)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
+def test_sdpa_counts_as_the_memory_efficient_kernel():
+    """One forward and one backward kernel (the fake device alone would run SDPA's math path); the boolean mask costs
+    the kernels that make it (ones, tril) and turn it into a bias."""
+    cost = count_step(_Attention(), lambda: [torch.randn(2, 32, 16, requires_grad=True)], train=True, dtype=None,
+                      optimizer=None)
+    ops = cost.by('op')
+    assert ops['_scaled_dot_product_efficient_attention.default']['kernels'] == 1
+    assert ops['_scaled_dot_product_efficient_attention_backward.default']['kernels'] == 1
+    assert not any('softmax' in name or 'bmm' in name for name in ops), ops
+
+
+def test_point_parsing_and_errors():
+    assert parse_point('train:224:256') == CountPoint('train', 224, 256, 'bfloat16')
+    assert parse_point('inference:1024:8:float32') == CountPoint('inference', 1024, 8, None)
+    for bad in ('train:224', 'eval:224:8', 'train:224:8:int8'):
+        with pytest.raises(ValueError, match='kind:size:batch|dtype must be'):
+            parse_point(bad)
+
+
+def test_cvt_13_inference_reproduces_the_issue_table():
+    """cvt_13, bf16 inference at 224 px, batch 32, traced outside the project at cb74399: 620 kernels, 8.2 GB moved,
+    0.29 TFLOP (issue 59). The counter's rules give the same within 5 % (the FLOPs exactly)."""
+    row = count_row('cvt_13', parse_point('inference:224:32'))
+    assert abs(row['kernels'] / 620 - 1) < 0.05, row['kernels']
+    assert abs(row['bytes'] / 8.2e9 - 1) < 0.05, row['bytes']
+    assert round(row['flops'] / 1e12, 2) == 0.29
+    assert row['forward_kernels'] == row['kernels'] and row['optimizer']['kernels'] == 0
+
+
+class _Layer(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.attn = LongShortAttention2d(32, 2, window_size=4, dp_rank=2, **kwargs)
+
+    def forward(self, x):
+        return self.attn(x, (12, 12))
+
+
+def test_flex_path_trains_on_the_counter_and_the_report_renders():
+    """The FlexAttention window kernel in training: one flex forward and its two backward kernels, no SDPA, charged
+    to the layer; the report's ratios are to the baseline at the same point."""
+    point = parse_point('train:12:2')
+    rows = []
+    for kernel in ('flex', 'auto'):
+        torch.manual_seed(0)
+        cost = count_step(_Layer(span_kernel=kernel), lambda: [torch.randn(2, 144, 32)], train=True)
+        rows.append(cost_row(f'layer ({kernel})', point, cost))
+    flex = rows[0]['by_op']
+    assert flex['flex_attention']['kernels'] == 1 and flex['flex_attention_backward']['kernels'] == 2, flex
+    assert not any('scaled_dot_product' in op for op in flex)
+    assert rows[0]['by_module']['attn']['kernels'] > 3
+    add_count_ratios(rows, 'layer (auto)')
+    assert rows[0]['kernels_ratio'] == rows[0]['kernels'] / rows[1]['kernels'] and 'kernels_ratio' not in rows[1]
+    text = counts_markdown(rows, top=40)
+    assert 'train 12 b2 bfloat16' in text and '`flex_attention' in text
