@@ -138,6 +138,10 @@ def test_errors_say_what_to_do(shapes, tmp_path, capsys, caplog):
         segment.run(segment.parse_args(upernet))
     with pytest.raises(SegmentationSetupError, match='--batch-size 2 or more, or --head-kwargs norm=gn'):
         segment.run(segment.parse_args(upernet + ['--head-kwargs', 'channels=8', '--batch-size', '1']))
+    # no released weights: no traceback, the fix in segment.py's flags, then the Python route
+    assert segment.main(argv + ['--backbone-weights', 'pretrained']) == 2
+    assert 'cvt_ls_13 has no released weights. Fix: give a weights file of cvt_ls_13, --backbone-weights FILE' in \
+        caplog.text
     with pytest.raises(SegmentationSetupError, match='did you mean cvt_ls_13'):
         segment.run(segment.parse_args(argv + ['--model', 'cvt_ls13']))
 

@@ -25,35 +25,22 @@ from lsvision.detection.coco_eval import STAT_NAMES
 from lsvision.detection.data import CocoDataError
 from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
 from lsvision.models import CheckpointMismatchError
-from lsvision.train.args import ConfigError, Flag, add_amp_arguments, add_dense_run_arguments, tool_defaults
+from lsvision.train.args import (
+    ConfigError,
+    Flag,
+    add_amp_arguments,
+    add_dense_run_arguments,
+    demo_preset_help,
+    tool_defaults,
+)
 from lsvision.train.dense import tool_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
 
 
-def _flag_value(value: Any) -> str:
-    """A config value as it is written on the command line."""
-    if isinstance(value, dict):
-        return ' '.join(f"{k}={str(v).replace(' ', '')}" for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return ' '.join(map(str, value))
-    return str(value) if value != '' else "''"
-
-
-def _demo_preset() -> str:
-    """The demo preset's settings as flags, for --help (the defaults listed there are those of a --data-dir run)."""
-    import yaml
-    with open(DEMO_CONFIG) as f:
-        cfg = yaml.safe_load(f) or {}
-    flags = ', '.join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in cfg.items() if k != 'data_dir')
-    return (f'Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that records its arguments), '
-            f'the demo preset {os.path.relpath(DEMO_CONFIG, ROOT)} replaces these defaults (on generated shapes): '
-            f'{flags}.')
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_demo_preset(),
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=demo_preset_help(DEMO_CONFIG, ROOT),
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('-c', '--config', default='', metavar='FILE',
                         help='flat YAML of argument names with underscores (configs/detection/*.yaml); a flag given '

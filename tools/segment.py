@@ -27,7 +27,14 @@ from lsvision.models import CheckpointMismatchError
 from lsvision.segmentation.data import SegmentationDataError
 from lsvision.segmentation.engine import DATASETS, NonFiniteLossError, SegmentationSetupError, run
 from lsvision.segmentation.models import SEGMENTORS
-from lsvision.train.args import ConfigError, Flag, add_amp_arguments, add_dense_run_arguments, tool_defaults
+from lsvision.train.args import (
+    ConfigError,
+    Flag,
+    add_amp_arguments,
+    add_dense_run_arguments,
+    demo_preset_help,
+    tool_defaults,
+)
 from lsvision.train.dense import tool_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +42,8 @@ DEMO_CONFIG = os.path.join(ROOT, 'configs', 'segmentation', 'semantic_fpn_shapes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.
-                                     ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=demo_preset_help(DEMO_CONFIG, ROOT),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument('-c', '--config', default='', metavar='FILE',
                         help='flat YAML of argument names with underscores (configs/segmentation/*.yaml); a flag '
                              'given on the command line beats it')

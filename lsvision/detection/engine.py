@@ -39,10 +39,20 @@ from timm.scheduler import MultiStepLRScheduler
 from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..reports import machine_description, markdown_table, write_json, write_text
-from ..runs import source_commit, weights_error_message
+from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed
-from ..train.dense import agree, amp_dtype, autocast, load_eval_weights, recorded_args, run_directory, setup_run, unwrap
+from ..train.dense import (
+    agree,
+    amp_dtype,
+    autocast,
+    backbone_weights_message,
+    load_eval_weights,
+    recorded_args,
+    run_directory,
+    setup_run,
+    unwrap,
+)
 from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
@@ -86,10 +96,7 @@ def build_detector(args: argparse.Namespace, num_classes: int) -> nn.Module:
         backbone = models.backbone_with_fpn(args.model, weights, model_kwargs, out_channels=args.fpn_channels,
                                             levels='retinanet' if args.detector == 'retinanet' else 'rcnn')
     except (RuntimeError, OSError) as e:  # 'pretrained': none released, or none reachable
-        message = weights_error_message(e, args.model, (
-            f'give a weights file of {args.model}, --backbone-weights FILE (safetensors, a .pth state dict, a '
-            "tools/train.py checkpoint, or the released file downloaded by hand), or start from random weights, "
-            "--backbone-weights ''"))
+        message = backbone_weights_message(e, args.model)
         if message is None:
             raise
         raise DetectionSetupError(message) from None

@@ -40,7 +40,17 @@ from ..reports import machine_description, markdown_table, write_json, write_tex
 from ..runs import source_commit
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
 from ..train.data import derive_seed
-from ..train.dense import agree, amp_dtype, autocast, load_eval_weights, recorded_args, run_directory, setup_run, unwrap
+from ..train.dense import (
+    agree,
+    amp_dtype,
+    autocast,
+    backbone_weights_message,
+    load_eval_weights,
+    recorded_args,
+    run_directory,
+    setup_run,
+    unwrap,
+)
 from ..train.engine import all_reduce_grc_caches, optimizer_update
 from . import models
 from .data import (
@@ -114,8 +124,14 @@ def build_segmentor(args: argparse.Namespace, num_classes: int) -> models.Segmen
     if unknown:
         raise SegmentationSetupError(f'--head-kwargs {", ".join(unknown)}: the {args.segmentor} head takes '
                                      f'{", ".join(takes)}')
-    return build(args.model, num_classes, backbone_weights=args.backbone_weights or None,
-                 model_kwargs=dict(args.model_kwargs or {}), **dict(args.head_kwargs or {}))
+    try:
+        return build(args.model, num_classes, backbone_weights=args.backbone_weights or None,
+                     model_kwargs=dict(args.model_kwargs or {}), **dict(args.head_kwargs or {}))
+    except (RuntimeError, OSError) as e:  # 'pretrained': none released, or none reachable
+        message = backbone_weights_message(e, args.model)
+        if message is None:
+            raise
+        raise SegmentationSetupError(message) from None
 
 
 def _datasets(args: argparse.Namespace, names: List[str], model: models.Segmentor

@@ -17,8 +17,8 @@ from timm.utils import ParseKwargs
 from lsvision.models._helpers import checkpoint_record
 
 __all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'recorded_run_args',
-           'tool_defaults', 'add_dense_run_arguments', 'add_amp_arguments', 'parse_args', 'args_to_dict',
-           'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
+           'tool_defaults', 'demo_preset_help', 'add_dense_run_arguments', 'add_amp_arguments', 'parse_args',
+           'args_to_dict', 'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
 
 # the preset used when no data and no model are given (the README's first command)
 DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -388,6 +388,25 @@ def add_amp_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument('--amp', action=Flag, default=False, help='mixed precision (torch.autocast)')
     group.add_argument('--amp-dtype', default=None, choices=('float16', 'bfloat16'),
                        help='unset = bfloat16 on CPU, float16 (with a loss scaler) elsewhere')
+
+
+def _flag_value(value: Any) -> str:
+    """A config value as it is written on the command line."""
+    if isinstance(value, dict):
+        return ' '.join(f"{k}={str(v).replace(' ', '')}" for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return ' '.join(map(str, value))
+    return str(value) if value != '' else "''"
+
+
+def demo_preset_help(demo_config: str, root: str, data: str = 'generated shapes') -> str:
+    """A dense-prediction tool's --help epilog: its demo preset's settings as flags (the defaults listed above it are
+    those of a --data-dir run)."""
+    with open(demo_config) as f:
+        cfg = yaml.safe_load(f) or {}
+    flags = ', '.join(f"--{k.replace('_', '-')} {_flag_value(v)}" for k, v in cfg.items() if k != 'data_dir')
+    return (f'Without --data-dir, -c and a run to continue (--resume, or a --checkpoint that records its arguments), '
+            f'the demo preset {os.path.relpath(demo_config, root)} replaces these defaults (on {data}): {flags}.')
 
 
 def tool_defaults(parser: argparse.ArgumentParser, argv: Sequence[str], tool: str, demo_config: str = ''

@@ -24,7 +24,7 @@ from .checkpoint import CheckpointWriteError, load_checkpoint
 from .data import derive_seed, seed_everything
 
 __all__ = ['setup_run', 'unwrap', 'amp_dtype', 'autocast', 'agree', 'recorded_args', 'run_directory',
-           'load_eval_weights', 'tool_main']
+           'load_eval_weights', 'backbone_weights_message', 'tool_main']
 
 # what a checkpoint and args.yaml do not record: this machine's place in the job, and the tool's run controls
 _NOT_RECORDED = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume',
@@ -98,6 +98,17 @@ def load_eval_weights(model: nn.Module, path: str, mismatch: Callable[[Dict[str,
         unwrap(model).load_state_dict(ckpt.get('state_dict', ckpt))
     except RuntimeError as e:
         raise mismatch(ckpt.get('args') or {}, str(e).splitlines()[0]) from None
+
+
+def backbone_weights_message(error: BaseException, model: str) -> Optional[str]:
+    """The message of a dense-prediction tool for `--backbone-weights pretrained` that cannot be had (none released,
+    or not downloadable here): the fix in the tools' flags (`lsvision.runs.weights_error_message`); None for another
+    error."""
+    from ..runs import weights_error_message
+    return weights_error_message(error, model, (
+        f'give a weights file of {model}, --backbone-weights FILE (safetensors, a .pth state dict, a '
+        "tools/train.py checkpoint, or the released file downloaded by hand), or start from random weights, "
+        "--backbone-weights ''"))
 
 
 def tool_main(argv: Optional[Sequence[str]], parse_args: Callable[[Optional[Sequence[str]]], argparse.Namespace],
