@@ -90,7 +90,7 @@ def _train(tmp_path: Path, out: str, *extra: str) -> int:
     return load_tool('train_lm').main(['--data-dir', str(tmp_path / 'wt'), '--model', 'grc_txl_tiny',
                                        '--model-kwargs', *TINY_KWARGS, '--batch-size', '4', '--tgt-len', '8',
                                        '--lr', '3e-3', '--min-lr', '3e-3', '--log-interval', '2',
-                                       '--eval-interval', '3', '--eval-batch-size', '2', '--output',
+                                       '--eval-interval', '3', '--eval-batch-size', '2', '--threads', '1', '--output',
                                        str(tmp_path / out), *extra])
 
 

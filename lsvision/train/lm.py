@@ -268,7 +268,9 @@ class _Trainer:
             self.scaler.load_state_dict(ckpt['scaler'])
         self.step, self.epoch, self.pos = ckpt['step'], ckpt['epoch'], ckpt['pos']
         self.train_seconds, self.best, self.history = ckpt['train_seconds'], ckpt['best'], ckpt['history']
-        self.lr_decay = ckpt.get('lr_decay', 1.)
+        # an older checkpoint without it: the factor of the lr it last applied (past the warm-up)
+        last = ckpt['optimizer']['param_groups'][0]['lr'] / self.cfg.lr if self.cfg.lr > 0 else 1.
+        self.lr_decay = ckpt.get('lr_decay', min(1., last) if self.step > self.cfg.warmup_steps else 1.)
         path = os.path.join(os.path.dirname(ckpt['path']), f'streams-rank{self.rank}.pth')
         streams = load_checkpoint(path, map_location=str(self.device))
         if streams['step'] != self.step:
