@@ -402,6 +402,10 @@ class _Trainer:
             start = time.perf_counter()
             self.loss_window.append(self.train_step())
             self.train_seconds += time.perf_counter() - start
+            if cfg.time_budget_s and self.world > 1:  # one clock for all: the same lr and the same last step
+                seconds = torch.tensor([self.train_seconds], dtype=torch.float64, device=self.device)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                self.train_seconds = float(seconds)
             if self.rank == 0 and clock.due(self.step):
                 self._log_progress(t0, steps0)
                 self.check_warmup(projected=True)
