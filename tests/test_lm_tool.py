@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from _helpers import ROOT, load_tool
 
 import lsvision.sequence as seq
+import lsvision.train.lm as lm
 from lsvision.data.text_corpus import EOS, UNK, build_vocab, encode_lines, eval_streams, load_wikitext
 from lsvision.train.checkpoint import load_checkpoint
 from lsvision.train.lm import evaluate_perplexity
@@ -163,12 +165,20 @@ def test_more_steps_on_resume_continue_the_cosine_down_not_up(tmp_path, caplog):
     assert all(b <= a for a, b in zip(lrs, lrs[1:])) and lrs[-1] > 0, lrs
 
 
-def test_a_warmup_longer_than_the_run_is_warned_with_the_fix(tmp_path, caplog):
+def test_a_warmup_longer_than_the_run_and_a_small_corpus_are_warned_with_the_fix(tmp_path, caplog, monkeypatch):
     _write_wikitext(tmp_path / 'wt')
+    monkeypatch.setattr(lm, 'SMALL_CORPUS_MAX_PARAMS', 1000)  # the tiny model stands for the 151M-parameter default
     with caplog.at_level(logging.WARNING):
         assert _train(tmp_path, 'warm', '--warmup-steps', '5', '--max-steps', '2', '--eval-interval', '100') == 0
     assert ('--warmup-steps 5 is not shorter than the run (2 steps): the lr rises from 0 and never reaches 0.003; '
             'lower --warmup-steps (the run: --max-steps 2)') in caplog.text
+    tokens = len(load_wikitext(tmp_path / 'wt').train)
+    assert f'{tokens:,} training tokens for a model of' in caplog.text and lm.SMALL_CORPUS_FLAGS in caplog.text
+    # the recipe is in docs/sequence.md as a command that parses
+    text = (ROOT / 'docs' / 'sequence.md').read_text().replace('\\\n', ' ')
+    (line,) = [' '.join(ln.split()) for ln in text.splitlines()
+               if ln.startswith('python tools/train_lm.py') and lm.SMALL_CORPUS_FLAGS in ' '.join(ln.split())]
+    assert load_tool('train_lm').build_parser().parse_args(shlex.split(line, comments=True)[2:]).model == 'txl_tiny'
 
 
 def test_bad_input_is_explained_and_the_hint_works(tmp_path, capsys):

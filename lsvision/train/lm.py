@@ -51,9 +51,16 @@ from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_sta
 from .engine import long_warmup_warning, optimizer_update
 
 __all__ = ['LMConfig', 'LMSetupError', 'run', 'resumed_config', 'evaluate_perplexity', 'load_corpus', 'state_to_dict',
-           'state_from_dict']
+           'state_from_dict', 'SMALL_CORPUS_FLAGS']
 
 _logger = logging.getLogger('train_lm')
+
+# a recipe for a corpus of a few million tokens or less (WikiText-103 has 103M): tools/demo_lm.py's model and schedule
+# (docs/sequence.md); a new run on fewer training tokens than SMALL_CORPUS_TOKENS with a model of more parameters than
+# SMALL_CORPUS_MAX_PARAMS gets it as a warning
+SMALL_CORPUS_FLAGS = ('--model txl_tiny --model-kwargs drop=0.0 --tgt-len 64 --batch-size 8 --lr 1e-3 '
+                      '--warmup-steps 20')
+SMALL_CORPUS_TOKENS, SMALL_CORPUS_MAX_PARAMS = 10_000_000, 10_000_000
 
 
 class LMSetupError(ValueError):
@@ -479,6 +486,16 @@ def _check_budget_left(cfg: LMConfig, ckpt: Dict[str, Any]) -> None:
             f'more, or --max-steps {step} to only evaluate the checkpoint')
 
 
+def _warn_small_corpus(cfg: LMConfig, tokens: int, params: int) -> None:
+    """A new run of a large model on a small corpus: it overfits, and a CPU run of minutes makes a few steps."""
+    if tokens < SMALL_CORPUS_TOKENS and params > SMALL_CORPUS_MAX_PARAMS:
+        _logger.warning(
+            f"{tokens:,} training tokens for a model of {params / 1e6:.1f}M parameters ({cfg.model}, segments of "
+            f"{cfg.tgt_len} x {cfg.batch_size} streams: Transformer-XL's recipe for WikiText-103's 103M tokens): it "
+            f"overfits, and a run of minutes on a CPU makes a handful of steps. For a small corpus, the demo's size "
+            f'and schedule: {SMALL_CORPUS_FLAGS} (docs/sequence.md)')
+
+
 def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None, given: Optional[Collection[str]] = None
         ) -> Dict[str, Any]:
     """Train (or resume) and evaluate a language model; returns the result (also in result.json / result.md).
@@ -504,6 +521,8 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None, given: Optional[Coll
         if procs.primary:
             _logger.info(f'{corpus.summary()}; {procs.world_size} process(es) on {procs.device}')
         trainer = _Trainer(cfg, corpus, procs.device, procs.rank, procs.world_size, resume)
+        if procs.primary and resume is None:
+            _warn_small_corpus(cfg, len(corpus.train), sum(p.numel() for p in trainer.lm.parameters()))
         by_budget = trainer.train()
         last = trainer.save()
         weights = 'last'
