@@ -167,6 +167,7 @@ def test_more_steps_on_resume_continue_the_cosine_down_not_up(tmp_path, caplog):
 
 def test_a_warmup_longer_than_the_run_and_a_small_corpus_are_warned_with_the_fix(tmp_path, caplog, monkeypatch):
     _write_wikitext(tmp_path / 'wt')
+    max_params = lm.SMALL_CORPUS_MAX_PARAMS
     monkeypatch.setattr(lm, 'SMALL_CORPUS_MAX_PARAMS', 1000)  # the tiny model stands for the 151M-parameter default
     with caplog.at_level(logging.WARNING):
         assert _train(tmp_path, 'warm', '--warmup-steps', '5', '--max-steps', '2', '--eval-interval', '100') == 0
@@ -179,6 +180,8 @@ def test_a_warmup_longer_than_the_run_and_a_small_corpus_are_warned_with_the_fix
     (line,) = [' '.join(ln.split()) for ln in text.splitlines()
                if ln.startswith('python tools/train_lm.py') and lm.SMALL_CORPUS_FLAGS in ' '.join(ln.split())]
     assert load_tool('train_lm').build_parser().parse_args(shlex.split(line, comments=True)[2:]).model == 'txl_tiny'
+    assert (f'under {lm.SMALL_CORPUS_TOKENS // 10 ** 6}M training tokens with a model of over '
+            f'{max_params // 10 ** 6}M parameters') in ' '.join(text.split())
 
 
 def test_bad_input_is_explained_and_the_hint_works(tmp_path, capsys):

@@ -102,6 +102,8 @@ def test_the_documented_small_corpus_recipe_is_the_one_warned_and_parses():
     (line,) = [line for line in lines if SMALL_CORPUS_FLAGS in line]
     args = train_mt.parse_args(shlex.split(line, comments=True)[2:])
     assert args.model_kwargs[0] == 'dim=128' and args.warmup_updates == 100 and args.time_budget_s > 0
+    assert (f'fewer than {translation.SMALL_CORPUS_PAIRS:,} pairs with a model of more than '
+            f'{translation.SMALL_CORPUS_MAX_PARAMS // 10 ** 6}M parameters') in ' '.join(text.split())
 
 
 def test_errors_name_the_fix(tmp_path, capsys):

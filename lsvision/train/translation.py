@@ -694,8 +694,8 @@ def _warn_small_corpus(cfg: MTConfig, pairs: int, params: int) -> None:
         _logger.warning(
             f'{pairs:,} training pairs for a model of {params / 1e6:.1f}M parameters ({cfg.model}'
             + (f' {cfg.model_kwargs}' if cfg.model_kwargs else '') + f", lr {cfg.resolved_lr():g}, "
-            f"{cfg.warmup_updates} warm-up updates: fairseq's IWSLT recipe, for 160k pairs): it overfits, and a short "
-            f"run ends inside the warm-up. For a corpus of thousands of pairs, the demo's size and schedule: "
+            f"{cfg.warmup_updates} warm-up updates; fairseq's IWSLT recipe is for 160k pairs): it overfits, and a "
+            f"short run ends inside the warm-up. For a corpus of thousands of pairs, the demo's size and schedule: "
             f'{SMALL_CORPUS_FLAGS} (docs/sequence.md, "A small corpus"; twice the lr for a GRC model)')
 
 
