@@ -27,6 +27,7 @@ from lsvision.detection.coco_eval import STAT_NAMES
 from lsvision.detection.data import CocoDataError
 from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
 from lsvision.models import CheckpointMismatchError
+from lsvision.runtime import PROGRESS_HELP, PROGRESS_SECONDS, threads_help
 from lsvision.train.args import ConfigError, Flag, validate_config
 from lsvision.train.checkpoint import CheckpointWriteError, load_checkpoint
 
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group('Run')
     group.add_argument('--device', default='', help="'' = cuda if available")
     group.add_argument('-j', '--workers', type=int, default=2)
-    group.add_argument('--threads', type=int, default=0, help='torch threads per process (0 = default)')
+    group.add_argument('--threads', type=int, default=0, help=threads_help())
     group.add_argument('--seed', type=int, default=42)
     group.add_argument('--find-unused-parameters', action=Flag, default=False, help="DDP's option")
     group.add_argument('--resume', default='', metavar='PATH', help="a run's last.pth.tar: continue it exactly")
@@ -115,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "folder, '' = none)")
     group.add_argument('--experiment', default='', help='run directory name')
     group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
-                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
+                       help='stop training after this many seconds of this session, then evaluate and save (0 = no '
+                            'limit); a resumed run gets the whole budget again')
     group.add_argument('--log-interval', type=int, default=20, help='a progress line every N updates')
+    group.add_argument('--log-interval-s', type=float, default=PROGRESS_SECONDS, metavar='SECONDS', help=PROGRESS_HELP)
     group.add_argument('--recovery-interval', type=int, default=0, metavar='N',
                        help='also save a mid-epoch checkpoint, recovery.pth.tar, every N updates (0 = off); '
                             '--resume it to continue exactly')
