@@ -4,7 +4,8 @@
 ``max_memory_allocated`` or the CPU's ``ru_maxrss``, a lifetime peak: hence a fresh process per measurement
 (:func:`run_jobs`, in alternating order over repeats). :func:`combine` pools a job's runs, :func:`add_ratios` adds
 pooled and paired ratios to a baseline. Model specs: a timm name with ``@full`` (ViL-LS with full attention in every
-stage), ``@noattn`` (every block's attention a no-op), ``@projonly`` (its projections only) or ``@reparam`` (folded).
+stage), ``@noattn`` (every block's attention a no-op), ``@projonly`` (its projections only), ``@reparam`` (folded) or
+``@flex`` (long-short windows as one FlexAttention call, ``span_kernel='flex'``).
 """
 import contextlib
 import functools
@@ -42,7 +43,7 @@ from lsvision.runs import unknown_model_message
 MIB = 2 ** 20
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 SUFFIXES = {'@full': 'full attention', '@noattn': 'attention no-op', '@projonly': 'projections only',
-            '@reparam': 'reparameterized'}
+            '@reparam': 'reparameterized', '@flex': 'FlexAttention windows'}
 """Model spec suffixes and the label each adds to the model's name."""
 _FULL_ATTENTION_KWARGS = {'vil_ls_': dict(attn_types=('full',) * 4)}
 """Model name prefix -> kwargs of its full-attention counterpart (CvT's is a model of its own, cvt_13)."""
@@ -123,6 +124,7 @@ def create_model(spec: str, **kwargs: Any) -> nn.Module:
     name, suffix = split_spec(spec)
     if suffix == '@full':
         kwargs = {**next(v for p, v in _FULL_ATTENTION_KWARGS.items() if name.startswith(p)), **kwargs}
+    kwargs = {'span_kernel': 'flex', **kwargs} if suffix == '@flex' else kwargs
     model = timm.create_model(name, pretrained=False, **kwargs).eval()
     if suffix in ('@noattn', '@projonly'):
         _replace_attention(model, suffix)

@@ -7,8 +7,9 @@ index"), so `run_backward` walks the graph itself, as the engine would: each nod
 incoming gradients summed (each reduced to the shape and cast to the dtype the node was recorded with, as the
 engine's `validate_outputs` does), and the leaves' gradients accumulated into `.grad`. Autocast on `cuda` refuses to
 turn on without a device, so `cuda_autocast` sets its state directly (the dispatcher then casts fake CUDA tensors as
-it would real ones). Meta kernels do not check a kernel's eligibility rules or numerics: a real GPU does
-(tests/test_cuda.py, `make gpu-check`).
+it would real ones). Where a fake device cannot choose as a GPU would, `gpu_attention_kernels` makes it: SDPA as the
+memory-efficient kernel, FlexAttention with a backward. Meta kernels do not check a kernel's eligibility rules or
+numerics: a real GPU does (tests/test_cuda.py, `make gpu-check`).
 
 Used by the tests (tests/test_cuda_fake.py) and by the CUDA cost counter (`lsvision.measure_cuda`).
 """
@@ -17,9 +18,12 @@ from collections import Counter
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
-__all__ = ['FAKE_CUDA', 'cuda_autocast', 'fake_cuda', 'run_backward']
+__all__ = ['FAKE_CUDA', 'cuda_autocast', 'fake_cuda', 'flex_attention_backward', 'gpu_attention_kernels',
+           'run_backward']
 
 FAKE_CUDA = torch.device('cuda')
 
@@ -127,3 +131,74 @@ def run_backward(loss: torch.Tensor, around_node: Optional[Callable[[Any], Conte
                 if pending[nxt] == 0:
                     ready.append(nxt)
     return done
+
+
+@torch.library.custom_op('lsvision_fake::flex_attention_backward', mutates_args=())
+def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            grad_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlexAttention's backward as one operator of the fake device (reads q, k, v, the output and its gradient; writes
+    the gradients of q, k, v): the real one traces its joint graph through the autograd engine, which needs a device."""
+    raise RuntimeError('lsvision_fake::flex_attention_backward runs on the fake CUDA device only')
+
+
+@flex_attention_backward.register_fake
+def _(q, k, v, out, grad_out):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FlexOnFakeCuda(torch.autograd.Function):
+    """FlexAttention forward as it is; its backward the fake device's `flex_attention_backward`."""
+
+    @staticmethod
+    def forward(ctx, run, q, k, v, score_mod, block_mask, scale):
+        out = run(q, k, v, score_mod, block_mask, scale)
+        ctx.save_for_backward(q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return (None, *flex_attention_backward(*ctx.saved_tensors, grad_out), None, None, None)
+
+
+class _EfficientSdpa(TorchFunctionMode):
+    """`F.scaled_dot_product_attention` as the memory-efficient kernel (the fake device's SDPA picks the math path)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or args[0].device.type != 'cuda':
+            return func(*args, **kwargs)
+        names = ('query', 'key', 'value', 'attn_mask', 'dropout_p', 'is_causal', 'scale', 'enable_gqa')
+        call = {**dict(zip(names, args)), **kwargs}
+        q, k, v, mask = call['query'], call['key'], call['value'], call.get('attn_mask')
+        if torch.is_autocast_enabled('cuda'):  # SDPA is on autocast's lower-precision list: all in its dtype
+            q, k, v = (t.to(torch.get_autocast_dtype('cuda')) for t in (q, k, v))
+        if k.dtype != q.dtype or v.dtype != q.dtype or call.get('enable_gqa'):  # keep SDPA's own error
+            return func(*args, **kwargs)
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
+        elif mask is not None and mask.dtype != q.dtype:
+            mask = mask.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, mask, torch.is_grad_enabled() and q.requires_grad, call.get('dropout_p', 0.0),
+            call.get('is_causal', False), scale=call.get('scale'))[0]
+
+
+@contextlib.contextmanager
+def gpu_attention_kernels() -> Iterator[None]:
+    """On the fake device, attention runs as the kernels a GPU runs: `F.scaled_dot_product_attention` as the
+    memory-efficient kernel (forward and backward: flash launches as many), and the layers' FlexAttention calls
+    (`span_flex._run_flex`) with a backward (`flex_attention_backward`) where they need one."""
+    from lsvision.layers import span_flex
+    run = span_flex._run_flex
+
+    def run_flex(q, k, v, score_mod, block_mask, scale):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _FlexOnFakeCuda.apply(run, q, k, v, score_mod, block_mask, scale)
+        return run(q, k, v, score_mod, block_mask, scale)
+
+    span_flex._run_flex = run_flex
+    try:
+        with _EfficientSdpa():
+            yield
+    finally:
+        span_flex._run_flex = run

@@ -1,6 +1,7 @@
 """tools/detect.py: config and flag handling with its error messages (each hint followed), exact resume, and
 evaluation under two processes (torchrun, gloo) equal to one. A tiny CvT-LS Mask R-CNN on 64 x 64 generated shapes."""
 import json
+import logging
 import os
 import re
 import shlex
@@ -42,12 +43,14 @@ def _train(shapes: Path, out: Path, *extra: str) -> dict:
     return json.loads((out / 'run' / 'result.json').read_text())
 
 
-def test_resume_is_exact(shapes, tmp_path):
+def test_resume_is_exact(shapes, tmp_path, caplog):
     # under bfloat16 autocast (the CPU's AMP), which the resumed run takes from the recorded arguments
     straight = _train(shapes, tmp_path / 'a', '--epochs', '2', '--experiment', 'run', '--amp')
     _train(shapes, tmp_path / 'b', '--epochs', '1', '--experiment', 'run', '--amp')
     resumed = tmp_path / 'b' / 'run' / 'last.pth.tar'
+    caplog.set_level(logging.INFO)
     assert detect.main(['--resume', str(resumed), '--epochs', '2']) == 0  # the flag beats the recorded epochs
+    assert f'resumed at update 2 (epoch 1, batch 0 of it) from {resumed}' in caplog.text
     end = json.loads((tmp_path / 'b' / 'run' / 'result.json').read_text())
     a = torch.load(tmp_path / 'a' / 'run' / 'last.pth.tar', weights_only=True)
     b = torch.load(resumed, weights_only=True)
@@ -90,6 +93,17 @@ def test_resume_is_exact(shapes, tmp_path):
         detect.run(detect.parse_args(['--eval-only', '--checkpoint', str(resumed), '--fpn-channels', '8']))
     recorded = yaml.safe_load((tmp_path / 'a' / 'run' / 'args.yaml').read_text())
     assert (recorded['epochs'], recorded['amp']) == (2, True)
+
+
+def test_a_warmup_longer_than_the_run_is_warned_and_progress_comes_on_a_clock(shapes, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    _train(shapes, tmp_path, '--epochs', '1', '--experiment', 'run', '--warmup-iters', '5', '--log-interval', '1000',
+           '--log-interval-s', '0')
+    assert ('--warmup-iters 5 is not shorter than the run (2 updates): the lr rises from 1e-06 and never reaches '
+            '0.001; lower --warmup-iters (the run: --epochs 1 of 2 updates)') in caplog.text
+    # --log-interval 1000 alone: one line at the epoch's end; the clock (0 s here): one after every update
+    assert [r.getMessage().split(':')[0] for r in caplog.records if r.getMessage().startswith('epoch 0 (1 of 1) ')] \
+        == ['epoch 0 (1 of 1) 1/2', 'epoch 0 (1 of 1) 2/2']
 
 
 def test_torchrun_training_and_evaluation(shapes, tmp_path):

@@ -1,9 +1,14 @@
 """Word-level LM data and training (lsvision.data.text_corpus, lsvision.train.lm, tools/train_lm.py): the vocabulary
 as Transformer-XL builds it, evaluation streams that score each token once, perplexity with the state carried, a
-WikiText-format run with its reports, exact resume, bad input explained, and torchrun equal to one process."""
+WikiText-format run with its reports, exact resume, bad input explained, and torchrun equal to one process; the
+shared thread policy, progress on a clock, and resumes that say what they do (a spent budget refused, the learning rate
+never rising back, a fixed setting named as kept)."""
 import json
+import logging
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +18,7 @@ import torch
 from _helpers import ROOT, load_tool
 
 import lsvision.sequence as seq
+import lsvision.train.lm as lm
 from lsvision.data.text_corpus import EOS, UNK, build_vocab, encode_lines, eval_streams, load_wikitext
 from lsvision.train.checkpoint import load_checkpoint
 from lsvision.train.lm import evaluate_perplexity
@@ -86,7 +92,7 @@ def _train(tmp_path: Path, out: str, *extra: str) -> int:
     return load_tool('train_lm').main(['--data-dir', str(tmp_path / 'wt'), '--model', 'grc_txl_tiny',
                                        '--model-kwargs', *TINY_KWARGS, '--batch-size', '4', '--tgt-len', '8',
                                        '--lr', '3e-3', '--min-lr', '3e-3', '--log-interval', '2',
-                                       '--eval-interval', '3', '--eval-batch-size', '2', '--output',
+                                       '--eval-interval', '3', '--eval-batch-size', '2', '--threads', '1', '--output',
                                        str(tmp_path / out), *extra])
 
 
@@ -126,6 +132,69 @@ def test_wikitext_run_reports_and_resumes_exactly(tmp_path):
     assert "the authors' eval.py protocol" in (tmp_path / 'split' / 'result.md').read_text()
     assert results['-1']['test']['nll'] == pytest.approx(results[None]['test']['nll'], abs=1e-9)
     assert abs(results['1']['test']['nll'] - results[None]['test']['nll']) > 1e-7  # small: 6 steps from init
+
+
+def _lrs(caplog) -> list:
+    """(step, lr) of the progress lines logged."""
+    lines = (re.match(r'step (\d+)(?:/\d+)? \| epoch \d+ \| lr (\S+) ', r.getMessage()) for r in caplog.records)
+    return [(int(m[1]), float(m[2])) for m in lines if m]
+
+
+def test_threads_clock_progress_and_a_spent_budget_on_resume(tmp_path, caplog, capsys):
+    _write_wikitext(tmp_path / 'wt')
+    caplog.set_level(logging.INFO)
+    # --log-interval 1000 alone would print no progress line in 5 steps; the clock (0 s here) prints one per step.
+    # The budget is spent by the first step: the time schedule ends there, at 2 % of the lr
+    assert _train(tmp_path, 'run', '--time-budget-s', '1e-6', '--max-steps', '5', '--log-interval', '1000',
+                  '--log-interval-s', '0', '--threads', '0') == 0
+    assert re.search(r'torch threads: \d+ \(auto: ', caplog.text)  # --threads 0: the shared policy, said
+    assert [step for step, _ in _lrs(caplog)] == [1]
+    caplog.clear()
+    # resuming with the budget spent (it is the run's total): an error with the fix, not 0 steps and the old result
+    assert _train(tmp_path, 'run', '--resume', 'auto') == 2
+    err = capsys.readouterr().err
+    assert "--time-budget-s 1e-06 is the run's total training time" in err and '--max-steps 1 to only evaluate' in err
+    # following the hint, a larger total: the lr stays at the 2 % the schedule had reached (it used to jump back to
+    # the full lr); --lr given on the resume is named as kept, the checkpoint's
+    assert _train(tmp_path, 'run', '--resume', 'auto', '--time-budget-s', '1000', '--max-steps', '3', '--lr',
+                  '1e-3', '--log-interval', '1') == 0
+    assert 'resumed at step 1 (epoch 0' in caplog.text
+    assert "resumed with the checkpoint's --lr 0.003 (given: --lr 0.001)" in caplog.text
+    assert [step for step, _ in _lrs(caplog)] == [2, 3]
+    assert all(lr == pytest.approx(0.02 * 3e-3) for _, lr in _lrs(caplog))
+    assert load_checkpoint(str(tmp_path / 'run' / 'last.pth.tar'))['step'] == 3
+
+
+def test_more_steps_on_resume_continue_the_cosine_down_not_up(tmp_path, caplog):
+    """A resume with a larger --max-steps: the cosine over the new total, capped at the lr reached, so the lr never
+    rises (it used to stay at the first run's end, --min-lr, for all the new steps)."""
+    _write_wikitext(tmp_path / 'wt')
+    caplog.set_level(logging.INFO)
+    cosine = ['--min-lr', '0', '--log-interval', '1', '--eval-interval', '100']
+    assert _train(tmp_path, 'cos', *cosine, '--max-steps', '4') == 0
+    assert _train(tmp_path, 'cos', *cosine, '--max-steps', '8', '--resume', 'auto') == 0
+    steps, lrs = zip(*_lrs(caplog))
+    assert steps == tuple(range(1, 9))
+    assert all(b <= a for a, b in zip(lrs, lrs[1:])) and lrs[-1] > 0, lrs
+
+
+def test_a_warmup_longer_than_the_run_and_a_small_corpus_are_warned_with_the_fix(tmp_path, caplog, monkeypatch):
+    _write_wikitext(tmp_path / 'wt')
+    max_params = lm.SMALL_CORPUS_MAX_PARAMS
+    monkeypatch.setattr(lm, 'SMALL_CORPUS_MAX_PARAMS', 1000)  # the tiny model stands for the 151M-parameter default
+    with caplog.at_level(logging.WARNING):
+        assert _train(tmp_path, 'warm', '--warmup-steps', '5', '--max-steps', '2', '--eval-interval', '100') == 0
+    assert ('--warmup-steps 5 is not shorter than the run (2 steps): the lr rises from 0 and never reaches 0.003; '
+            'lower --warmup-steps (the run: --max-steps 2)') in caplog.text
+    tokens = len(load_wikitext(tmp_path / 'wt').train)
+    assert f'{tokens:,} training tokens for a model of' in caplog.text and lm.SMALL_CORPUS_FLAGS in caplog.text
+    # the recipe is in docs/sequence.md as a command that parses
+    text = (ROOT / 'docs' / 'sequence.md').read_text().replace('\\\n', ' ')
+    (line,) = [' '.join(ln.split()) for ln in text.splitlines()
+               if ln.startswith('python tools/train_lm.py') and lm.SMALL_CORPUS_FLAGS in ' '.join(ln.split())]
+    assert load_tool('train_lm').build_parser().parse_args(shlex.split(line, comments=True)[2:]).model == 'txl_tiny'
+    assert (f'under {lm.SMALL_CORPUS_TOKENS // 10 ** 6}M training tokens with a model of over '
+            f'{max_params // 10 ** 6}M parameters') in ' '.join(text.split())
 
 
 def test_bad_input_is_explained_and_the_hint_works(tmp_path, capsys):

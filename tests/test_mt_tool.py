@@ -1,8 +1,11 @@
 """tools/train_mt.py end to end on a tiny generated task: checkpoints, averaging, report, exact resume, errors; its
-BLEU pinned to sacrebleu's command line and to the formula."""
+BLEU pinned to sacrebleu's command line and to the formula; resumes that say what they do, a warm-up longer than the
+run and a small corpus warned with the fix."""
 import json
+import logging
 import math
 import os
+import shlex
 import subprocess
 import sys
 from collections import Counter
@@ -12,8 +15,9 @@ import pytest
 import torch
 from _helpers import load_tool
 
+import lsvision.train.translation as translation
 from lsvision.data.parallel_text import read_parallel, write_demo_task
-from lsvision.train.translation import corpus_bleu, load_translation_checkpoint, translate
+from lsvision.train.translation import SMALL_CORPUS_FLAGS, corpus_bleu, load_translation_checkpoint, translate
 
 train_mt = load_tool('train_mt')
 
@@ -112,6 +116,48 @@ def test_bleu_is_pinned_to_sacrebleus_command_line_and_to_the_formula(tmp_path):
     assert bleu == pytest.approx(cli, abs=5e-5)  # the command line prints 4 decimals
     assert bleu == pytest.approx(_bleu_by_hand(PINNED_HYPS, PINNED_REFS), abs=1e-9)
     assert 20 < bleu < 90 and 'tok:13a' in signature and 'case:mixed' in signature
+
+
+def test_resume_says_what_it_does(data_dir, tmp_path, caplog, capsys):
+    caplog.set_level(logging.INFO)
+    run = tmp_path / 'run'
+    assert train_mt.main(['--data-dir', str(data_dir), '--output', str(run), '--max-updates', '4', *TINY]) == 0
+    spent = torch.load(run / 'last.pt', weights_only=True)['train_seconds']
+    # a budget below the time trained (the budget is the run's total): an error with the fix, not 0 updates and the
+    # old result reprinted
+    assert train_mt.main(['--output', str(run), '--resume', 'auto', '--time-budget', f'{spent / 2}', *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "is the run's total training time" in err and '--max-updates 4 to only evaluate' in err
+    # --average-last given on the resume wins over the checkpoint's 2; --lr, which the checkpoint fixes, is named
+    caplog.clear()
+    assert train_mt.main(['--output', str(run), '--resume', 'auto', *TINY, '--max-updates', '4', '--average-last',
+                          '1', '--lr', '1e-3']) == 0
+    assert 'resumed at update 4 (epoch ' in caplog.text
+    assert "resumed with the checkpoint's --lr 0.003 (given: --lr 0.001)" in caplog.text
+    result = json.loads((run / 'result.json').read_text())
+    assert result['averaged_checkpoints'] == 1 and result['updates'] == 4 and result['lr'] == 3e-3
+    assert sorted(p.name for p in run.glob('checkpoint_*.pt')) == ['checkpoint_4.pt']
+
+
+def test_warmup_longer_than_the_run_and_a_small_corpus_are_warned_with_the_recipe(data_dir, tmp_path, caplog,
+                                                                                   monkeypatch):
+    monkeypatch.setattr(translation, 'SMALL_CORPUS_MAX_PARAMS', 1000)  # the tiny model stands for IWSLT's 31.6M
+    with caplog.at_level(logging.WARNING):
+        assert train_mt.main(['--data-dir', str(data_dir), '--output', str(tmp_path / 'run'), *TINY,
+                              '--max-updates', '1', '--warmup-updates', '50', '--eval-max-sentences', '1']) == 0
+    text = ' '.join(caplog.text.split())
+    assert '--warmup-updates 50 is not shorter than the run (1 updates): the lr rises from 1e-07' in text
+    assert '60 training pairs for a model of' in text and text.count(SMALL_CORPUS_FLAGS) == 2
+
+
+def test_the_documented_small_corpus_recipe_is_the_one_warned_and_parses():
+    text = (Path(__file__).resolve().parents[1] / 'docs' / 'sequence.md').read_text().replace('\\\n', ' ')
+    lines = [' '.join(line.split()) for line in text.splitlines() if line.startswith('python tools/train_mt.py')]
+    (line,) = [line for line in lines if SMALL_CORPUS_FLAGS in line]
+    args = train_mt.parse_args(shlex.split(line, comments=True)[2:])
+    assert args.model_kwargs[0] == 'dim=128' and args.warmup_updates == 100 and args.time_budget_s > 0
+    assert (f'fewer than {translation.SMALL_CORPUS_PAIRS:,} pairs with a model of more than '
+            f'{translation.SMALL_CORPUS_MAX_PARAMS // 10 ** 6}M parameters') in ' '.join(text.split())
 
 
 def test_errors_name_the_fix(tmp_path, capsys):

@@ -393,6 +393,31 @@ def test_ema_and_model_metrics_logged_lr_column_aligned_and_long_warmup_warned(i
     assert '--warmup-epochs 5 is not shorter than the run (1 epochs)' in caplog.text
 
 
+def test_progress_lines_come_on_a_clock_too(image_root, tmp_path, caplog):
+    """--log-interval-s: a progress line whenever that many seconds have passed (0: after every update), so a run of
+    slow steps is never silent for long, whatever --log-interval says."""
+    with caplog.at_level(logging.INFO):
+        run(parse_args(_train_args(image_root, tmp_path, '--epochs', '1', '-b', '8', '-j', '0', '--log-interval',
+                                   '1000', '--log-interval-s', '0')))
+    done = [int(m[1]) for m in (re.match(r'epoch 0 \(1 of 1\) \[(\d+)/(\d+)\]', r.getMessage()) for r in caplog.records)
+            if m]
+    assert len(done) > 1 and done == list(range(1, len(done) + 1))
+
+
+TOOLS_WITH_THREADS = ['train', 'train_lm', 'train_mt', 'detect', 'validate', 'robustness', 'demo_lm', 'demo_mt',
+                      'demo_bytelm', 'demo_listops', 'demo_hsw']
+
+
+@pytest.mark.parametrize('tool', TOOLS_WITH_THREADS)
+def test_every_training_and_evaluation_tool_states_the_one_thread_policy(tool, capsys):
+    from lsvision.runtime import threads_help
+    with pytest.raises(SystemExit) as e:
+        load_tool(tool).main(['--help'])
+    assert e.value.code == 0
+    text = ' '.join(capsys.readouterr().out.split())
+    assert threads_help().split(', at least 1')[0] in text  # 'torch CPU threads per process (0 = auto: the cores..'
+
+
 def test_last_best_and_epoch_checkpoints_are_one_file(image_root, tmp_path):
     run(parse_args(_train_args(image_root, tmp_path, '--epochs', '2', '-b', '4', '-j', '0', '--checkpoint-hist',
                                '2')))

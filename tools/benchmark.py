@@ -29,6 +29,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+import timm
+
 import lsvision.sequence as seq
 from lsvision import bench
 from lsvision.detection import backbone_with_fpn, detector_input_size
@@ -577,7 +579,50 @@ def run_detection(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def parse_count_point(text: str) -> Tuple[str, int, int]:
+    match = re.fullmatch(r'(train|inference):(\d+):(\d+)', text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f'a point is KIND:SIZE:BATCH, KIND train or inference (e.g. train:224:256), '
+                                         f'not {text!r}')
+    return match[1], int(match[2]), int(match[3])
+
+
+def add_count_args(count: argparse.ArgumentParser) -> None:
+    count.add_argument('--models', dest='count_models', nargs='+', default=['cvt_ls_13', 'cvt_13'], metavar='MODEL',
+                       help='vision specs (timm names; @full, @flex, ...) or sequence models (default: cvt_ls_13 '
+                            'cvt_13)')
+    count.add_argument('--baseline', dest='count_baseline', default='cvt_13', help='ratios to (default: cvt_13)')
+    count.add_argument('--points', nargs='+', default=['train:224:256', 'inference:224:32'], metavar='KIND:SIZE:BATCH',
+                       type=parse_count_point, help='train or inference, image side or sequence length, batch '
+                                                    '(default: train:224:256 inference:224:32)')
+    count.add_argument('--dtype', choices=('bfloat16', 'float16', 'float32'), default='bfloat16', help='autocast')
+    count.add_argument('--out', type=Path, default=OUT, help='folder of the reports (default: docs/benchmarks)')
+    count.add_argument('--name', default='cuda_counts', help='file name of the reports, without suffix')
+    count.set_defaults(threads=None)
+
+
+def run_count(args: argparse.Namespace, command: str) -> int:
+    """The ``cuda-count`` sub-command: kernels, bytes and FLOPs of each model and point on the fake CUDA device."""
+    from lsvision.measure_cuda import add_count_ratios, count_row, counts_markdown
+    for model in args.count_models:
+        if not seq.is_model(model) and not timm.is_model(model.split('@')[0]):
+            raise ValueError('cuda-count --models: ' + unknown_name_message(
+                model, timm.list_models() + seq.list_models(), 'model'))
+    rows = []
+    for kind, size, batch in args.points:
+        for model in args.count_models:
+            rows.append(count_row(model, kind, size, batch, None if args.dtype == 'float32' else args.dtype))
+            log(f"{rows[-1]['point']} {model}: {rows[-1]['kernels']} kernels")
+    add_count_ratios(rows, args.count_baseline)
+    text = f'`{command}` at {source_commit()}\n\n{counts_markdown(rows)}'
+    write_json(args.out / f'{args.name}.json', dict(command=command, commit=source_commit(), rows=rows))
+    write_text(args.out / f'{args.name}.md', text)
+    print(text)
+    return 0
+
+
 SUBCOMMANDS = {
+    'cuda-count': (add_count_args, run_count, 'kernels, bytes and FLOPs of a step on a fake CUDA device'),
     'sweep': (add_sweep_args, run_sweep, 'time and peak memory against input size, until a budget'),
     'cards': (add_cards_args, run_cards, 'measure every registered model; write model_cards/ and README'),
     'detection': (add_detection_args, run_detection, 'backbone + FPN at detection resolution, forward and AdamW step'),

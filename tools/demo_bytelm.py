@@ -20,14 +20,15 @@ from lsvision.data import stdlib_bytes
 from lsvision.flops import parameter_count
 from lsvision.reports import machine_description
 from lsvision.runs import name_choice
-from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
+from lsvision.runtime import set_threads, threads_help
+from lsvision.sequence.budget_train import train_on_lr_factor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--budget', type=float, default=170., help='training seconds per model (wall clock)')
     parser.add_argument('--threads', type=int, default=0,
-                        help='torch threads (0: 2, or 1 when the machine is busy: contended threads only wait)')
+                        help=threads_help(max_threads=2))
     parser.add_argument('--models', nargs='+', default=['ls', 'full'], type=name_choice(['ls', 'full']),
                         help='ls (causal long-short), full (causal full attention)')
     parser.add_argument('--block-len', type=int, default=256, help='bytes per training crop / eval window')
@@ -84,8 +85,7 @@ def train(model, train_data, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.threads = args.threads or auto_threads()
-    torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads, max_threads=2)
     train_data, val = stdlib_bytes()
     print(f'stdlib corpus: {len(train_data):,} train / {len(val):,} validation bytes; {machine_description()}',
           file=sys.stderr, flush=True)

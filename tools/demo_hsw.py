@@ -33,9 +33,9 @@ import torch.nn as nn
 
 from lsvision.data.stdlib_docs import PAD_ID, VOCAB_SIZE, build_stdlib_docs
 from lsvision.runs import name_choice
+from lsvision.runtime import set_threads, threads_help
 from lsvision.sequence.budget_train import (
     accuracy,
-    auto_threads,
     evaluate_for_seconds,
     macro_f1,
     stratified_order,
@@ -70,9 +70,7 @@ def main(argv: Optional[list] = None) -> int:
                         help=f'of {", ".join(MODELS)}')
     parser.add_argument('--train-seconds', type=float, default=60., help='training budget per model')
     parser.add_argument('--eval-seconds', type=float, default=10., help='evaluation budget per model')
-    parser.add_argument('--threads', type=int, default=None,
-                        help='torch threads (default: the cores left free by the current load, at least 1; on a '
-                             'busy machine more threads than free cores make every step slower)')
+    parser.add_argument('--threads', type=int, default=0, help=threads_help())
     parser.add_argument('--batch-size', type=int, default=64, help='training batch (of crops)')
     parser.add_argument('--eval-batch-size', type=int, default=8, help='evaluation batch (of whole documents)')
     parser.add_argument('--lr', type=float, default=1e-3, help='AdamW learning rate of the transformers')
@@ -91,9 +89,7 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument('--out', default='output/demo_hsw/results.json', help='JSON report path')
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    if args.threads is None:
-        args.threads = auto_threads(max_threads=os.cpu_count() or 1)
-    torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads)
 
     train, test = build_stdlib_docs(doc_len=args.doc_len, max_train_per_class=args.max_train_per_class or None,
                                     max_test_per_class=args.max_test_per_class, seed=args.seed)

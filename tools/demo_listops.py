@@ -25,14 +25,15 @@ from lsvision.data import LISTOPS_LRA, LISTOPS_MINI, generate_listops, listops_v
 from lsvision.flops import parameter_count
 from lsvision.reports import machine_description
 from lsvision.runs import name_choice
-from lsvision.sequence.budget_train import auto_threads, train_on_lr_factor
+from lsvision.runtime import set_threads, threads_help
+from lsvision.sequence.budget_train import train_on_lr_factor
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--budget', type=float, default=170., help='training seconds per model (wall clock)')
     parser.add_argument('--threads', type=int, default=0,
-                        help='torch threads (0: 2, or 1 when the machine is busy: contended threads only wait)')
+                        help=threads_help(max_threads=2))
     parser.add_argument('--models', nargs='+', default=list(MODELS), type=name_choice(list(MODELS)),
                         help='full, grc (full + GRC cache), ls (long-short), ls_grc (long-short + GRC cache)')
     parser.add_argument('--full', action='store_true', help='full LRA ListOps lengths instead of ListOps-mini')
@@ -99,8 +100,7 @@ def train(model, data, args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    args.threads = args.threads or auto_threads()
-    torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads, max_threads=2)
     cfg = LISTOPS_LRA if args.full else LISTOPS_MINI
     t0 = time.perf_counter()
     data = generate_listops(cfg, seed=args.seed)

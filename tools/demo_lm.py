@@ -14,11 +14,9 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-
 from lsvision.data.text_corpus import stdlib_docstrings
 from lsvision.reports import machine_description, markdown_table, write_json, write_text
-from lsvision.sequence.budget_train import auto_threads
+from lsvision.runtime import set_threads, threads_help
 from lsvision.train.lm import LMConfig, run
 
 MODELS = {'txl': ('txl_tiny', 'Transformer-XL (memory of 64 inputs per layer)'),
@@ -46,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     parser.add_argument('--budget', type=float, default=150., help='training seconds per model (wall clock)')
     parser.add_argument('--threads', type=int, default=0,
-                        help='torch threads (0: 2, or 1 when the machine is busy: contended threads only wait)')
+                        help=threads_help(max_threads=2))
     parser.add_argument('--models', nargs='+', default=['txl', 'grc'], choices=list(MODELS))
     parser.add_argument('--tgt-len', type=int, default=64, help='tokens per segment (= memory / cache length)')
     parser.add_argument('--batch-size', type=int, default=8, help='training streams')
@@ -60,8 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')  # progress
-    args.threads = args.threads or auto_threads()
-    torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads, max_threads=2)
     corpus = stdlib_docstrings()
     print(f'{corpus.summary()}; {machine_description()}', file=sys.stderr, flush=True)
     rows = []

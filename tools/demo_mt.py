@@ -22,19 +22,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from lsvision.data.parallel_text import write_demo_task
 from lsvision.reports import machine_description, markdown_table, write_json, write_text
-from lsvision.sequence.budget_train import auto_threads
-from lsvision.train.translation import MTConfig, run
+from lsvision.runtime import set_threads, threads_help
+from lsvision.train.translation import SMALL_MODEL_KWARGS, MTConfig, run
 
 # kind -> (registered model, table name)
 MODELS = {
     'plain': ('transformer_iwslt_de_en_prenorm', 'pre-norm Transformer'),
     'grc': ('grc_transformer_iwslt_de_en_prenorm', 'pre-norm Transformer + GRC (encoder, T_m 64)'),
 }
-DEMO_SIZE = dict(dim=128, encoder_depth=2, decoder_depth=2, num_heads=4, ffn_dim=256, drop=0.1)
+DEMO_SIZE = dict(SMALL_MODEL_KWARGS)
 SPLITS = dict(train=20000, valid=300, test=300)
 
 CAVEAT = """What this run can and cannot show about GRC: the paper's Table 4 gain (IWSLT14 De-En 35.5 -> 36.0 BLEU,
@@ -56,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--lr', type=float, default=2e-3,
                         help="the plain model's peak learning rate; the GRC model gets twice it (paper)")
     parser.add_argument('--threads', type=int, default=0,
-                        help='torch threads (0: 2, or 1 when the machine is busy: contended threads only wait)')
+                        help=threads_help(max_threads=2))
     parser.add_argument('--output', type=Path, default=Path('output/demo/mt'), help='data and run folders')
     parser.add_argument('--seed', type=int, default=1)
     parser.add_argument('--out', type=Path, default=None, help='also write the results as JSON here (and .md)')
@@ -93,8 +91,7 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format='%(message)s')
     args = parse_args(argv)
-    args.threads = args.threads or auto_threads()
-    torch.set_num_threads(args.threads)
+    args.threads = set_threads(args.threads, max_threads=2)
     t0 = time.perf_counter()
     data = args.output / 'data'
     if not (data / 'test.en').is_file():

@@ -25,6 +25,7 @@ from lsvision.detection.coco_eval import STAT_NAMES
 from lsvision.detection.data import CocoDataError
 from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
 from lsvision.models import CheckpointMismatchError
+from lsvision.runtime import PROGRESS_HELP, PROGRESS_SECONDS
 from lsvision.train.args import (
     ConfigError,
     Flag,
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--eval-interval', type=int, default=1, help='evaluate every N epochs (and after the last)')
     group.add_argument('--checkpoint-hist', type=int, default=3, help='best epoch checkpoints kept (by box AP)')
     group.add_argument('--log-interval', type=int, default=20, help='a progress line every N updates')
+    group.add_argument('--log-interval-s', type=float, default=PROGRESS_SECONDS, metavar='SECONDS', help=PROGRESS_HELP)
     group.add_argument('--recovery-interval', type=int, default=0, metavar='N',
                        help='also save a mid-epoch checkpoint, recovery.pth.tar, every N updates (0 = off); '
                             '--resume it to continue exactly')

@@ -5,6 +5,7 @@
     python tools/train_lm.py --model grc_txl_wt103_base --data-dir data/wikitext-103 --device cuda --amp
     python tools/train_lm.py --train-file my.txt --model txl_tiny --min-freq 2 --batch-size 16 --tgt-len 64
     python tools/train_lm.py --resume auto --output output/train_lm        # continue a stopped run exactly
+    python tools/train_lm.py --resume auto --output output/train_lm --time-budget-s 600   # a 300 s run: 300 s more
 
 Data: WikiText's word-level release (`wiki.train.tokens`, `wiki.valid.tokens`, `wiki.test.tokens`), any text file
 (--train-file, with --valid-file / --test-file or held-out lines of it), or --corpus stdlib (the standard library's
@@ -12,16 +13,22 @@ docstrings, no download). Perplexity is evaluated with the memory carried over e
 every-token (default) scores every token but the first once; --eval-protocol authors is Transformer-XL's eval.py
 (the authors' code, whose numbers the paper reports), --eval-batch-size rows of N // B tokens each predicting its own
 tokens but the first.
-The run directory gets last.pth.tar (resume), model_best.pth.tar, result.json and result.md.
+The run directory gets last.pth.tar (resume), model_best.pth.tar, result.json and result.md. A resumed run takes its
+settings from the checkpoint; flags given on the resume win for where it stops (--max-steps, --time-budget-s: the
+run's totals; one given replaces both of the checkpoint's), where it runs, its logging and evaluation, while its model,
+data, batches and optimization stay the checkpoint's (the run says which it kept).
 """
 import argparse
 import dataclasses
 import logging
 import os
 import sys
+from typing import Set, Tuple
 
 import yaml
 
+from lsvision.runtime import PROGRESS_HELP, set_threads, threads_help
+from lsvision.train.args import given_flags
 from lsvision.train.lm import LMConfig, LMSetupError, run
 
 
@@ -52,14 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
             ('tgt_len', int, 'tokens per segment'), ('batch_size', int, 'streams (all processes together)'),
             ('lr', float, 'Adam learning rate'), ('min_lr', float, 'end of the cosine'),
             ('warmup_steps', int, 'linear warm-up steps'), ('clip_grad', float, 'gradient norm clip (0: none)'),
-            ('max_steps', int, 'updates'), ('time_budget_s', float, 'stop after this many seconds of training'),
+            ('max_steps', int, "updates, the run's total (a resumed run counts the checkpoint's)"),
+            ('time_budget_s', float, "stop after this many seconds of training, the run's total over its resumes (a "
+                                     'resumed run gets what is left of it: give the new total); the learning rate '
+                                     'follows the time; on a resume with a larger budget it never rises back'),
             ('seed', int, 'seed'), ('log_interval', int, 'steps between progress lines'),
+            ('log_interval_s', float, PROGRESS_HELP),
             ('save_interval', int, 'steps between checkpoints'), ('eval_interval', int, 'steps between validations')):
         train.add_argument('--' + name.replace('_', '-'), type=kind, default=getattr(d, name), help=help_)
     train.add_argument('--amp', action='store_true', help='autocast (see --amp-dtype)')
     train.add_argument('--amp-dtype', default=d.amp_dtype, choices=['bfloat16', 'float16'])
     train.add_argument('--device', default=d.device, help="'cpu' or 'cuda' (torchrun: one process per GPU)")
-    train.add_argument('--threads', type=int, default=0, help='torch CPU threads (0: torch default)')
+    train.add_argument('--threads', type=int, default=0, help=threads_help())
     train.add_argument('--output', default=d.output, help='run directory')
     train.add_argument('--resume', help="a last.pth.tar, or 'auto' (the one in --output)")
     ev = p.add_argument_group(
@@ -81,21 +92,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv=None) -> LMConfig:
-    args = build_parser().parse_args(argv)
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+def parse_config(argv=None) -> Tuple[LMConfig, Set[str]]:
+    """The run's config and the fields the command line set (a resumed run takes the others from its checkpoint);
+    sets torch's threads."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    set_threads(args.threads, log=os.environ.get('RANK', '0') == '0')
     fields = {f.name for f in dataclasses.fields(LMConfig)}
     values = {k: v for k, v in vars(args).items() if k in fields}
     values['model_kwargs'] = dict(args.model_kwargs)
-    return LMConfig(**values)
+    return LMConfig(**values), given_flags(parser, argv) & fields
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format='%(asctime)s %(message)s', datefmt='%H:%M:%S')
     try:
-        result = run(parse_config(argv))
+        cfg, given = parse_config(argv)
+        result = run(cfg, given=given)
     except (LMSetupError, FileNotFoundError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2

@@ -6,22 +6,27 @@
     python tools/train_mt.py --data-dir iwslt14.de-en --epochs 50 --model grc_transformer_iwslt_de_en_prenorm
     torchrun --nproc_per_node=4 tools/train_mt.py --data-dir iwslt14.de-en --epochs 50 --device cuda --amp
     python tools/train_mt.py --output output/train_mt/run --resume auto --epochs 60    # continue exactly
+    python tools/train_mt.py --data-dir my-corpus --time-budget 600 --model-kwargs dim=128 encoder_depth=2 \
+        decoder_depth=2 num_heads=4 ffn_dim=256 drop=0.1 --vocab-size 1000 --max-tokens 1024 --lr 2e-3 \
+        --warmup-updates 100 --save-interval-updates 25 --average-last 5    # a corpus of thousands of pairs
 
 Data: `<data-dir>/{train,valid,test}.{src,tgt}`, one sentence per line (raw text: the SentencePiece vocabulary is
 trained here on both sides of train). Without --data-dir the demo task is written to <output>/data. Stops at the first
 of --epochs, --max-updates, --time-budget. Writes <output>/last.pt (resume), checkpoint_<update>.pt (the last
 --average-last), averaged.pt, result.json and result.md (valid perplexity and beam-search BLEU, sacrebleu, of the
-last weights and of the checkpoint average).
+last weights and of the checkpoint average). A resumed run takes its settings from the checkpoint; flags given on the
+resume win (the limits --epochs, --max-updates, --time-budget count the whole run; those given replace all of the
+checkpoint's), except the model, data and optimization, which stay the checkpoint's (the run says which it kept).
 """
 import argparse
 import logging
 import os
 import sys
 
-import torch
 import yaml
 
-from lsvision.sequence.budget_train import auto_threads
+from lsvision.runtime import set_threads, threads_help
+from lsvision.train.args import given_flags
 from lsvision.train.checkpoint import CheckpointWriteError
 from lsvision.train.translation import MTConfig, run
 
@@ -36,7 +41,7 @@ def _kwargs(items) -> dict:
     return out
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     d = MTConfig()
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -59,7 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--clip-norm', type=float, default=d.clip_norm, help='0: no clipping')
     p.add_argument('--epochs', dest='max_epochs', type=int, default=None)
     p.add_argument('--max-updates', type=int, default=None)
-    p.add_argument('--time-budget', dest='time_budget_s', type=float, default=None, help='seconds of training')
+    p.add_argument('--time-budget', dest='time_budget_s', type=float, default=None,
+                   help="seconds of training, the run's total over its resumes (a resumed run gets what is left of "
+                        'it: give the new total)')
     p.add_argument('--save-interval-updates', type=int, default=d.save_interval_updates,
                    help='an averaging checkpoint every N updates (0: at the end of each epoch)')
     p.add_argument('--average-last', type=int, default=d.average_last, help='checkpoints averaged at the end')
@@ -77,10 +84,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument('--grc-sync-cache', action='store_true',
                    help='under torchrun: average the GRC caches over the processes after every update')
     p.add_argument('--seed', type=int, default=d.seed)
-    p.add_argument('--log-interval', dest='log_interval_s', type=float, default=d.log_interval_s, help='seconds')
-    p.add_argument('--threads', type=int, default=0, help='torch threads (0: 2, or 1 on a busy machine)')
+    p.add_argument('--log-interval-s', '--log-interval', dest='log_interval_s', type=float, default=d.log_interval_s,
+                   help='seconds between progress lines (a line at the first update after them; 0: every update)')
+    p.add_argument('--threads', type=int, default=0, help=threads_help())
     p.add_argument('--resume', default=None, help="last.pt of a run, or 'auto' (<output>/last.pt)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> MTConfig:
@@ -92,11 +104,12 @@ def main(argv=None) -> int:
     # progress from the first process only (under torchrun every process runs this)
     logging.basicConfig(level=logging.INFO if os.environ.get('RANK', '0') == '0' else logging.WARNING,
                         format='%(message)s')
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads or auto_threads())
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    set_threads(args.threads, log=os.environ.get('RANK', '0') == '0')
     try:
         cfg = config_from_args(args)
-        result = run(cfg)
+        result = run(cfg, given=given_flags(parser, argv) - {'threads'})
     except (ValueError, FileNotFoundError, argparse.ArgumentTypeError, CheckpointWriteError) as e:
         print(f'error: {e}', file=sys.stderr)
         return 2

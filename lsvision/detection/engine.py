@@ -40,6 +40,7 @@ from ..data.coco_shapes import default_coco_shapes_root, generate_coco_shapes
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..reports import machine_description, markdown_table, write_json, write_text
 from ..runs import source_commit
+from ..runtime import ProgressClock
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from ..train.data import derive_seed
 from ..train.dense import (
@@ -53,7 +54,7 @@ from ..train.dense import (
     setup_run,
     unwrap,
 )
-from ..train.engine import all_reduce_grc_caches, optimizer_update
+from ..train.engine import all_reduce_grc_caches, long_warmup_warning, optimizer_update
 from . import models
 from .coco_eval import STAT_NAMES, coco_evaluate, detections_to_coco
 from .data import CocoDataError, CocoInstances, collate_detection, describe_degenerate_box
@@ -121,8 +122,10 @@ def _narrow_detector(detector: str, backbone: models.BackboneWithFPN, num_classe
 @torch.no_grad()
 def evaluate_detector(model: nn.Module, dataset: CocoInstances, device: torch.device,
                       iou_types: Tuple[str, ...] = ('bbox', 'segm'), workers: int = 0,
-                      autocast: Any = None, log_every: int = 0) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    """Scores a detector on a COCO-format split: every image once (a shard per process), rank 0's COCOeval.
+                      autocast: Any = None, log_every: int = 0, log_every_s: Optional[float] = None
+                      ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
+    """Scores a detector on a COCO-format split: every image once (a shard per process), rank 0's COCOeval. A
+    progress line every `log_every` images or `log_every_s` seconds (0 / None: never by that rule).
 
     Returns:
         Per iou type COCOeval's numbers (`coco_eval.coco_evaluate`), with `images` (the images scored) and
@@ -135,12 +138,13 @@ def evaluate_detector(model: nn.Module, dataset: CocoInstances, device: torch.de
     loader = torch.utils.data.DataLoader(DatasetShard(dataset, indices), batch_size=1, num_workers=workers,
                                          collate_fn=collate_detection, generator=torch.Generator())
     detections, t0 = [], time.perf_counter()
+    clock = ProgressClock(log_every, log_every_s)
     for step, (images, targets) in enumerate(loader):
         with autocast or contextlib.nullcontext():
             outputs = model([image.to(device, non_blocking=True) for image in images])
         for output, target in zip(outputs, targets):
             detections.extend(detections_to_coco(output, target['image_id'], dataset.category_ids))
-        if log_every and (step + 1) % log_every == 0 and rank_and_world()[0] == 0:
+        if rank_and_world()[0] == 0 and clock.due(step + 1):
             rate = (step + 1) / (time.perf_counter() - t0)
             _logger.info(f'eval: {step + 1}/{len(indices)} images of this process, {rate:.1f} img/s, ETA '
                          f'{timedelta(seconds=round((len(indices) - step - 1) / rate))}')
@@ -231,6 +235,27 @@ class _Training:
         self.scaler = torch.amp.GradScaler(device.type) if use_scaler else None
         self.epoch, self.num_updates, self.history = 0, 0, []
         self.batch, self.loss_sums = 0, {}  # batches of this epoch done, and their summed losses
+        self.warmup_checked = False
+
+    def check_warmup(self, session_updates: int = 0, seconds: float = 0.) -> None:
+        """Warn (rank 0, once) when --warmup-iters is not shorter than the run: its --epochs, or with a time budget
+        the updates this session is projected to make at its pace (after `session_updates` in `seconds`)."""
+        args = self.args
+        if args.rank != 0 or self.warmup_checked or args.warmup_iters <= 0:
+            return
+        total = args.epochs * self.updates_per_epoch
+        note = f'--epochs {args.epochs} of {self.updates_per_epoch} updates'
+        if args.time_budget:
+            if not session_updates or seconds <= 0:
+                return
+            pace = self.num_updates + int(session_updates / seconds * max(args.time_budget - seconds, 0.))
+            if pace < total:
+                total, note = pace, f'about {pace} in --time-budget {args.time_budget:g} at this pace'
+        self.warmup_checked = True
+        message = long_warmup_warning(f'--warmup-iters {args.warmup_iters}', args.warmup_iters, total, 'updates',
+                                      args.lr * args.warmup_ratio, args.lr, f'(the run: {note})')
+        if message:
+            _logger.warning(message)
 
     def _loader(self) -> torch.utils.data.DataLoader:
         """This epoch's batches from `self.batch` on: the sampler's order for the epoch, its first batches skipped
@@ -295,14 +320,15 @@ class _Training:
         resume from."""
         self.model.train()
         t0, done_before, stopped = time.perf_counter(), self.batch, False
+        clock = ProgressClock(self.args.log_interval, self.args.log_interval_s)
         for images, targets in self._loader():
             values = self.step(images, targets)
             self.batch += 1
             for k, v in values.items():
                 self.loss_sums[k] = self.loss_sums.get(k, 0.0) + v
-            if self.args.rank == 0 and (self.batch % self.args.log_interval == 0
-                                        or self.batch == self.updates_per_epoch):
+            if self.args.rank == 0 and clock.due(self.batch, force=self.batch == self.updates_per_epoch):
                 self._log_progress(values, (self.batch - done_before) / (time.perf_counter() - t0))
+                self.check_warmup(self.batch - done_before, time.perf_counter() - t0)
             stopped = deadline is not None and agree(time.monotonic() > deadline, self.device)
             recover = self.args.recovery_interval and self.batch % self.args.recovery_interval == 0
             if (recover or stopped) and self.batch < self.updates_per_epoch:  # stopped by the budget: resumable too
@@ -332,7 +358,7 @@ def _iou_types(args: argparse.Namespace) -> Tuple[str, ...]:
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: CocoInstances, device: torch.device
               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
     return evaluate_detector(unwrap(model), val, device, _iou_types(args), args.workers, autocast(args, device),
-                             args.log_interval)
+                             args.log_interval, args.log_interval_s)
 
 
 def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: CheckpointKeeper
@@ -383,7 +409,8 @@ def _start_or_resume(args: argparse.Namespace, run_state: _Training, keeper: Che
                                   'weights with --eval-only --checkpoint')
     run_state.load_state_dict(ckpt, keeper)
     if args.rank == 0:
-        _logger.info(f'resumed {args.resume}: epoch {run_state.epoch}, {run_state.num_updates} updates')
+        _logger.info(f'resumed at update {run_state.num_updates} (epoch {run_state.epoch}, batch {run_state.batch} of '
+                     f'it) from {args.resume}')
 
 
 def run(args: argparse.Namespace) -> Dict[str, Any]:
@@ -407,6 +434,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     run_state = _Training(args, device, model, train)
     keeper = CheckpointKeeper(out_dir, max_history=args.checkpoint_hist)
     _start_or_resume(args, run_state, keeper, out_dir)
+    run_state.check_warmup()
     t0 = time.perf_counter()
     evaluation, stopped = _fit(args, run_state, val, keeper)
     metrics, detections = evaluation or _evaluate(args, run_state.model, val, device)

@@ -42,6 +42,7 @@ from ..runs import (
     unknown_model_message,
     weights_error_message,
 )
+from ..runtime import set_threads, threads_help
 from .distributed import JobProgress, check_paths, init_eval_processes
 from .report import markdown_report, plot_corruptions
 from .runner import EvalSettings, default_workers, file_sha256
@@ -82,7 +83,7 @@ def add_model_args(parser: argparse.ArgumentParser, default_out: str) -> None:
                            help="autocast dtype (default: a tools/train.py run's own amp / amp_dtype, else float32)")
     precision.add_argument('--no-amp', action='store_true',
                            help='evaluate in float32, also a checkpoint whose run validated under autocast')
-    g.add_argument('--threads', type=int, default=None, help='torch CPU threads')
+    g.add_argument('--threads', type=int, default=0, help=threads_help())
     g.add_argument('--reparam', action='store_true',
                    help='evaluate the model folded for inference (timm.models.reparameterize_model)')
     g.add_argument('--img-size', type=int, default=None,
@@ -368,8 +369,7 @@ def run_and_report(
         the results dict (as written to the JSON).
     """
     import lsvision
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads or 0, log=os.environ.get('RANK', '0') == '0')
     if bool(args.model) == bool(args.models):
         raise ValueError('give the model with --model NAME (one) or --models NAME ... (several), not both')
     names = resolve_model_names([args.model] if args.model else args.models)

@@ -19,6 +19,8 @@ module adds, around ``build_model_with_cfg``:
 """
 import logging
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar
 
@@ -26,7 +28,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_file as load_safetensors
 
-from timm.models import adapt_input_conv, build_model_with_cfg
+from timm.models import adapt_input_conv, build_model_with_cfg, get_arch_pretrained_cfgs
 from timm.models._builder import resolve_pretrained_cfg
 from timm.models._hub import get_cache_dir, hf_split
 
@@ -248,3 +250,89 @@ def load_pretrained_file(
     state_dict = filter_fn(load_checkpoint_file(checkpoint_path), model)
     load_into_model(model, state_dict, classifier=cfg.get('classifier', 'head'), first_conv=cfg.get('first_conv'))
     _logger.info(f'loaded pretrained weights from {checkpoint_path}')
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The released weights of a model, as its cards list them
+
+_DATASETS = {'in1k': 'ImageNet-1k', 'in12k': 'ImageNet-12k', 'in21k': 'ImageNet-21k', 'in22k': 'ImageNet-22k'}
+_TOP1 = re.compile(r'top-1 reported by the authors: (?P<top1>[\d.]+) ?%')
+
+
+@dataclass(frozen=True)
+class ReleasedWeights:
+    """One pretrained tag (``'<model>.<tag>'``) with released weights, from its timm pretrained cfg: ``kind``
+    ``'hf-hub'`` (``location`` the hub id) or ``'url'`` (the URL without its query; ``cache_file`` the name in timm's
+    cache), the cfg's ``license`` and ``origin`` (the authors' repository), the authors' ImageNet-1k ``top1`` (from
+    the notes) and what the weights were ``pretrained_on`` (from the tag: ``<source>_<data>[_ft_<data>]``)."""
+
+    tag: str
+    kind: str
+    location: str
+    cache_file: str
+    license: str
+    origin: str
+    top1: float
+    pretrained_on: str
+
+    @property
+    def host(self) -> str:
+        """The host of a URL's weights ('Dropbox')."""
+        return _host(self.location)
+
+    @property
+    def origin_repo(self) -> str:
+        """The authors' repository, owner/name."""
+        return _repo_of(self.origin)
+
+    def source_markdown(self) -> str:
+        """Where the weights come from, linked."""
+        if self.kind == 'hf-hub':
+            return f'[{self.location}](https://huggingface.co/{self.location}) (Hugging Face Hub)'
+        return f'{self.location} ({_host(self.location)}, linked from the {_repo_of(self.origin)} README)'
+
+    def license_markdown(self) -> str:
+        """The weights' license, or where to read it."""
+        return self.license or f'that of [{_repo_of(self.origin)}]({self.origin}); read it before use'
+
+
+def _host(url: str) -> str:
+    """'Dropbox' for https://www.dropbox.com/..., the host name otherwise."""
+    return url.split('//', 1)[-1].split('/', 1)[0].removeprefix('www.').split('.')[0].capitalize()
+
+
+def _repo_of(url: str) -> str:
+    """'NVIDIA/transformer-ls' for https://github.com/NVIDIA/transformer-ls."""
+    return '/'.join(url.rstrip('/').split('/')[-2:])
+
+
+def _pretrained_on(tag: str) -> str:
+    """'ImageNet-22k, fine-tuned on ImageNet-1k' for a tag ``ms_in22k_ft_in1k``."""
+    parts = tag.split('_')
+    data = [_DATASETS[p] for p in parts if p in _DATASETS]
+    if not data:
+        raise ValueError(f'pretrained tag {tag!r} names no known dataset ({", ".join(_DATASETS)}); add it to '
+                         'lsvision.models._pretrained._DATASETS.')
+    return data[0] + ''.join(f', fine-tuned on {d}' for d in data[1:])
+
+
+def released_weights(name: str) -> List[ReleasedWeights]:
+    """The pretrained tags of ``name`` that have weights (hub id or URL), the default tag first; a ValueError if such a
+    cfg's notes give no "top-1 reported by the authors: N %", or its tag no dataset."""
+    released = []
+    for tag, cfg in get_arch_pretrained_cfgs(name).items():
+        if cfg.hf_hub_id:
+            kind, location, cache_file = 'hf-hub', cfg.hf_hub_id, ''
+        elif cfg.url:
+            url, cache_file = cfg.url if isinstance(cfg.url, (list, tuple)) else (cfg.url, '')
+            kind, location = 'url', url.split('?')[0]
+        else:
+            continue
+        match = next((m for m in (_TOP1.search(note) for note in cfg.notes or ()) if m), None)
+        if match is None:
+            raise ValueError(f'the pretrained cfg {tag} has weights but no "top-1 reported by the authors: N %" note')
+        released.append(ReleasedWeights(
+            tag=tag, kind=kind, location=location, cache_file=cache_file, license=cfg.license or '',
+            origin=cfg.origin_url or '', top1=float(match.group('top1')),
+            pretrained_on=_pretrained_on(tag.split('.', 1)[1])))
+    return released

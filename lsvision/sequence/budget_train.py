@@ -4,7 +4,6 @@ Training runs until a wall-clock budget is spent (cosine learning rate over the 
 a demo takes the same time however busy the machine is; the number of steps it got is part of the result.
 """
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -14,26 +13,25 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lsvision.runtime import auto_threads  # noqa: F401  (re-exported: the one thread policy)
+
 __all__ = [
     'TrainResult', 'EvalResult', 'train_for_seconds', 'evaluate_for_seconds', 'macro_f1', 'accuracy',
-    'stratified_order', 'auto_threads', 'lr_factor', 'train_on_lr_factor', 'random_crop',
+    'stratified_order', 'auto_threads', 'lr_factor', 'time_decay', 'train_on_lr_factor', 'random_crop',
 ]
 
 
-def auto_threads(max_threads: int = 2) -> int:
-    """Torch threads for a demo: up to `max_threads` on an idle machine, fewer when the load leaves less than a core
-    per thread (OpenMP threads then spend their time waiting for each other: measured 3-5x slower steps at load 6 on
-    2 cores)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
-    free = cores - (os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.)
-    return max(1, min(max_threads, cores, int(free + 0.5)))
+def time_decay(spent: float, decay_from: float = 0.6) -> float:
+    """`lr_factor`'s decay alone: 1, then linear to 2 % over the last 40 % of the budget (`spent`: the fraction of the
+    budget used; 2 % from the end of the budget on)."""
+    return 1. if spent < decay_from else max(0.02, (1. - spent) / (1. - decay_from))
 
 
 def lr_factor(step: int, spent: float, warmup: int = 30, decay_from: float = 0.6) -> float:
     """Linear warm-up over `warmup` steps, flat, then linear decay to 2 % over the last 40 % of the wall-clock budget
     (`spent` = fraction of the budget used): the schedule follows time, since the step count is unknown upfront."""
-    decay = 1. if spent < decay_from else max(0.02, (1. - spent) / (1. - decay_from))
-    return min(1., (step + 1) / warmup) * decay
+    return min(1., (step + 1) / warmup) * time_decay(spent, decay_from)
+
 
 @dataclass
 class TrainResult:

@@ -5,20 +5,23 @@ train.py reads it and as every run's own `args.yaml` is written, so a past run r
 Unlike timm, keys are validated: an unknown key or a value of the wrong type is an error that names the key.
 """
 import argparse
+import dataclasses
 import difflib
+import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import yaml
 
 from timm.utils import ParseKwargs
 
 from lsvision.models._helpers import checkpoint_record
+from lsvision.runtime import PROGRESS_HELP, PROGRESS_SECONDS, threads_help
 
 __all__ = ['ConfigError', 'Flag', 'build_parser', 'load_config', 'validate_config', 'recorded_run_args',
            'tool_defaults', 'demo_preset_help', 'add_dense_run_arguments', 'add_amp_arguments', 'parse_args',
-           'args_to_dict', 'args_to_yaml', 'config_keys', 'DIGITS_DEMO_CONFIG']
+           'args_to_dict', 'args_to_yaml', 'config_keys', 'given_flags', 'resumed_settings', 'DIGITS_DEMO_CONFIG']
 
 # the preset used when no data and no model are given (the README's first command)
 DIGITS_DEMO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -242,12 +245,14 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--seed', type=int, default=42, metavar='S')
     group.add_argument('--log-interval', type=int, default=50, metavar='N',
                        help='every N batches: read the loss (the only wait for the device), log a progress line')
+    group.add_argument('--log-interval-s', type=float, default=PROGRESS_SECONDS, metavar='SECONDS',
+                       help=PROGRESS_HELP + '; one process only: under torchrun the lines come every --log-interval '
+                            'batches')
     group.add_argument('--recovery-interval', '--checkpoint-interval-steps', type=int, default=0, metavar='N',
                        help='also save a resumable mid-epoch checkpoint every N optimizer updates (0 = off)')
     group.add_argument('--checkpoint-hist', type=int, default=10, metavar='N', help='top-k checkpoints kept')
     group.add_argument('-j', '--workers', type=int, default=4, metavar='N')
-    group.add_argument('--threads', type=int, default=0, metavar='N',
-                       help='torch intra-op threads per process (0 = torch default); 1 is fastest on a busy CPU')
+    group.add_argument('--threads', type=int, default=0, metavar='N', help=threads_help())
     group.add_argument('--pin-mem', action=Flag, default=None,
                        help='pinned host memory for the loaders, for asynchronous copies (unset = on with CUDA)')
     group.add_argument('--no-prefetcher', action=Flag, default=False,
@@ -259,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--log-wandb', action=Flag, default=False,
                        help="log summary.csv's columns to Weights & Biases too (needs `pip install wandb`)")
     group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
-                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
+                       help='stop training after this many seconds of this session, then evaluate and save (0 = no '
+                            'limit); a resumed run gets the whole budget again')
     group.add_argument('--progress', type=str, default='auto', choices=('auto', 'bar', 'log'),
                        help="'bar' (tqdm), 'log' (a line every --log-interval steps), 'auto' = bar on a terminal")
     group.add_argument('--stop-after-steps', type=int, default=0, metavar='N',
@@ -367,7 +373,7 @@ def add_dense_run_arguments(parser: argparse.ArgumentParser, output_root: str) -
     group = parser.add_argument_group('Run')
     group.add_argument('--device', default='', help="'' = cuda if available")
     group.add_argument('-j', '--workers', type=int, default=2)
-    group.add_argument('--threads', type=int, default=0, help='torch threads per process (0 = default)')
+    group.add_argument('--threads', type=int, default=0, help=threads_help())
     group.add_argument('--seed', type=int, default=42)
     group.add_argument('--find-unused-parameters', action=Flag, default=False, help="DDP's option")
     group.add_argument('--resume', default='', metavar='PATH', help="a run's last.pth.tar: continue it exactly")
@@ -377,7 +383,8 @@ def add_dense_run_arguments(parser: argparse.ArgumentParser, output_root: str) -
                                                     "folder, '' = none)")
     group.add_argument('--experiment', default='', help='run directory name')
     group.add_argument('--time-budget', type=float, default=0, metavar='SECONDS',
-                       help='stop training after this many seconds, then evaluate and save (0 = no limit)')
+                       help='stop training after this many seconds of this session, then evaluate and save (0 = no '
+                            'limit); a resumed run gets the whole budget again')
     group.add_argument('--stop-after-updates', type=int, default=0,
                        help=argparse.SUPPRESS)  # testing: stop (SystemExit) after N updates, as if killed
     return group
@@ -467,6 +474,41 @@ def _given_on_command_line(argv: Sequence[str]) -> Dict[str, Any]:
         action.default = argparse.SUPPRESS
     given, _ = parser.parse_known_args(list(argv))
     return vars(given)
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]]) -> Set[str]:
+    """The dests that `argv` sets itself (those left at their defaults excluded): what a resumed run of
+    tools/train_lm.py or train_mt.py takes from the command line rather than from its checkpoint."""
+    unset = object()
+    dests = vars(parser.parse_args(argv))
+    given = parser.parse_args(argv, argparse.Namespace(**{k: unset for k in dests}))
+    return {k for k, v in vars(given).items() if v is not unset}
+
+
+def resumed_settings(cfg: Any, saved: Dict[str, Any], given: Optional[Collection[str]], fixed: Collection[str],
+                     stop: Collection[str], flag: Callable[[str], str], what: str, log: logging.Logger) -> Any:
+    """The config (a dataclass) of a resumed tools/train_lm.py or train_mt.py run: the checkpoint's (`saved`), with the
+    fields `given` on the resuming command taken from `cfg`, except the `fixed` ones (the model, data, optimization:
+    `what`), which stay the checkpoint's, with a warning that names each given one that differs (its `flag`). Stopping
+    limits (`stop`) given replace all of the checkpoint's.
+
+    given: the fields the command line set (`given_flags`); None: those that differ from the dataclass's defaults.
+    """
+    kind = type(cfg)
+    fields = {f.name for f in dataclasses.fields(kind)}
+    first = kind(**{k: v for k, v in saved.items() if k in fields})
+    if given is None:
+        default = kind()
+        given = {k for k in fields if getattr(cfg, k) != getattr(default, k)}
+    given = (set(given) & fields) | {'output', 'resume'}
+    if given & set(stop):
+        given |= set(stop)
+    kept = [k for k in sorted(given & set(fixed)) if getattr(cfg, k) != getattr(first, k)]
+    if kept:
+        log.warning("resumed with the checkpoint's " + ', '.join(f'{flag(k)} {getattr(first, k)}' for k in kept)
+                    + ' (given: ' + ', '.join(f'{flag(k)} {getattr(cfg, k)}' for k in kept) + f'): a resumed run '
+                    f'keeps its {what}; to change them start a new run (another --output, without --resume)')
+    return dataclasses.replace(first, **{k: getattr(cfg, k) for k in given - set(fixed)})
 
 
 # a create_model argument that --model-kwargs can carry, and the flag that passes it too

@@ -19,6 +19,7 @@ import torch.nn as nn
 from timm.utils import init_distributed_device, setup_default_logging
 
 from ..eval.distributed import rank_and_world
+from ..runtime import set_threads
 from .args import ConfigError
 from .checkpoint import CheckpointWriteError, load_checkpoint
 from .data import derive_seed, seed_everything
@@ -32,13 +33,13 @@ _NOT_RECORDED = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id',
 
 
 def setup_run(args: argparse.Namespace) -> torch.device:
-    """Logging, the device ('' = cuda if available), threads, torchrun's process group (timm's
+    """Logging, the device ('' = cuda if available), threads (`lsvision.runtime.set_threads`: 0 = auto), torchrun's
+    process group (timm's
     `init_distributed_device`: args.distributed / rank / world_size) and the seeds (per process)."""
     setup_default_logging()
     if not args.device:
         args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, log=os.environ.get('RANK', '0') == '0')
     device = init_distributed_device(args)
     seed_everything(derive_seed(args.seed, args.rank))
     return device

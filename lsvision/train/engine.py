@@ -54,6 +54,7 @@ from ..eval.runner import usable_cores
 from ..layers import GatedRecurrentCache
 from ..models import check_state_dict_fits, explain_checkpoint_errors, read_checked_state_dict
 from ..runs import image_mode_for_channels, normalization_for_channels, weights_error_message
+from ..runtime import PROGRESS_SECONDS, ProgressClock, set_threads
 from .args import args_to_dict, args_to_yaml
 from .checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
 from .data import (
@@ -75,7 +76,7 @@ from .weights import describe_load, file_num_classes, file_tensor_shapes, record
 
 __all__ = [
     'NonFiniteLossError', 'TrainSetupError', 'all_reduce_grc_caches', 'epoch_label', 'fixed_input_size_kwargs', 'run',
-    'train_step', 'backward_micro_batch', 'micro_batches_of_update', 'optimizer_update',
+    'train_step', 'backward_micro_batch', 'micro_batches_of_update', 'optimizer_update', 'long_warmup_warning',
 ]
 
 _logger = logging.getLogger('train')
@@ -509,7 +510,10 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, args: argpar
     criterion = nn.CrossEntropyLoss(reduction='sum')
     checks = ImageChecks('validation', images) if images is not None else None
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top1 hits, top5 hits, count
-    for input, target in loader:  # on the device already with the prefetcher
+    clock = ProgressClock(None, getattr(args, 'log_interval_s', PROGRESS_SECONDS))
+    for batch_idx, (input, target) in enumerate(loader):  # on the device already with the prefetcher
+        if clock.due(batch_idx) and batch_idx and getattr(args, 'rank', 0) == 0:
+            _logger.info(f'validation: {batch_idx}/{len(loader)} batches of this process')
         if checks is not None:  # [label, index, readable, width, height] per image: keep the readable ones
             keep = checks.keep(target)
             target = target[keep.to(target.device), META_LABEL]
@@ -565,8 +569,7 @@ def _setup(args: argparse.Namespace) -> torch.device:
     if args.warmup_steps and not args.sched_on_updates:
         raise TrainSetupError(f'--warmup-steps {args.warmup_steps} counts optimizer updates, so the schedule must step '
                               'on updates: add --sched-on-updates (or use --warmup-epochs)')
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads, log=os.environ.get('RANK', '0') == '0')
     _check_model_name(args.model)
     device = init_distributed_device(args)
     if args.pin_mem is None:  # pinned host memory makes the copies to a GPU asynchronous
@@ -846,6 +849,17 @@ def _optimization(args: argparse.Namespace, model: nn.Module, device: torch.devi
     return _Optimization(optimizer, autocast, scaler, model_ema, lr_scheduler, num_epochs)
 
 
+def long_warmup_warning(flag: str, warmup: float, total: float, unit: str, start_lr: float, lr: float,
+                        fix: str = '') -> Optional[str]:
+    """The warning for a warm-up not shorter than the run (None for a shorter one or none): the lr rises from
+    `start_lr` and never reaches `lr`. `flag` is the warm-up's flag and value (e.g. '--warmup-steps 500'), `total`
+    the run's length in `unit`, `fix` more advice after 'lower <flag>'. Every training tool warns with it."""
+    if warmup <= 0 or warmup < total:
+        return None
+    return (f'{flag} is not shorter than the run ({total:g} {unit}): the lr rises from {start_lr:g} and never '
+            f'reaches {lr:.3g}; lower {flag.split()[0]}' + (f' {fix}' if fix else ''))
+
+
 def _warn_long_warmup(args: argparse.Namespace, num_epochs: int, updates_per_epoch: int) -> None:
     """A warmup as long as the run never reaches the lr (the ImageNet recipes' 5 epochs on a folder of a few
     batches); the line says what the warmup is in updates."""
@@ -855,9 +869,9 @@ def _warn_long_warmup(args: argparse.Namespace, num_epochs: int, updates_per_epo
     else:
         warmup, total, flag = args.warmup_epochs, num_epochs, f'--warmup-epochs {args.warmup_epochs}'
         unit = 'epochs'
-    if warmup > 0 and warmup >= total:
-        _logger.warning(f'{flag} is not shorter than the run ({total} {unit}): the lr rises from {args.warmup_lr:g} '
-                        f'and never reaches {args.lr:.3g}; lower {flag.split()[0]}')
+    message = long_warmup_warning(flag, warmup, total, unit, args.warmup_lr, args.lr)
+    if message:
+        _logger.warning(message)
     elif warmup > 0:
         _logger.info(f'lr warmup: {warmup} {unit} ({warmup * (1 if args.warmup_steps else updates_per_epoch)} of the '
                      f"run's {num_epochs * updates_per_epoch} updates) from {args.warmup_lr:g} to {args.lr:.3g}")
@@ -1067,6 +1081,9 @@ class _Run:
         self.log_wandb = args.log_wandb and self.primary
         self.steps_this_process = 0
         self.samples_seen = 0
+        # a progress line every --log-interval batches, or after --log-interval-s seconds (one process only: the
+        # loss read is a collective under torchrun, so every process must log at the same batches)
+        self.clock = ProgressClock(args.log_interval, None if args.distributed else args.log_interval_s)
         self.out_of_time = False
         self.step_lr = 0.0  # the lr of the latest update: progress lines and summary.csv
         self.eval_metrics: Dict[str, float] = {}  # of the weights that pick "best": the EMA's when there is one
@@ -1134,7 +1151,7 @@ class _Run:
         args = self.args
         done = batch_idx + 1
         last_batch = done == self.batches_per_epoch
-        log_step = done % args.log_interval == 0 or last_batch
+        log_step = self.clock.due(done, force=last_batch)
         save_recovery = bool(args.recovery_interval) and self.num_updates % args.recovery_interval == 0 \
             and not last_batch
         # one process alone may not stop (the others would wait for it): under torchrun the time budget is

@@ -29,7 +29,7 @@ import math
 import os
 import time
 from contextlib import contextmanager, nullcontext
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,17 +48,26 @@ from lsvision.data.text_corpus import (
 from lsvision.eval.distributed import close_eval_processes, init_eval_processes, shard_range
 from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.runs import source_commit
-from lsvision.sequence.budget_train import lr_factor
+from lsvision.runtime import PROGRESS_SECONDS, ProgressClock
+from lsvision.sequence.budget_train import time_decay
 from lsvision.sequence.transformer_xl import GrcStreamState, TransformerXL, TxlState
 
+from .args import resumed_settings
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
-from .engine import optimizer_update
+from .engine import long_warmup_warning, optimizer_update
 
-__all__ = ['LMConfig', 'LMSetupError', 'run', 'evaluate_perplexity', 'load_corpus', 'state_to_dict',
-           'state_from_dict']
+__all__ = ['LMConfig', 'LMSetupError', 'run', 'resumed_config', 'evaluate_perplexity', 'load_corpus', 'state_to_dict',
+           'state_from_dict', 'SMALL_CORPUS_FLAGS']
 
 _logger = logging.getLogger('train_lm')
 EVAL_PROTOCOLS = ('every-token', 'authors')  # see the module doc
+
+# a recipe for a corpus of a few million tokens or less (WikiText-103 has 103M): tools/demo_lm.py's model and schedule
+# (docs/sequence.md); a new run on fewer training tokens than SMALL_CORPUS_TOKENS with a model of more parameters than
+# SMALL_CORPUS_MAX_PARAMS gets it as a warning
+SMALL_CORPUS_FLAGS = ('--model txl_tiny --model-kwargs drop=0.0 --tgt-len 64 --batch-size 8 --lr 1e-3 '
+                      '--warmup-steps 20')
+SMALL_CORPUS_TOKENS, SMALL_CORPUS_MAX_PARAMS = 10_000_000, 10_000_000
 
 
 class LMSetupError(ValueError):
@@ -71,7 +80,8 @@ class LMConfig:
 
     Data: `data_dir` (WikiText's word-level files), or `train_file` (+ `valid_file`, `test_file`; any text), or
     `corpus='stdlib'` (the standard library's docstrings, no download). Training stops at `max_steps` or after
-    `time_budget_s` seconds of training (evaluation not counted), whichever comes first.
+    `time_budget_s` seconds of training (evaluation not counted), whichever comes first; both count the whole run,
+    over its resumes. A progress line every `log_interval` steps or `log_interval_s` seconds, whichever comes first.
     """
     model: str = 'txl_wt103_base'
     model_kwargs: Dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -99,6 +109,7 @@ class LMConfig:
     eval_protocol: str = 'every-token'
     eval_max_tokens: Optional[int] = None
     log_interval: int = 200
+    log_interval_s: float = PROGRESS_SECONDS
     save_interval: int = 1000
     amp: bool = False
     amp_dtype: str = 'bfloat16'
@@ -263,6 +274,9 @@ class _Trainer:
         self.streams = stream_batches(corpus.train, cfg.batch_size)[rows.start:rows.stop]
         self.step, self.epoch, self.pos, self.train_seconds = 0, 0, 0, 0.
         self.state: Any = None
+        # the schedule's decay factor reached so far (after the warm-up it never rises: see _set_lr)
+        self.lr_decay = 1.
+        self.warmup_checked = False
         self.best: Optional[float] = None
         self.history: List[Dict[str, Any]] = []
         self.loss_window: List[float] = []
@@ -272,11 +286,14 @@ class _Trainer:
     def _load(self, ckpt: Dict[str, Any]) -> None:
         self.lm.load_state_dict(ckpt['model'])
         self.optimizer.load_state_dict(ckpt['optimizer'])
-        self.scheduler.load_state_dict(ckpt['scheduler'])
+        # not the scheduler's state: it would bring back the first run's --max-steps (the cosine follows this run's)
         if self.scaler is not None and ckpt.get('scaler'):
             self.scaler.load_state_dict(ckpt['scaler'])
         self.step, self.epoch, self.pos = ckpt['step'], ckpt['epoch'], ckpt['pos']
         self.train_seconds, self.best, self.history = ckpt['train_seconds'], ckpt['best'], ckpt['history']
+        # an older checkpoint without it: the factor of the lr it last applied (past the warm-up)
+        last = ckpt['optimizer']['param_groups'][0]['lr'] / self.cfg.lr if self.cfg.lr > 0 else 1.
+        self.lr_decay = ckpt.get('lr_decay', min(1., last) if self.step > self.cfg.warmup_steps else 1.)
         path = os.path.join(os.path.dirname(ckpt['path']), f'streams-rank{self.rank}.pth')
         streams = load_checkpoint(path, map_location=str(self.device))
         if streams['step'] != self.step:
@@ -284,11 +301,14 @@ class _Trainer:
                                'stopped between the two writes; resume from the checkpoint before, or start again')
         self.state = state_from_dict(streams['state'])
         set_rng_state(streams['rng'])
-        _logger.info(f'resumed at step {self.step} (epoch {self.epoch}, stream position {self.pos})')
+        _logger.info(f'resumed at step {self.step} (epoch {self.epoch}, stream position {self.pos}, '
+                     f'{self.train_seconds:.0f} s trained) from {ckpt["path"]}')
 
     def save(self) -> str:
         """Each process's carried state and RNG first, then rank 0's checkpoint (which names the step)."""
         out = self.cfg.output
+        if self.cfg.time_budget_s:  # the decay the time schedule has reached (2 % once the budget is spent)
+            self.lr_decay = min(self.lr_decay, time_decay(self.train_seconds / self.cfg.time_budget_s))
         save_atomic(dict(step=self.step, state=state_to_dict(self.state), rng=get_rng_state()),
                     os.path.join(out, f'streams-rank{self.rank}.pth'))
         if self.world > 1:
@@ -299,18 +319,35 @@ class _Trainer:
                              scheduler=self.scheduler.state_dict(),
                              scaler=self.scaler.state_dict() if self.scaler is not None else None,
                              step=self.step, epoch=self.epoch, pos=self.pos, train_seconds=self.train_seconds,
+                             lr_decay=self.lr_decay,
                              best=self.best, history=self.history, vocab=self.corpus.vocab.symbols,
                              config=dataclasses.asdict(self.cfg), path=path), path)
         return path
 
     def _set_lr(self) -> None:
+        """The step's learning rate: the cosine over --max-steps (timm's), or with a time budget the time's
+        (`lsvision.sequence.budget_train.lr_factor`: flat, then down to 2 % over the last 40 % of the budget).
+
+        After the warm-up the decay never rises (`lr_decay`, kept in the checkpoint): a run resumed with a larger
+        budget or more steps keeps the rate it had reached until the new schedule comes down to it, then follows
+        that to the end, instead of jumping back up. An uninterrupted run is unchanged (its schedule only falls).
+        """
         cfg = self.cfg
         if cfg.time_budget_s:
-            factor = lr_factor(self.step, self.train_seconds / cfg.time_budget_s, warmup=max(cfg.warmup_steps, 1))
+            self.lr_decay = min(self.lr_decay, time_decay(self.train_seconds / cfg.time_budget_s))
+            factor = min(1., (self.step + 1) / max(cfg.warmup_steps, 1)) * self.lr_decay
             for g in self.optimizer.param_groups:
                 g['lr'] = cfg.lr * factor
+            return
+        self.scheduler.step_update(self.step)
+        if self.step < cfg.warmup_steps or cfg.lr <= 0:
+            return
+        decay = self.optimizer.param_groups[0]['lr'] / cfg.lr
+        if decay > self.lr_decay:  # a resumed run's new schedule above the rate reached: keep that rate
+            for g in self.optimizer.param_groups:
+                g['lr'] = cfg.lr * self.lr_decay
         else:
-            self.scheduler.step_update(self.step)
+            self.lr_decay = decay
 
     def train_step(self) -> float:
         cfg, n = self.cfg, self.streams.shape[1]
@@ -354,11 +391,33 @@ class _Trainer:
         _logger.info(f'step {self.step}{of} | epoch {self.epoch} | lr {lr:.3g}'
                      f' | loss {loss:.3f} | ppl {math.exp(min(loss, 700.)):.1f} | {tokens:,.0f} tok/s | {left}')
 
+    def check_warmup(self, projected: bool = False) -> None:
+        """Warn (rank 0, once) when the warm-up is not shorter than the run: --max-steps, or with a time budget the
+        steps it is projected to make at this run's pace (`projected`, after some steps)."""
+        cfg = self.cfg
+        if self.rank != 0 or self.warmup_checked or cfg.warmup_steps <= 0:
+            return
+        total, note = cfg.max_steps, f'--max-steps {cfg.max_steps}'
+        if cfg.time_budget_s:
+            if not projected or self.train_seconds <= 0:
+                return
+            pace = int(self.step / self.train_seconds * cfg.time_budget_s)
+            if pace < total:
+                total, note = pace, f'about {pace} in --time-budget-s {cfg.time_budget_s:g} at this pace'
+        self.warmup_checked = True
+        start = cfg.lr / max(cfg.warmup_steps, 1) if cfg.time_budget_s else 0.
+        message = long_warmup_warning(f'--warmup-steps {cfg.warmup_steps}', cfg.warmup_steps, total, 'steps', start,
+                                      cfg.lr, f'(the run: {note})')
+        if message:
+            _logger.warning(message)
+
     def train(self) -> bool:
         """Train to max_steps or the time budget; returns True when the budget stopped it."""
         cfg = self.cfg
         t0, steps0 = time.perf_counter(), self.step
+        clock = ProgressClock(cfg.log_interval, cfg.log_interval_s)
         by_budget = False
+        self.check_warmup()
         while self.step < cfg.max_steps:
             if cfg.time_budget_s and self.train_seconds >= cfg.time_budget_s:
                 by_budget = True
@@ -366,8 +425,13 @@ class _Trainer:
             start = time.perf_counter()
             self.loss_window.append(self.train_step())
             self.train_seconds += time.perf_counter() - start
-            if self.rank == 0 and self.step % cfg.log_interval == 0:
+            if cfg.time_budget_s and self.world > 1:  # one clock for all: the same lr and the same last step
+                seconds = torch.tensor([self.train_seconds], dtype=torch.float64, device=self.device)
+                dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+                self.train_seconds = float(seconds)
+            if self.rank == 0 and clock.due(self.step):
                 self._log_progress(t0, steps0)
+                self.check_warmup(projected=True)
             if self.step % cfg.eval_interval == 0:
                 self._validate()
             if self.step % cfg.save_interval == 0:
@@ -404,22 +468,69 @@ _PROTOCOL_TEXT = {'every-token': 'each token but the first scored once, over',
                   'authors': "the authors' eval.py protocol: each row's tokens but its first scored, over"}
 
 
-def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
+# what a resumed run may change: where it stops, its bookkeeping, where it runs and how it evaluates (a --max-steps
+# at or below the checkpoint's step only evaluates, e.g. with the authors' --eval-* settings); the rest (model, data,
+# batches, optimization) stays the checkpoint's
+_RESUME_MAY_CHANGE = ('max_steps', 'time_budget_s', 'output', 'resume', 'log_interval', 'log_interval_s',
+                      'eval_interval', 'save_interval', 'eval_tgt_len', 'eval_batch_size', 'eval_mem_len',
+                      'eval_clamp_len', 'eval_same_length', 'eval_max_tokens', 'eval_protocol', 'device', 'amp',
+                      'amp_dtype')
+_STOP_FIELDS = ('max_steps', 'time_budget_s')
+
+
+def _flag(field: str) -> str:
+    return '--' + field.replace('_', '-')
+
+
+def resumed_config(cfg: LMConfig, saved: Dict[str, Any], given: Optional[Collection[str]] = None) -> LMConfig:
+    """The config of a resumed run: the checkpoint's (`saved`), with the settings `given` on the resuming command
+    that a resumed run may change (`_RESUME_MAY_CHANGE`) taken from `cfg`. Stopping limits given replace the
+    checkpoint's (--max-steps alone drops its --time-budget-s). A given setting it may not change (model, data,
+    batches, optimization) is kept as the checkpoint's, with a warning that names it.
+
+    given: the fields the command line set (tools/train_lm.py passes them); None: those that differ from LMConfig's
+    defaults.
+    """
+    fixed = {f.name for f in dataclasses.fields(LMConfig)} - set(_RESUME_MAY_CHANGE)
+    return resumed_settings(cfg, saved, given, fixed, _STOP_FIELDS, _flag, 'model, data, batches and optimization',
+                            _logger)
+
+
+def _check_budget_left(cfg: LMConfig, ckpt: Dict[str, Any]) -> None:
+    """A resumed run whose time budget is spent would train 0 steps: say so, with the flags that do what was meant."""
+    spent, step = ckpt['train_seconds'], ckpt['step']
+    if cfg.time_budget_s and spent >= cfg.time_budget_s and step < cfg.max_steps:
+        raise LMSetupError(
+            f"--time-budget-s {cfg.time_budget_s:g} is the run's total training time (counted over its resumes), and "
+            f"{ckpt['path']} has trained {spent:.1f} s of it already (step {step}): nothing is left to train. Give the "
+            f'total you want, e.g. --time-budget-s {spent + cfg.time_budget_s:.4g} for {cfg.time_budget_s:g} s '
+            f'more, or --max-steps {step} to only evaluate the checkpoint')
+
+
+def _warn_small_corpus(cfg: LMConfig, tokens: int, params: int) -> None:
+    """A new run of a large model on a small corpus: it overfits, and a CPU run of minutes makes a few steps."""
+    if tokens < SMALL_CORPUS_TOKENS and params > SMALL_CORPUS_MAX_PARAMS:
+        _logger.warning(
+            f"{tokens:,} training tokens for a model of {params / 1e6:.1f}M parameters ({cfg.model}, segments of "
+            f"{cfg.tgt_len} x {cfg.batch_size} streams: Transformer-XL's recipe for WikiText-103's 103M tokens): it "
+            f"overfits, and a run of minutes on a CPU makes a handful of steps. For a small corpus, the demo's size "
+            f'and schedule: {SMALL_CORPUS_FLAGS} (docs/sequence.md)')
+
+
+def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None, given: Optional[Collection[str]] = None
+        ) -> Dict[str, Any]:
     """Train (or resume) and evaluate a language model; returns the result (also in result.json / result.md).
 
     `corpus`: the data already loaded (the demo trains two models on one); None loads what `cfg` names.
+    `given`: with `cfg.resume`, the fields the command line set (see `resumed_config`).
     """
     resume = None
     if cfg.resume:
         path = os.path.join(cfg.output, 'last.pth.tar') if cfg.resume == 'auto' else cfg.resume
         resume = load_checkpoint(path)
         resume['path'] = path
-        # what may change on resume: where to stop, the run's bookkeeping, and how to evaluate (a --max-steps at or
-        # below the checkpoint's step only evaluates, e.g. with the authors' --eval-* settings)
-        keep = ('max_steps', 'time_budget_s', 'output', 'resume', 'log_interval', 'eval_interval', 'save_interval',
-                'eval_tgt_len', 'eval_batch_size', 'eval_mem_len', 'eval_clamp_len', 'eval_same_length',
-                'eval_max_tokens', 'eval_protocol')
-        cfg = dataclasses.replace(LMConfig(**resume['config']), **{k: getattr(cfg, k) for k in keep})
+        cfg = resumed_config(cfg, resume['config'], given)
+        _check_budget_left(cfg, resume)
     cfg.check()
     procs = init_eval_processes(cfg.device)
     try:
@@ -431,6 +542,8 @@ def run(cfg: LMConfig, corpus: Optional[WordCorpus] = None) -> Dict[str, Any]:
         if procs.primary:
             _logger.info(f'{corpus.summary()}; {procs.world_size} process(es) on {procs.device}')
         trainer = _Trainer(cfg, corpus, procs.device, procs.rank, procs.world_size, resume)
+        if procs.primary and resume is None:
+            _warn_small_corpus(cfg, len(corpus.train), sum(p.numel() for p in trainer.lm.parameters()))
         by_budget = trainer.train()
         last = trainer.save()
         weights = 'last'

@@ -32,21 +32,33 @@ import torch.nn.functional as F
 
 import lsvision.sequence as seq
 from lsvision.data.parallel_text import BOS_ID, EOS_ID, PAD_ID, SubwordVocab, read_parallel, write_demo_task
-from lsvision.eval.distributed import all_gather, close_eval_processes, init_eval_processes, shard_range
+from lsvision.eval.distributed import all_gather, close_eval_processes, init_eval_processes, rank_and_world, shard_range
 from lsvision.layers import GatedRecurrentCache
 from lsvision.reports import machine_description, markdown_table, write_json, write_text
 from lsvision.runs import source_commit, unknown_name_message
+from lsvision.runtime import PROGRESS_SECONDS, ProgressClock
 from lsvision.sequence.translation import EncoderOut, TranslationTransformer
 
+from .args import resumed_settings
 from .checkpoint import get_rng_state, load_checkpoint, save_atomic, set_rng_state
-from .engine import all_reduce_grc_caches, optimizer_update
+from .engine import all_reduce_grc_caches, long_warmup_warning, optimizer_update
 
 __all__ = [
     'MTConfig', 'run', 'beam_search', 'greedy_decode', 'translate', 'corpus_bleu', 'average_checkpoints',
     'label_smoothed_loss', 'inverse_sqrt_factor', 'token_batches', 'collate', 'load_translation_checkpoint',
+    'resumed_config', 'SMALL_MODEL_KWARGS', 'SMALL_CORPUS_FLAGS',
 ]
 
 _logger = logging.getLogger('train_mt')
+
+# a recipe for a corpus of thousands of pairs (IWSLT's has 160k): tools/demo_mt.py's model size and schedule
+# (docs/sequence.md, "A small corpus")
+SMALL_MODEL_KWARGS = dict(dim=128, encoder_depth=2, decoder_depth=2, num_heads=4, ffn_dim=256, drop=0.1)
+SMALL_CORPUS_FLAGS = ('--model-kwargs ' + ' '.join(f'{k}={v}' for k, v in SMALL_MODEL_KWARGS.items())
+                      + ' --vocab-size 1000 --max-tokens 1024 --lr 2e-3 --warmup-updates 100 '
+                        '--save-interval-updates 25 --average-last 5')
+# a new run on fewer pairs than this with a model of more parameters than this gets the recipe above as a warning
+SMALL_CORPUS_PAIRS, SMALL_CORPUS_MAX_PARAMS = 20000, 5_000_000
 
 
 @dataclasses.dataclass
@@ -55,7 +67,8 @@ class MTConfig:
 
     data_dir None: the local demo task (`lsvision.data.parallel_text.write_demo_task`) is written to `<output>/data`.
     lr None: 5e-4, doubled (1e-3) for a GRC model (Cached Transformers, Table 4). Training stops at the first of
-    max_epochs, max_updates and time_budget_s (seconds of training, not counting evaluation) that is set.
+    max_epochs, max_updates and time_budget_s (seconds of training, not counting evaluation) that is set; all three
+    count the whole run, over its resumes.
     bleu_bootstrap: resamples of sacrebleu's bootstrap confidence interval of BLEU (0: none).
     save_interval_updates 0: an averaging checkpoint at the end of every epoch, else every that many updates.
     """
@@ -296,12 +309,15 @@ def translate(model: TranslationTransformer, vocab: SubwordVocab, sentences: Seq
     ids = [s[:max_positions - 1] + [EOS_ID] for s in vocab.encode(sentences)]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: List[str] = [''] * len(ids)
+    clock = ProgressClock(None, PROGRESS_SECONDS)  # beam search on a CPU can take minutes: not silent that long
     for start in range(0, len(order), batch_sentences):
         chunk = order[start:start + batch_sentences]
         src = _pad([ids[i] for i in chunk]).to(device)
         hyps, _ = beam_search(model, src, beam, len_penalty, max_len_a, max_len_b)
         for i, text in zip(chunk, vocab.decode(hyps)):
             out[i] = text
+        if clock.due(0) and rank_and_world()[0] == 0:
+            _logger.info(f'translating: {start + len(chunk)}/{len(ids)} sentences (this process), beam {beam}')
     return out
 
 
@@ -442,6 +458,7 @@ class _Trainer:
         self.epoch = self.pos = self.updates = 0
         self.train_seconds = 0.
         self.saved: List[str] = []  # the averaging checkpoints, oldest first
+        self._warmup_checked = False
         if resume is not None:
             self._load(resume)  # the RNG states too
         else:
@@ -460,6 +477,9 @@ class _Trainer:
             raise ValueError(f'the checkpoint was written by {len(rng)} processes, this run has {self.world_size}: '
                              'resume with the same number of processes (torchrun --nproc_per_node)')
         set_rng_state(rng[self.rank])
+        if self.rank == 0:
+            _logger.info(f'resumed at update {self.updates} (epoch {self.epoch}, batch {self.pos} of it, '
+                         f'{self.train_seconds:.0f} s trained) from {ckpt["path"]}')
 
     def state(self) -> Dict[str, Any]:
         """What last.pt holds: everything an exact resume needs (every process's RNG state)."""
@@ -480,11 +500,12 @@ class _Trainer:
             save_atomic(dict(model=state['model'], updates=self.updates, epoch=self.epoch, vocab=state['vocab'],
                              config=state['config']), name)
             self.saved.append(name)
-            for old in self.saved[:-self.cfg.average_last]:
-                if os.path.exists(old):
-                    os.remove(old)
-            self.saved = self.saved[-self.cfg.average_last:]
-            state['saved'] = list(self.saved)
+        # the last average_last only (a resume may give a smaller --average-last than the first run's)
+        for old in self.saved[:-self.cfg.average_last]:
+            if os.path.exists(old):
+                os.remove(old)
+        self.saved = self.saved[-self.cfg.average_last:]
+        state['saved'] = list(self.saved)
         save_atomic(state, os.path.join(self.cfg.output, 'last.pt'))
 
     def _should_stop(self, elapsed: float) -> bool:
@@ -517,8 +538,9 @@ class _Trainer:
         """Train until a limit is reached; returns whether the time budget stopped it."""
         cfg = self.cfg
         start = time.perf_counter() - self.train_seconds
-        last_log = time.perf_counter()
+        clock = ProgressClock(None, cfg.log_interval_s)
         window = [0., 0., 0]
+        self.check_warmup()
         while not self._should_stop(time.perf_counter() - start):
             batches = epoch_batches(self.batches, self.epoch, cfg.seed, self.rank, self.world_size)
             while self.pos < len(batches):
@@ -531,13 +553,47 @@ class _Trainer:
                 self.train_seconds = time.perf_counter() - start
                 if cfg.save_interval_updates and self.updates % cfg.save_interval_updates == 0:
                     self.save(averaging_point=True)
-                if self.rank == 0 and time.perf_counter() - last_log >= cfg.log_interval_s:
+                if self.rank == 0 and clock.due(self.updates):
                     self._log(window)
-                    window, last_log = [0., 0., 0], time.perf_counter()
+                    self.check_warmup(projected=True)
+                    window = [0., 0., 0]
             self.epoch, self.pos = self.epoch + 1, 0
             self.train_seconds = time.perf_counter() - start
             self.save(averaging_point=cfg.save_interval_updates == 0)
+        self.train_seconds = time.perf_counter() - start  # also when a limit was reached before the first update
         return cfg.time_budget_s is not None and self.train_seconds >= cfg.time_budget_s
+
+    def updates_per_epoch(self) -> int:
+        return len(self.batches) // self.world_size
+
+    def check_warmup(self, projected: bool = False) -> None:
+        """Warn (rank 0, once) when the warm-up is not shorter than the run: its --max-updates or --epochs, or with
+        only a time budget the updates it is projected to make at this run's pace (`projected`, after some)."""
+        cfg = self.cfg
+        if self.rank != 0 or self._warmup_checked or cfg.warmup_updates <= 0:
+            return
+        limits = []
+        if cfg.max_updates is not None:
+            limits.append((cfg.max_updates, f'--max-updates {cfg.max_updates}'))
+        if cfg.max_epochs is not None:
+            limits.append((cfg.max_epochs * self.updates_per_epoch(),
+                           f'--epochs {cfg.max_epochs} of {self.updates_per_epoch()} updates'))
+        if cfg.time_budget_s is not None:
+            if not projected and not limits:
+                return
+            if projected and self.train_seconds > 0:
+                pace = int(self.updates / self.train_seconds * cfg.time_budget_s)
+                limits.append((pace, f'about {pace} in --time-budget {cfg.time_budget_s:g} at this pace'))
+        if not limits:
+            return
+        self._warmup_checked = True
+        total, note = min(limits)
+        message = long_warmup_warning(
+            f'--warmup-updates {cfg.warmup_updates}', cfg.warmup_updates, total, 'updates', cfg.warmup_init_lr,
+            self.lr, f'(the run: {note}), e.g. to a tenth of the run. On a small corpus: {SMALL_CORPUS_FLAGS} '
+                     '(docs/sequence.md)')
+        if message:
+            _logger.warning(message)
 
     def _log(self, window: List[float]) -> None:
         tok = max(window[2], 1)
@@ -596,14 +652,65 @@ def _report_markdown(result: Dict[str, Any]) -> str:
               f"{result['eval_sentences']} sentences; +- is the half-width of sacrebleu's bootstrap 95% interval.\n")
 
 
-def run(cfg: MTConfig) -> Dict[str, Any]:
-    """Train (or resume) and evaluate a translation model; returns the result (also in result.json / result.md)."""
+_STOP_FIELDS = ('max_epochs', 'max_updates', 'time_budget_s')
+# the flags of the fields whose flag is not their name
+_FLAGS = dict(max_epochs='--epochs', time_budget_s='--time-budget', log_interval_s='--log-interval-s')
+
+
+def _flag(field: str) -> str:
+    return _FLAGS.get(field, '--' + field.replace('_', '-'))
+
+
+def resumed_config(cfg: MTConfig, saved: Dict[str, Any], given: Optional[Sequence[str]] = None) -> MTConfig:
+    """The config of a resumed run: the checkpoint's (`saved`), with the settings `given` on the resuming command
+    taken from `cfg`, except those `_RESUMED_FIELDS` fixes (the model, the data, the optimization): a given one of
+    those is kept as the checkpoint's, with a warning that names it. Stopping limits given replace the checkpoint's
+    (--max-updates alone drops its --time-budget).
+
+    given: the fields the command line set (tools/train_mt.py passes them); None: those that differ from MTConfig's
+    defaults.
+    """
+    return resumed_settings(cfg, saved, given, _RESUMED_FIELDS, _STOP_FIELDS, _flag, 'model, data and optimization',
+                            _logger)
+
+
+def _check_budget_left(cfg: MTConfig, ckpt: Dict[str, Any], path: str) -> None:
+    """A resumed run whose time budget is spent would train 0 updates: say so, with the flags that do what was
+    meant."""
+    spent, updates, budget = ckpt['train_seconds'], ckpt['updates'], cfg.time_budget_s
+    done = ((cfg.max_updates is not None and updates >= cfg.max_updates)
+            or (cfg.max_epochs is not None and ckpt['epoch'] >= cfg.max_epochs))
+    if budget is not None and spent >= budget and not done:
+        raise ValueError(
+            f"--time-budget {budget:g} is the run's total training time (counted over its resumes), and {path} has "
+            f'trained {spent:.1f} s of it already (update {updates}): nothing is left to train. Give the total you '
+            f'want, e.g. --time-budget {spent + budget:.4g} for {budget:g} s more, or --max-updates {updates} to only '
+            'evaluate the checkpoint')
+
+
+def _warn_small_corpus(cfg: MTConfig, pairs: int, params: int) -> None:
+    """A new run of a large model on a small corpus: it overfits, and a short run does not leave the warm-up."""
+    if pairs < SMALL_CORPUS_PAIRS and params > SMALL_CORPUS_MAX_PARAMS:
+        _logger.warning(
+            f'{pairs:,} training pairs for a model of {params / 1e6:.1f}M parameters ({cfg.model}'
+            + (f' {cfg.model_kwargs}' if cfg.model_kwargs else '') + f", lr {cfg.resolved_lr():g}, "
+            f"{cfg.warmup_updates} warm-up updates; fairseq's IWSLT recipe is for 160k pairs): it overfits, and a "
+            f"short run ends inside the warm-up. For a corpus of thousands of pairs, the demo's size and schedule: "
+            f'{SMALL_CORPUS_FLAGS} (docs/sequence.md, "A small corpus"; twice the lr for a GRC model)')
+
+
+def run(cfg: MTConfig, given: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Train (or resume) and evaluate a translation model; returns the result (also in result.json / result.md).
+
+    `given`: with `cfg.resume`, the fields the command line set (see `resumed_config`).
+    """
     resume_ckpt = None
     if cfg.resume:
         path = os.path.join(cfg.output, 'last.pt') if cfg.resume == 'auto' else cfg.resume
         resume_ckpt = load_checkpoint(path)
-        saved = resume_ckpt['config']
-        cfg = dataclasses.replace(cfg, **{k: saved[k] for k in _RESUMED_FIELDS})
+        resume_ckpt['path'] = path
+        cfg = resumed_config(cfg, resume_ckpt['config'], given)
+        _check_budget_left(cfg, resume_ckpt, path)
     cfg.check()
     procs = init_eval_processes(cfg.device)
     try:
@@ -613,6 +720,8 @@ def run(cfg: MTConfig) -> Dict[str, Any]:
             _logger.info(f'{len(data.train[0]):,} training pairs ({data.dropped} longer than {cfg.max_positions} '
                          f'dropped), vocabulary {len(data.vocab)}, {procs.world_size} process(es) on {procs.device}')
         trainer = _Trainer(cfg, data, procs.device, procs.rank, procs.world_size, resume_ckpt)
+        if procs.primary and resume_ckpt is None:
+            _warn_small_corpus(cfg, len(data.train[0]), sum(p.numel() for p in trainer.model.parameters()))
         by_budget = trainer.train()
         trainer.save(averaging_point=True)
         model = trainer.model
