@@ -34,8 +34,8 @@ _NOT_RECORDED = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id',
 
 def setup_run(args: argparse.Namespace) -> torch.device:
     """Logging, the device ('' = cuda if available), threads (`lsvision.runtime.set_threads`: 0 = auto), torchrun's
-    process group (timm's
-    `init_distributed_device`: args.distributed / rank / world_size) and the seeds (per process)."""
+    process group (timm's `init_distributed_device`: args.distributed / rank / world_size) and the seeds (per
+    process)."""
     setup_default_logging()
     if not args.device:
         args.device = 'cuda' if torch.cuda.is_available() else 'cpu'
