@@ -24,6 +24,7 @@ from timm.utils import ParseKwargs
 
 import lsvision  # noqa: F401  (registers the lsvision models with timm)
 from lsvision.models import CheckpointMismatchError
+from lsvision.runtime import PROGRESS_HELP, PROGRESS_SECONDS
 from lsvision.segmentation.data import SegmentationDataError
 from lsvision.segmentation.engine import DATASETS, NonFiniteLossError, SegmentationSetupError, run
 from lsvision.segmentation.models import SEGMENTORS
@@ -100,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument('--eval-untrained', action=Flag, default=False,
                        help='also evaluate the model before training (reported beside the trained one)')
     group.add_argument('--checkpoint-hist', type=int, default=3, help='best evaluated checkpoints kept (by mIoU)')
-    group.add_argument('--log-interval', type=int, default=50, help='a progress line every N iterations')
+    group.add_argument('--log-interval', type=int, default=50,
+                       help='a progress line every N iterations (and the mean loss in the history)')
+    group.add_argument('--log-interval-s', type=float, default=PROGRESS_SECONDS, metavar='SECONDS', help=PROGRESS_HELP)
     return parser
 
 

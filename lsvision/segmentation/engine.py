@@ -38,6 +38,7 @@ from ..data.coco_shapes import generate_semantic_shapes
 from ..eval.distributed import all_gather
 from ..reports import machine_description, markdown_table, write_json, write_text
 from ..runs import source_commit
+from ..runtime import ProgressClock
 from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
 from ..train.data import derive_seed
 from ..train.dense import (
@@ -253,7 +254,7 @@ def _evaluate(args: argparse.Namespace, model: nn.Module, val: SegmentationDatas
         # and SyncBN runs on CUDA only): every process scores with rank 0's, which its checkpoints hold
         distribute_bn(model, args.world_size, reduce=False)
     return evaluate_segmentor(unwrap(model), val, device, args.test_mode, args.test_crop, args.test_stride,
-                              args.workers, autocast(args, device), args.log_interval)
+                              args.workers, autocast(args, device), args.log_interval, args.log_interval_s)
 
 
 def _save(run: _Training, keeper: CheckpointKeeper, miou: Optional[float]) -> None:
@@ -271,17 +272,19 @@ def _fit(args: argparse.Namespace, run: _Training, val: SegmentationDataset, kee
     stopped training."""
     deadline = time.monotonic() + args.time_budget if args.time_budget else None
     evaluation, stopped, t0, done_before = None, False, time.perf_counter(), run.iters
+    clock = ProgressClock(args.log_interval, args.log_interval_s)
     run.model.train()
     while run.iters < args.iters and not stopped:
         for images, labels in run.loader():
             run.loss_sum += run.step(images, labels)
             run.loss_count += 1
             run.batch += 1
-            if args.rank == 0 and (run.iters % args.log_interval == 0 or run.iters == args.iters):
+            if args.rank == 0 and clock.due(run.iters, force=run.iters == args.iters):
                 rate = (run.iters - done_before) / (time.perf_counter() - t0)
                 _logger.info(f'iter {run.iters}/{args.iters}: loss {run.loss_sum / run.loss_count:.4f}, lr '
                              f'{run.optimizer.param_groups[0]["lr"]:.3g}, {rate * args.batch_size:.2f} img/s per '
                              f'process, ETA {timedelta(seconds=round((args.iters - run.iters) / rate))}')
+            if run.iters % args.log_interval == 0 or run.iters == args.iters:  # by count: a resumed run's history too
                 run.history.append(dict(iter=run.iters, train_loss=run.loss_sum / run.loss_count))
                 run.loss_sum, run.loss_count = 0.0, 0
             stopped = deadline is not None and agree(time.monotonic() > deadline, run.device)

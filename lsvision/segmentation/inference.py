@@ -23,6 +23,7 @@ import torch.utils.data
 
 from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_range
 from ..eval.segmentation import SegmentationMetric
+from ..runtime import ProgressClock
 from .data import SegmentationDataset
 from .models import IGNORE_INDEX
 
@@ -84,21 +85,22 @@ def predict(model: nn.Module, images: torch.Tensor, mode: str = 'whole', crop_si
 @torch.no_grad()
 def evaluate_segmentor(model: nn.Module, dataset: SegmentationDataset, device: torch.device, mode: str = 'whole',
                        crop_size: Sequence[int] = (512, 512), stride: Sequence[int] = (341, 341), workers: int = 0,
-                       autocast: Any = None, log_every: int = 0) -> Dict[str, Any]:
+                       autocast: Any = None, log_every: int = 0, log_every_s: Optional[float] = None
+                       ) -> Dict[str, Any]:
     """aAcc, mIoU, mAcc and per-class IoU / Acc of a segmentor on a split (`lsvision.eval.segmentation`), the same
-    on every process."""
+    on every process; rank 0 logs its progress every `log_every` images or `log_every_s` seconds."""
     model.eval()
     indices = shard_range(len(dataset))
     # a generator of its own: the loader's seed is not drawn from the global stream, which training continues
     loader = torch.utils.data.DataLoader(DatasetShard(dataset, indices), batch_size=1, num_workers=workers,
                                          generator=torch.Generator())
     metric = SegmentationMetric(dataset.num_classes, IGNORE_INDEX, dataset.class_names)
-    t0 = time.perf_counter()
+    t0, clock = time.perf_counter(), ProgressClock(log_every, log_every_s)
     for step, (image, label) in enumerate(loader):
         with autocast or contextlib.nullcontext():
             logits = predict(model, image.to(device, non_blocking=True), mode, crop_size, stride, label.shape[-2:])
         metric.update(logits.argmax(1).cpu(), label)
-        if log_every and (step + 1) % log_every == 0 and rank_and_world()[0] == 0:
+        if rank_and_world()[0] == 0 and clock.due(step + 1):
             rate = (step + 1) / (time.perf_counter() - t0)
             _logger.info(f'eval: {step + 1}/{len(indices)} images of this process, {rate:.2f} img/s, ETA '
                          f'{timedelta(seconds=round((len(indices) - step - 1) / rate))}')
