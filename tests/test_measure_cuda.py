@@ -1,8 +1,14 @@
 """The CUDA cost counter (`lsvision.measure_cuda`): its rules on modules whose costs are known by hand, and the counts
 of the models against the table measured outside the project at cb74399 (issue 59)."""
+import json
+import re
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from scipy.optimize import nnls
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import LongShortAttention2d
@@ -98,3 +104,31 @@ def test_flex_path_trains_on_the_counter_and_the_report_renders():
     assert rows[0]['kernels_ratio'] == rows[0]['kernels'] / rows[1]['kernels'] and 'kernels_ratio' not in rows[1]
     text = counts_markdown(rows, top=40)
     assert 'train 12 b2 bfloat16' in text and '`flex_attention' in text
+
+
+def _calibration():
+    """The fit of the H100 training steps of docs/benchmarks/cvt_ls_gpu.md (the table since 93f9eb4) to the counts of
+    docs/benchmarks/cuda_counts.json: seconds = a * kernels + b * bytes + c * FLOPs, a, b, c >= 0."""
+    bench = Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks'
+    measured = {(m, f'train {s} b{b} bfloat16'): float(ms) for m, s, b, ms in re.findall(
+        r'^\| (cvt_l?s?_?13) \| (\d+)x\d+ \| (\d+) \| ([\d.]+) ', (bench / 'cvt_ls_gpu.md').read_text(), re.M)[:6]}
+    rows = {(r['model'], r['point']): r for r in json.loads((bench / 'cuda_counts.json').read_text())['rows']}
+    keys = sorted(measured)
+    counts = np.array([[rows[k]['kernels'], rows[k]['bytes'], rows[k]['flops']] for k in keys], dtype=float)
+    seconds = np.array([measured[k] for k in keys]) / 1e3
+    coef, _ = nnls(counts, seconds)
+    return keys, counts, seconds, coef
+
+
+def test_the_documented_calibration_is_the_fit_of_the_committed_counts():
+    keys, counts, seconds, coef = _calibration()
+    assert len(keys) == 6
+    predicted = counts @ coef
+    share = counts[:, 0] * coef[0] / predicted
+    text = ' '.join((Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks' / 'cuda_counting.md').read_text()
+                    .split())
+    assert f'{coef[0] * 1e6:.1f} us per kernel' in text
+    assert f'bytes at {1 / coef[1] / 1e12:.1f} TB/s and FLOPs at {1 / coef[2] / 1e12:.0f} TFLOP/s' in text
+    assert f'{share.min() * 100:.0f} % to {share.max() * 100:.0f} % of each step' in text
+    errors = np.abs(predicted / seconds - 1)
+    assert sorted(errors)[-2] < 0.12 and errors.argmax() == keys.index(('cvt_ls_13', 'train 384 b64 bfloat16'))

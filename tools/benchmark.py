@@ -604,6 +604,7 @@ def add_count_args(count: argparse.ArgumentParser) -> None:
 def run_count(args: argparse.Namespace, command: str) -> int:
     """The ``cuda-count`` sub-command: kernels, bytes and FLOPs of each model and point on the fake CUDA device."""
     from lsvision.measure_cuda import add_count_ratios, count_row, counts_markdown
+    commit = source_commit()  # of the code that counts, before the (long) counting
     for model in args.count_models:
         if not seq.is_model(model) and not timm.is_model(model.split('@')[0]):
             raise ValueError('cuda-count --models: ' + unknown_name_message(
@@ -614,8 +615,8 @@ def run_count(args: argparse.Namespace, command: str) -> int:
             rows.append(count_row(model, kind, size, batch, None if args.dtype == 'float32' else args.dtype))
             log(f"{rows[-1]['point']} {model}: {rows[-1]['kernels']} kernels")
     add_count_ratios(rows, args.count_baseline)
-    text = f'`{command}` at {source_commit()}\n\n{counts_markdown(rows)}'
-    write_json(args.out / f'{args.name}.json', dict(command=command, commit=source_commit(), rows=rows))
+    text = f'`{command}` at {commit}\n\n{counts_markdown(rows)}'
+    write_json(args.out / f'{args.name}.json', dict(command=command, commit=commit, rows=rows))
     write_text(args.out / f'{args.name}.md', text)
     print(text)
     return 0
