@@ -5,6 +5,7 @@ sys.path here): `load_tool` (a tools/ script as a module), `perturb` (weights of
 `TINY_CONFIGS` and `tiny_model` (one tiny config per model family, and of the other models tests build), and a few
 more (an image folder to train on, a free port, the GRC layers of a model, the evaluation tools' checkpoint).
 """
+import logging
 import os
 import sys
 from pathlib import Path
@@ -47,6 +48,21 @@ def _restore_torch_threads():
     yield
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """Tools run in-process set up logging (timm's `setup_default_logging`, `logging.basicConfig`): a handler on the
+    root logger bound to that test's captured stderr, which is closed once the test ends, so that a later test's log
+    lines would print "--- Logging error ---" tracebacks. Every test gets the root logger's handlers and level back
+    (pytest's own capturing handlers it manages itself)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in list(root.handlers):
+        if handler not in handlers and not type(handler).__module__.startswith('_pytest'):
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture
