@@ -164,8 +164,10 @@ class _EfficientSdpa(TorchFunctionMode):
     """`F.scaled_dot_product_attention` as the memory-efficient kernel (the fake device's SDPA picks the math path)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        from lsvision.layers import _private_sdpa  # the one guard of the private kernels' schemas
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or args[0].device.type != 'cuda':
+        if (func is not F.scaled_dot_product_attention or args[0].device.type != 'cuda'
+                or not _private_sdpa.fused_kernels_available('cuda')):
             return func(*args, **kwargs)
         names = ('query', 'key', 'value', 'attn_mask', 'dropout_p', 'is_causal', 'scale', 'enable_gqa')
         call = {**dict(zip(names, args)), **kwargs}
@@ -178,7 +180,7 @@ class _EfficientSdpa(TorchFunctionMode):
             mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~mask, float('-inf'))
         elif mask is not None and mask.dtype != q.dtype:
             mask = mask.to(q.dtype)
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
+        return _private_sdpa._op('_scaled_dot_product_efficient_attention')(
             q, k, v, mask, torch.is_grad_enabled() and q.requires_grad, call.get('dropout_p', 0.0),
             call.get('is_causal', False), scale=call.get('scale'))[0]
 
