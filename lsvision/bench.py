@@ -4,8 +4,9 @@
 ``max_memory_allocated`` or the CPU's ``ru_maxrss``, a lifetime peak: hence a fresh process per measurement
 (:func:`run_jobs`, in alternating order over repeats). :func:`combine` pools a job's runs, :func:`add_ratios` adds
 pooled and paired ratios to a baseline. Model specs: a timm name with ``@full`` (ViL-LS with full attention in every
-stage), ``@noattn`` (every block's attention a no-op), ``@projonly`` (its projections only), ``@reparam`` (folded) or
-``@flex`` (long-short windows as one FlexAttention call, ``span_kernel='flex'``).
+stage), ``@noattn`` (every block's attention a no-op), ``@projonly`` (its projections only), ``@reparam`` (folded),
+``@flex`` (long-short windows as one FlexAttention call, ``span_kernel='flex'``) or ``@span`` (the span path,
+``span_kernel='span'``: the CPU's, and CUDA's before the flex path became its default).
 """
 import contextlib
 import functools
@@ -43,7 +44,7 @@ from lsvision.runs import unknown_model_message
 MIB = 2 ** 20
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
 SUFFIXES = {'@full': 'full attention', '@noattn': 'attention no-op', '@projonly': 'projections only',
-            '@reparam': 'reparameterized', '@flex': 'FlexAttention windows'}
+            '@reparam': 'reparameterized', '@flex': 'FlexAttention windows', '@span': 'span-path windows'}
 """Model spec suffixes and the label each adds to the model's name."""
 _FULL_ATTENTION_KWARGS = {'vil_ls_': dict(attn_types=('full',) * 4)}
 """Model name prefix -> kwargs of its full-attention counterpart (CvT's is a model of its own, cvt_13)."""
@@ -124,7 +125,8 @@ def create_model(spec: str, **kwargs: Any) -> nn.Module:
     name, suffix = split_spec(spec)
     if suffix == '@full':
         kwargs = {**next(v for p, v in _FULL_ATTENTION_KWARGS.items() if name.startswith(p)), **kwargs}
-    kwargs = {'span_kernel': 'flex', **kwargs} if suffix == '@flex' else kwargs
+    if suffix in ('@flex', '@span'):
+        kwargs = {'span_kernel': suffix[1:], **kwargs}
     model = timm.create_model(name, pretrained=False, **kwargs).eval()
     if suffix in ('@noattn', '@projonly'):
         _replace_attention(model, suffix)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-__all__ = ['FAKE_CUDA', 'cuda_autocast', 'fake_cuda', 'flex_attention_backward', 'gpu_attention_kernels',
-           'run_backward']
+__all__ = ['FAKE_CUDA', 'cuda_autocast', 'fake_cuda', 'fake_flex_backward', 'flex_attention_backward',
+           'gpu_attention_kernels', 'run_backward']
 
 FAKE_CUDA = torch.device('cuda')
 
@@ -186,10 +186,9 @@ class _EfficientSdpa(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def gpu_attention_kernels() -> Iterator[None]:
-    """On the fake device, attention runs as the kernels a GPU runs: `F.scaled_dot_product_attention` as the
-    memory-efficient kernel (forward and backward: flash launches as many), and the layers' FlexAttention calls
-    (`span_flex._run_flex`) with a backward (`flex_attention_backward`) where they need one."""
+def fake_flex_backward() -> Iterator[None]:
+    """On the fake device, the layers' FlexAttention calls (`span_flex._run_flex`) get a backward where they need one
+    (`flex_attention_backward`: FlexAttention's own traces its joint graph, which needs a device)."""
     from lsvision.layers import span_flex
     run = span_flex._run_flex
 
@@ -200,7 +199,15 @@ def gpu_attention_kernels() -> Iterator[None]:
 
     span_flex._run_flex = run_flex
     try:
-        with _EfficientSdpa():
-            yield
+        yield
     finally:
         span_flex._run_flex = run
+
+
+@contextlib.contextmanager
+def gpu_attention_kernels() -> Iterator[None]:
+    """On the fake device, attention runs as the kernels a GPU runs: `F.scaled_dot_product_attention` as the
+    memory-efficient kernel (forward and backward: flash launches as many), and the layers' FlexAttention calls
+    with a backward (`fake_flex_backward`)."""
+    with fake_flex_backward(), _EfficientSdpa():
+        yield

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lsvision.fake_cuda import FAKE_CUDA, cuda_autocast, fake_cuda, run_backward
+from lsvision.fake_cuda import FAKE_CUDA, cuda_autocast, fake_cuda, fake_flex_backward, run_backward
 
 __all__ = ['FAKE_CUDA', 'KernelCounter', 'SdpaCalls', 'assert_grads_like_params', 'cuda_autocast', 'fake_cuda',
-           'run_backward']
+           'fake_flex_backward', 'run_backward']
 
 
 class KernelCounter(TorchDispatchMode):

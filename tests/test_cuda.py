@@ -46,7 +46,7 @@ def _reference(fn):
 def test_2d_gradients_match_dense_reference_fp64(feat_size, w, r, heads, g, layer, rpe):
     torch.manual_seed(0)
     C = heads * 8
-    attn = LongShortAttention2d(C, heads, w, r, rel_pos_bias=rpe, **LAYERS[layer])
+    attn = LongShortAttention2d(C, heads, w, r, rel_pos_bias=rpe, span_kernel='span', **LAYERS[layer])
     attn = perturb(attn, 0.3).double().to(DEVICE).train()
     x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64, device=DEVICE)
     weight = torch.randn_like(x)
@@ -101,7 +101,7 @@ def test_2d_float32_gradients_on_fused_kernels_match_dense_reference(feat_size, 
     relative-position bias is a mask with a gradient, which the kernels do not give: the batched matmuls run it.)"""
     torch.manual_seed(0)
     C = heads * 8
-    attn = LongShortAttention2d(C, heads, w, r, **LAYERS[layer])
+    attn = LongShortAttention2d(C, heads, w, r, span_kernel='span', **LAYERS[layer])
     attn = perturb(attn, 0.3).double().to(DEVICE).train()
     x = torch.randn(2, g + feat_size[0] * feat_size[1], C, dtype=torch.float64, device=DEVICE)
     weight = torch.randn_like(x)
@@ -196,7 +196,7 @@ def test_window_attention_launches_as_many_kernels_for_any_batch_and_map(w, r, h
     shape), far from the 4x a loop over the batch would make."""
     torch.manual_seed(0)
     C = 16 * heads
-    attn = LongShortAttention2d(C, heads, w, r, **LAYERS['conv']).to(DEVICE).train()
+    attn = LongShortAttention2d(C, heads, w, r, span_kernel='span', **LAYERS['conv']).to(DEVICE).train()
     ops, kernels = {}, {}
     for B, feat_size in [(2, (24, 24)), (8, (24, 24)), (2, (48, 40))]:
         x = torch.randn(B, 1 + feat_size[0] * feat_size[1], C, device=DEVICE, requires_grad=True)

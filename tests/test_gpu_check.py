@@ -17,7 +17,7 @@ def test_plan_measures_the_issue_targets_first():
     assert labels[:8] == [f'{m} {k} {s} b{b}' for k, s, b in (('train', 384, 64), ('train', 1024, 8),
                                                                 ('inference', 224, 32), ('inference', 1024, 8))
                           for m in ('cvt_ls_13', 'cvt_13')]
-    assert labels[8] == 'cvt_ls_13, flex segment 128 train 384 b64'
+    assert labels[8] == 'cvt_ls_13, span path train 384 b64'
     assert len(labels) == len(set(labels)) + 1  # the profiled step repeats a point's label
 
 
@@ -32,7 +32,7 @@ def test_dry_run_goes_through_every_step_and_writes_the_report(tmp_path):
         'cvt_ls_13', 'cvt_13', 'cvt_ls_13@noattn', 'cvt_13@noattn', 'swin_tiny_patch4_window7_224', 'vil_ls_medium',
         'vil_ls_medium@full'}
     variants = {(r['point'], r['variant']) for r in report['ratios']}
-    assert ('inference 224 b32', 'cvt_ls_13, flex segment 128') in variants
+    assert ('inference 224 b32', 'cvt_ls_13, span path') in variants
     assert ('inference 224 b32', 'cvt_ls_13, compiled default') in variants
     assert ('inference 224 b32', 'cvt_ls_13, compiled reduce-overhead') in variants
     assert all(r['time_ratio'] > 0 for r in report['ratios'])

@@ -92,7 +92,7 @@ def test_flex_path_trains_on_the_counter_and_the_report_renders():
     """The FlexAttention window kernel in training: one flex forward and its two backward kernels, no SDPA, charged
     to the layer; the report's ratios are to the baseline at the same point."""
     rows = []
-    for kernel in ('flex', 'auto'):
+    for kernel in ('flex', 'span'):
         torch.manual_seed(0)
         cost = count_step(_Layer(span_kernel=kernel), lambda: [torch.randn(2, 144, 32)], train=True)
         rows.append(cost_row(f'layer ({kernel})', 'train 12 b2 bfloat16', cost))
@@ -100,7 +100,7 @@ def test_flex_path_trains_on_the_counter_and_the_report_renders():
     assert flex['flex_attention']['kernels'] == 1 and flex['flex_attention_backward.default']['kernels'] == 2, flex
     assert not any('scaled_dot_product' in op for op in flex)
     assert rows[0]['by_module']['attn']['kernels'] > 3
-    add_count_ratios(rows, 'layer (auto)')
+    add_count_ratios(rows, 'layer (span)')
     assert rows[0]['kernels_ratio'] == rows[0]['kernels'] / rows[1]['kernels'] and 'kernels_ratio' not in rows[1]
     text = counts_markdown(rows, top=40)
     assert 'train 12 b2 bfloat16' in text and '`flex_attention' in text

@@ -65,7 +65,7 @@ def _reference(q, kv, shared, table, w, scale):
 @pytest.mark.parametrize('feat_size,w,S,order,block,bias', CASES)
 def test_flex_matches_dense_reference(feat_size, w, S, order, block, bias):
     q, kv, shared, table = _inputs(feat_size, w, S, bias)
-    out = span_flex_attention(q, kv[0], kv[1], shared, w, 0.35, table, order, block)
+    out = span_flex_attention(q, kv, shared, w, 0.35, table, order, block)
     torch.testing.assert_close(out, _reference(q, kv, shared, table, w, 0.35), rtol=1e-10, atol=1e-10)
 
 
@@ -144,9 +144,50 @@ def test_flex_errors_say_what_to_do():
     dropout = LongShortAttention2d(16, 2, 2, 2, attn_drop=0.1, span_kernel='flex').train()
     with pytest.raises(ValueError, match='no attention dropout'), torch.no_grad():
         dropout(x, (4, 4))
-    with pytest.raises(ValueError, match="span_kernel must be one of \\('auto', 'flex'\\)"):
+    with pytest.raises(ValueError, match="span_kernel must be one of \\('auto', 'span', 'flex'\\)"):
         LongShortAttention2d(16, 2, 2, 2, span_kernel='triton')
     with pytest.raises(ValueError, match='token order'):
         set_span_kernel(attn, 'flex', order='column')
     with warnings.catch_warnings(), pytest.raises(ValueError, match='power of two'):
         set_span_kernel(attn, 'flex', block_size=100)
+
+
+def _dense_flex(q, k, v, score_mod, block_mask, scale):
+    """FlexAttention's math, differentiable on the CPU: the mask_mod (and score_mod) evaluated on the whole grid."""
+    B, h, L, _ = q.shape
+    b, hh, qi, ki = (torch.arange(n).view([-1 if i == j else 1 for j in range(4)])
+                     for i, n in enumerate((B, h, L, k.shape[2])))
+    scores = q @ k.transpose(-1, -2) * scale
+    if score_mod is not None:
+        scores = score_mod(scores, b, hh, qi, ki)
+    scores = scores.masked_fill(~block_mask.mask_mod(b, hh, qi, ki), float('-inf'))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize('qkv,feat_size,w,prefix,bias,order', [
+    ('conv', (7, 9), 3, 1, False, 'segment'),  # CvT-LS: conv projections, a cls token, a map of partial segments
+    ('linear', (6, 6), 3, 2, True, 'raster'),  # ViL-LS: linear projections, the window bias, two prefix tokens
+    ('conv', (4, 6), 2, 0, False, 'segment'),  # no prefix, whole segments (no padding)
+])
+def test_flex_path_trains_as_the_span_path(monkeypatch, qkv, feat_size, w, prefix, bias, order):
+    """The flex path's own code (one dtype, stacked keys and values, the dynamic projection of all heads in one
+    product, LN_G, the prefix update as SDPA) gives the span path's outputs and gradients (input and every
+    parameter), in training. FlexAttention has no CPU backward, so its call runs as its math on the whole grid."""
+    from lsvision.layers import span_flex
+    monkeypatch.setattr(span_flex, '_run_flex', _dense_flex)
+    torch.manual_seed(0)
+    H, W = feat_size
+    attn = perturb(LongShortAttention2d(16, 2, w, 3, rel_pos_bias=bias, **LAYERS[qkv]).double()).train()
+    x = torch.randn(2, prefix + H * W, 16, dtype=torch.float64)
+    weight = torch.randn(2, prefix + H * W, 16, dtype=torch.float64)
+    results = []
+    for kernel in ('span', 'flex'):
+        set_span_kernel(attn, kernel, order, 16)
+        attn.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        out = attn(xg, feat_size)
+        (out * weight).sum().backward()
+        results.append([out, xg.grad] + [p.grad for p in attn.parameters()])
+    names = ['output', 'input grad'] + [n for n, _ in attn.named_parameters()]
+    for name, flex, span in zip(names, results[1], results[0]):
+        torch.testing.assert_close(flex, span, rtol=1e-9, atol=1e-9, msg=name)

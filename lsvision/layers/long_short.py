@@ -44,9 +44,11 @@ __all__ = [
     'SPAN_KERNELS', 'set_span_kernel',
 ]
 
-# the window attention's kernel: 'auto' the span path (`span_attention`: CPU batched matmuls / flash, CUDA
-# memory-efficient kernels on blocks of segments), 'flex' one FlexAttention call per layer (`span_flex`)
-SPAN_KERNELS = ('auto', 'flex')
+# the window attention's kernel: 'span' the span path (`span_attention`: CPU batched matmuls / flash, CUDA
+# memory-efficient kernels on blocks of segments), 'flex' one FlexAttention call per layer (`span_flex`), 'auto' the
+# flex path where it runs and launches fewer kernels (CUDA, no attention dropout: docs/benchmarks/cuda_counting.md),
+# else the span path
+SPAN_KERNELS = ('auto', 'span', 'flex')
 
 
 def window_rel_pos_table_size(window_size: int) -> int:
@@ -401,9 +403,10 @@ class LongShortAttention2d(FoldableModule):
             attn_drop: Dropout on the joint attention weights of the patch queries.
             proj_drop: Dropout after the output projection.
             dual_ln_eps: Epsilon of the DualLN pair.
-            span_kernel: The window attention's kernel: 'auto' (the span path, every device's default) or 'flex'
-                (one FlexAttention call, the CUDA candidate; on the CPU inference only). `set_span_kernel` changes
-                it, with the flex path's token order and block size, on a built model.
+            span_kernel: The window attention's kernel: 'auto' (the default: the flex path on CUDA without attention
+                dropout or a window-bias gradient, else the span path), 'span' (the span path, `span_attention`) or
+                'flex' (one FlexAttention call per layer; on the CPU inference only). `set_span_kernel` changes it,
+                with the flex path's token order and block size, on a built model.
         """
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
@@ -473,42 +476,66 @@ class LongShortAttention2d(FoldableModule):
         bias = self.rel_pos_table[idx.reshape(-1)].reshape(ws * ws, span * span, self.num_heads).permute(2, 0, 1)
         return mask + bias.to(dtype)[None, :, None]  # (1, h, n, w^2, K^2)
 
+    def _uses_flex(self, x: torch.Tensor, dropout_p: float) -> bool:
+        """Whether this call runs the flex path: `span_kernel='flex'`, or 'auto' on CUDA without attention dropout and
+        without a gradient for the window bias (the fake device, which the counts and tests run on, gives FlexAttention
+        gradients of q, k and v only; the span path is the tested one there)."""
+        if torch.jit.is_scripting():
+            return False
+        if self.span_kernel == 'auto':
+            table = self.rel_pos_table
+            bias_grad = table is not None and table.requires_grad and torch.is_grad_enabled()
+            return x.device.type == 'cuda' and dropout_p == 0. and not bias_grad
+        return self.span_kernel == 'flex'
+
     @torch.jit.unused  # TorchScript runs the span path
-    def _flex_window_attention(
-            self,
-            q: torch.Tensor,
-            k: torch.Tensor,
-            v: torch.Tensor,
-            kv_shared: torch.Tensor,
-            dropout_p: float,
-    ) -> torch.Tensor:
-        """The window attention as one FlexAttention call (`span_flex.span_flex_attention`), `span_kernel='flex'`.
+    def _forward_flex(self, x: torch.Tensor, feat_size: Tuple[int, int], dropout_p: float) -> torch.Tensor:
+        """The layer with its windows as one FlexAttention call (`span_flex.span_flex_attention`): the CUDA path.
 
-        Args:
-            q: Queries (B, h, H, W, d).
-            k, v: The patch keys and values after LN_L, (B, H * W, C).
-            kv_shared: Projected and prefix keys and values (2, B, h, S, d).
-            dropout_p: Attention dropout: FlexAttention has none, so it must be 0.
-
-        Returns:
-            Outputs (B, H, W, h, d).
+        Written for few kernels and few bytes (the span path is written for the CPU): after the projections it runs
+        in one dtype (autocast's, else the input's), LN_L and LN_G on that dtype (the kernels accumulate in fp32, as
+        the softmax of the projection weights does), keys and values stacked so that each step serves both, the
+        dynamic projection of all heads as one product, and the prefix tokens' update as one SDPA call; no mask or
+        bias is materialized. The same math as the span path (tested against it).
         """
         if dropout_p > 0.:
             raise ValueError(f"span_kernel='flex' has no attention dropout (attn_drop={self.attn_drop}): build the "
-                             "model with attn_drop=0, or use span_kernel='auto'")
-        if q.device.type == 'cpu' and torch.is_grad_enabled() and q.requires_grad:
-            raise RuntimeError(
-                "span_kernel='flex' trains on CUDA only (FlexAttention has no backward on the CPU); on the CPU use "
-                "lsvision.layers.set_span_kernel(model, 'auto'), or run the flex path under torch.no_grad()")
-        B, h, H, W, d = q.shape
+                             "model with attn_drop=0, or use span_kernel='span'")
+        B, N, C = x.shape
+        H, W = feat_size
+        num_patches = H * W
+        g = N - num_patches
+        h, d, r = self.num_heads, self.head_dim, self.dp_rank
+        q, k, v, qkv_prefix, logits = self.projections(x, feat_size)
         dtype = autocast_dtype(q)  # FlexAttention has no autocast rule: one dtype for all
-        with autocast_off(q.device.type):
-            def heads(t: torch.Tensor) -> torch.Tensor:
-                return t.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4).to(dtype)
-
-            return span_flex_attention(q.to(dtype), heads(k), heads(v), kv_shared.to(dtype), self.window_size,
-                                       d ** -0.5, self.rel_pos_table, self.flex_order,
-                                       (self.flex_block_size, self.flex_block_size))
+        norm, norm_g = self.norm_local, self.norm_global
+        with autocast_off(x.device.type):
+            ln_w, ln_b = norm.weight.to(dtype), norm.bias.to(dtype)
+            proj = torch.softmax(logits.to(dtype), dim=1)  # P over the tokens, (B, Np, h * r)
+            kv = F.layer_norm(torch.stack([k, v], dim=2).to(dtype), (C,), ln_w, ln_b, norm.eps)  # (B, Np, 2, C)
+            # P^T [k | v] of all heads in one product: its diagonal head blocks are the per-head products (h times
+            # their multiply-adds, which are few: one GEMM instead of 2h, and no heads-first copy of k or v)
+            prod = torch.bmm(proj.transpose(1, 2), kv.reshape(B, num_patches, 2 * C)).reshape(B, h, r, 2, h, d)
+            kv_bar = prod.diagonal(dim1=1, dim2=4).permute(2, 0, 1, 4, 3).reshape(2, B, r, C)
+            shared = F.layer_norm(kv_bar, (C,), norm_g.weight.to(dtype), norm_g.bias.to(dtype), norm_g.eps)
+            kv_prefix = torch.empty(0)
+            if g > 0:
+                kv_prefix = F.layer_norm(qkv_prefix[1:].to(dtype), (C,), ln_w, ln_b, norm.eps)  # (2, B, g, C)
+                shared = torch.cat([shared, kv_prefix], dim=2)
+            shared = shared.reshape(2, B, r + g, h, d).transpose(2, 3)  # (2, B, h, r + g, d)
+            out = span_flex_attention(
+                q.to(dtype).reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4),
+                kv.reshape(B, H, W, 2, h, d).permute(3, 0, 4, 1, 2, 5), shared, self.window_size, d ** -0.5,
+                self.rel_pos_table, self.flex_order, (self.flex_block_size, self.flex_block_size))
+            out = out.reshape(B, num_patches, C)
+            if g > 0:  # each prefix query attends to the prefix keys and to the patches' attention outputs
+                patches = out.reshape(B, num_patches, h, d)
+                keys = torch.cat([kv_prefix[0].reshape(B, g, h, d), patches], dim=1).transpose(1, 2)
+                values = torch.cat([kv_prefix[1].reshape(B, g, h, d), patches], dim=1).transpose(1, 2)
+                q_prefix = qkv_prefix[0].to(dtype).reshape(B, g, h, d).transpose(1, 2)
+                out_prefix = F.scaled_dot_product_attention(q_prefix, keys, values, scale=d ** -0.5)
+                out = torch.cat([out_prefix.transpose(1, 2).reshape(B, g, C), out], dim=1)
+        return self.proj_drop(self.proj(out))
 
     def _prefix_update(self, q_prefix: torch.Tensor, kv_prefix: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Post-cls update: each prefix query attends to the prefix keys and to the attention outputs of all patches.
@@ -587,16 +614,17 @@ class LongShortAttention2d(FoldableModule):
         num_prefix = N - num_patches
         torch._assert(num_prefix >= 0, 'LongShortAttention2d: fewer tokens than H * W')
         h, d, r = self.num_heads, self.head_dim, self.dp_rank
+        dropout_p = self.attn_drop if self.training else 0.
+        if self._uses_flex(x, dropout_p):
+            return self._forward_flex(x, feat_size, dropout_p)
 
         q, k, v, qkv_prefix, logits = self.projections(x, feat_size)
         proj = projection_weights(logits, h)  # P = softmax over tokens (fp32): (B, h, r, Np)
         norm = self.norm_local  # LN_L on keys and values
         q_patch = q.reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4)  # (B, h, H, W, d), a view
-        dropout_p = self.attn_drop if self.training else 0.
-        use_flex = self.span_kernel == 'flex' and not torch.jit.is_scripting()
         # training: LN_L once for the dynamic projection and the windows, which keep only k and v before LN_L (the
         # outputs of the q, k, v projection, which autograd keeps anyway); their backward normalizes again
-        recompute_norm = recompute_local_norm(k, norm.weight) and not use_flex
+        recompute_norm = recompute_local_norm(k, norm.weight)
         if recompute_norm:
             k_norm, v_norm = local_norm_tokens(k, v, norm.weight, norm.bias, norm.eps)
             kv_bar = local_norm_projection(proj, k_norm, v_norm, k, v, norm.weight, norm.bias, norm.eps)
@@ -604,15 +632,10 @@ class LongShortAttention2d(FoldableModule):
         else:
             k_norm = v_norm = torch.empty(0)  # unused
             k, v = norm(k), norm(v)
-            if use_flex:  # heads-first views: the flex call makes the one copy of the keys it needs
-                kv_patch = torch.empty(0)  # unused
-                k_heads, v_heads = k.reshape(B, num_patches, h, d).transpose(1, 2), v.reshape(
-                    B, num_patches, h, d).transpose(1, 2)
-            else:
-                # one heads-first copy of the normalized patch keys and values serves the projection and the windows
-                kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
-                                        v.reshape(B, num_patches, h, d).transpose(1, 2)])
-                k_heads, v_heads = kv_patch[0], kv_patch[1]
+            # one heads-first copy of the normalized patch keys and values serves the projection and the windows
+            kv_patch = torch.stack([k.reshape(B, num_patches, h, d).transpose(1, 2),
+                                    v.reshape(B, num_patches, h, d).transpose(1, 2)])
+            k_heads, v_heads = kv_patch[0], kv_patch[1]
             proj = proj.to(k_heads.dtype)
             kv_bar = project_keys_values(proj, k_heads, v_heads)  # (2, B, h, r, d)
         # the prefix keys and values after LN_L, heads first: (2, B, h, g, d)
@@ -623,10 +646,8 @@ class LongShortAttention2d(FoldableModule):
 
         # segment-wise windows, one joint softmax over [projected (r) | prefix (g) | window span (K^2)] keys; views
         # of q and kv go in, and the backward gathers the spans again instead of keeping them
-        window_mask = torch.empty(0) if use_flex else self._window_mask(feat_size, q.dtype, q.device)
-        if use_flex:
-            out = self._flex_window_attention(q_patch, k, v, kv_shared, dropout_p)
-        elif recompute_norm:
+        window_mask = self._window_mask(feat_size, q.dtype, q.device)
+        if recompute_norm:
             out = span_attention_local_norm(
                 q_patch, k_norm.reshape(B, H, W, C), v_norm.reshape(B, H, W, C), k.reshape(B, H, W, C),
                 v.reshape(B, H, W, C), norm.weight, norm.bias, norm.eps,
@@ -658,9 +679,10 @@ def set_span_kernel(model: nn.Module, kernel: str, order: str = 'segment', block
 
     Args:
         model: Any module (a CvT-LS or ViL-LS model, a layer).
-        kernel: 'auto': the span path (`span_attention`), the default on every device; 'flex': one FlexAttention
-            call per layer (`span_flex`), the CUDA candidate until a GPU measurement chooses (`make gpu-check`);
-            on the CPU it runs inference only.
+        kernel: 'auto' (the default): the flex path on CUDA where it runs (no attention dropout, no gradient for
+            a window bias), which launches fewer kernels and moves fewer bytes by the counts
+            (docs/benchmarks/cuda_counting.md), else the span path; 'span': the span path (`span_attention`), the
+            CPU's; 'flex': one FlexAttention call per layer (`span_flex`), on the CPU inference only.
         order: The flex path's token order, 'segment' (segment-major) or 'raster'.
         block_size: The flex path's BlockMask block (queries and keys), a power of two >= 16.
 

@@ -18,10 +18,10 @@ to S shared keys and to the (w + 2s)^2 map keys around it, s = max(w // 2, 1), z
 
 The token order is a parameter: ``'raster'`` (the map's row-major order: no re-layout, the map as it lies) or
 ``'segment'`` (segment-major: the map padded to whole segments and each segment's w^2 queries and keys contiguous, so
-that more key blocks are entirely visible or entirely hidden). So is the block size. Which is fastest on a GPU is for
-`make gpu-check` to measure (`tools/gpu_check.py`); until then the CUDA default stays the span path
-(`LongShortAttention2d(span_kernel='auto')`) and this one is selected with `span_kernel='flex'`
-(`lsvision.layers.set_span_kernel`).
+that more key blocks are entirely visible or entirely hidden). So is the block size. This is the CUDA default
+(`LongShortAttention2d(span_kernel='auto')`, where no attention dropout or window-bias gradient rules it out): by the
+kernel and byte counts of a step (docs/benchmarks/cuda_counting.md) it launches fewer kernels and moves fewer bytes
+than the span path; `make gpu-check` measures both on a GPU (`tools/gpu_check.py`).
 
 On CUDA the call runs compiled (`torch.compile(flex_attention)`, or inlined where the caller is compiled): FlexAttention
 without compile materializes the full score matrix. Dynamo compiles it once per shape, and past its recompile limit it
@@ -204,6 +204,10 @@ def _run_flex(q, k, v, score_mod, block_mask, scale: float) -> torch.Tensor:
     whose recompile limit is `FLEX_RECOMPILE_LIMIT` and fails loudly when hit (instead of dynamo's silent dense
     fallback). Eager elsewhere (the CPU: small checks)."""
     from torch.nn.attention.flex_attention import flex_attention
+    if q.device.type == 'cpu' and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(
+            "span_kernel='flex' trains on CUDA only (FlexAttention has no backward on the CPU); on the CPU use "
+            "lsvision.layers.set_span_kernel(model, 'auto'), or run the flex path under torch.no_grad()")
     if torch.compiler.is_compiling() or q.device.type != 'cuda':
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
     try:
@@ -217,14 +221,15 @@ def _run_flex(q, k, v, score_mod, block_mask, scale: float) -> torch.Tensor:
 
 
 def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
-    """(B, h, H, W, d) map -> (B, h, L, d) tokens in the geometry's order (segment-major: zero-padded segments)."""
-    B, h, H, W, d = t.shape
+    """(..., H, W, d) map -> (..., L, d) tokens in the geometry's order (segment-major: zero-padded segments)."""
+    *lead, H, W, d = t.shape
     if geo.order == 'raster':
-        return t.reshape(B, h, H * W, d)
+        return t.reshape(*lead, H * W, d)
     w, gx = geo.window, geo.grid_w
     gy = -(-H // w)
-    t = F.pad(t, (0, 0, 0, gx * w - W, 0, gy * w - H))
-    return t.reshape(B, h, gy, w, gx, w, d).transpose(3, 4).reshape(B, h, geo.num_queries, d)
+    if gy * w != H or gx * w != W:  # a map of whole segments needs no padding (and no copy for it)
+        t = F.pad(t, (0, 0, 0, gx * w - W, 0, gy * w - H))
+    return t.reshape(*lead, gy, w, gx, w, d).transpose(-4, -3).reshape(*lead, geo.num_queries, d)
 
 
 def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
@@ -241,8 +246,7 @@ def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
 
 def span_flex_attention(
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        kv: torch.Tensor,
         kv_shared: torch.Tensor,
         window_size: int,
         scale: float,
@@ -255,7 +259,8 @@ def span_flex_attention(
 
     Args:
         q: Queries (B, h, H, W, d); any strides.
-        k, v: The map's keys and values (B, h, H, W, d) (after LN_L).
+        kv: The map's keys and values, stacked: (2, B, h, H, W, d) (after LN_L); any strides (one re-layout serves
+            both).
         kv_shared: Keys and values every query sees (2, B, h, S, d) (projected and prefix keys); S may be 0.
         window_size: Segment size w.
         scale: Score scale.
@@ -271,7 +276,6 @@ def span_flex_attention(
     geo = span_flex_geometry((H, W), window_size, kv_shared.shape[3], order)
     block_mask = span_flex_block_mask(geo, tuple(block_size), q.device)
     score_mod = None if rel_pos_table is None else span_flex_score_mod(geo, rel_pos_table)
-    keys = torch.cat([_to_order(k, geo), kv_shared[0]], dim=2)
-    values = torch.cat([_to_order(v, geo), kv_shared[1]], dim=2)
-    out = _run_flex(_to_order(q, geo), keys, values, score_mod, block_mask, scale)
+    keys_values = torch.cat([_to_order(kv, geo), kv_shared], dim=3)  # (2, B, h, L + S, d)
+    out = _run_flex(_to_order(q, geo), keys_values[0], keys_values[1], score_mod, block_mask, scale)
     return _from_order(out, geo)

@@ -501,8 +501,8 @@ class ConvVisionTransformer(HierarchicalTransformer):
             attn_drop_rate: Dropout on the attention weights.
             drop_path_rate: Stochastic depth of the last stage, rising linearly from 0 over its blocks (the CvT
                 recipe; the other stages have none).
-            span_kernel: The long-short window attention's kernel (attn_type 'long_short'): 'auto' (every device's
-                default) or 'flex' (one FlexAttention call per layer, the CUDA candidate: `LongShortAttention2d`).
+            span_kernel: The long-short window attention's kernel (attn_type 'long_short'): 'auto' (the flex path on
+                CUDA, the span path elsewhere), 'span' or 'flex' (`LongShortAttention2d`).
         """
         dd = {'device': device, 'dtype': dtype}
         if attn_type not in ATTN_TYPES:

@@ -326,8 +326,8 @@ class VisionLongShortTransformer(HierarchicalTransformer):
             attn_drop_rate: Dropout on the attention weights.
             drop_path_rate: Stochastic depth, rising linearly from 0 over all layers; the attention and MLP blocks
                 of one layer share a rate.
-            span_kernel: The long-short window attention's kernel: 'auto' (every device's default) or 'flex' (one
-                FlexAttention call per layer, the CUDA candidate: `LongShortAttention2d`).
+            span_kernel: The long-short window attention's kernel: 'auto' (the flex path on CUDA where it runs, the
+                span path elsewhere), 'span' or 'flex' (`LongShortAttention2d`).
         """
         dd = {'device': device, 'dtype': dtype}
         num_stages = len(depths)
