@@ -121,3 +121,24 @@ def test_cvt_ls_convs_fuse_through_their_own_hook():
 def test_cvt_names_an_unknown_attention():
     with pytest.raises(ValueError, match=r"attn_type must be one of \('conv', 'long_short'\), got 'full'"):
         timm.create_model('cvt_13', attn_type='full', device='meta')
+
+
+@pytest.mark.parametrize('train', [True, False])
+def test_cvt_ls_stacked_qkv_equals_three_convs(train):
+    """`SepConvQkv.forward_stacked` (CUDA's: one cast of the map, the pointwise convs as one batched GEMM) gives the
+    three `SepConv2d` calls' q, k, v, gradients (map and every parameter) and BatchNorm running statistics."""
+    torch.manual_seed(0)
+    results = []
+    for stacked in (False, True):
+        torch.manual_seed(0)
+        qkv = SepConvQkv(8).double().train(train)
+        for c in (qkv.q, qkv.k, qkv.v):  # BatchNorms that are not the identity
+            nn.init.normal_(c.bn.weight, 1., .3), nn.init.normal_(c.bn.bias, 0., .3)
+        x = torch.randn(2, 1 + 5 * 7, 8, dtype=torch.float64, requires_grad=True)
+        feat_map = x[:, 1:].transpose(1, 2).reshape(2, 8, 5, 7)
+        out = qkv.forward_stacked(feat_map) if stacked else [c(feat_map) for c in (qkv.q, qkv.k, qkv.v)]
+        sum((o * (i + 1)).sin().sum() for i, o in enumerate(out)).backward()
+        results.append([*out, x.grad, *[p.grad for p in qkv.parameters()], *qkv.buffers()])
+    assert qkv.stacks()
+    for ours, theirs in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)

@@ -220,8 +220,41 @@ class SepConvQkv(nn.Module):
         """Returns q, k, v of the patch tokens, (B, H * W, C) each (separate tensors: nothing is stacked, nor sliced
         in the layer), and the prefix tokens' q, k, v, (3, B, g, C): the prefix tokens themselves (a view)."""
         feat_map = _map_view(x[:, num_prefix_tokens:], feat_size)  # each conv makes it dense (see SepConv2d)
-        prefix = x[:, :num_prefix_tokens]
-        return self.q(feat_map), self.k(feat_map), self.v(feat_map), prefix.expand((3,) + prefix.shape)
+        prefix = x[:, :num_prefix_tokens].expand((3,) + x[:, :num_prefix_tokens].shape)
+        if x.device.type == 'cuda' and self.stacks() and not torch.jit.is_scripting():
+            q, k, v = self.forward_stacked(feat_map)
+            return q, k, v, prefix
+        return self.q(feat_map), self.k(feat_map), self.v(feat_map), prefix
+
+    def stacks(self) -> bool:
+        """Whether `forward_stacked` applies: three unfolded convs whose BatchNorms are plain modules."""
+        return all(not c.reparameterized and isinstance(c.bn, nn.BatchNorm2d) for c in (self.q, self.k, self.v))
+
+    @torch.jit.unused
+    def forward_stacked(self, feat_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v for few kernels (the CUDA path): the map cast once for the three depthwise convs, their
+        BatchNorms in the compute dtype (fp32 statistics and affine, as autocast runs BatchNorm), and the three
+        pointwise convs as one batched GEMM. Autograd keeps each conv's output for its BatchNorm and the stacked
+        normalized maps, where `SepConv2d`'s CPU path keeps the input map only and recomputes (a kernel per
+        recomputed op). The same math as three `SepConv2d` calls (tested).
+
+        Args:
+            feat_map: (B, C, H, W) map (any strides, e.g. a `_map_view` of tokens).
+
+        Returns:
+            q, k, v as (B, H * W, C) tokens each.
+        """
+        convs = (self.q, self.k, self.v)
+        dtype = autocast_dtype(feat_map)
+        B, C, H, W = feat_map.shape
+        with autocast_off(feat_map.device.type):
+            x = feat_map.to(dtype, memory_format=torch.channels_last)
+            maps = [c.bn(F.conv2d(x, c.dw.weight.to(dtype), c.dw.bias.to(dtype), padding=1, groups=C)) for c in convs]
+            tokens = torch.stack([m.flatten(2).transpose(1, 2).reshape(B * H * W, C) for m in maps])  # (3, BN, C)
+            weight = torch.stack([c.pw.weight.flatten(1) for c in convs]).to(dtype)  # (3, C_out, C)
+            bias = torch.stack([c.pw.bias for c in convs]).to(dtype)
+            out = torch.baddbmm(bias[:, None], tokens, weight.transpose(1, 2))  # (3, BN, C_out)
+        return out.reshape(3, B, H * W, -1).unbind(0)
 
     def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
         """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
