@@ -518,9 +518,15 @@ class LongShortAttention2d(FoldableModule):
             prod = torch.bmm(proj.transpose(1, 2), kv.reshape(B, num_patches, 2 * C)).reshape(B, h, r, 2, h, d)
             kv_bar = prod.diagonal(dim1=1, dim2=4).permute(2, 0, 1, 4, 3).reshape(2, B, r, C)
             shared = F.layer_norm(kv_bar, (C,), norm_g.weight.to(dtype), norm_g.bias.to(dtype), norm_g.eps)
-            kv_prefix = torch.empty(0)
+            kv_prefix = q_prefix = torch.empty(0)
             if g > 0:
-                kv_prefix = F.layer_norm(qkv_prefix[1:].to(dtype), (C,), ln_w, ln_b, norm.eps)  # (2, B, g, C)
+                if qkv_prefix.stride(0) == 0:  # q, k, v of the prefix one tensor (CvT-LS: the tokens themselves)
+                    q_prefix = qkv_prefix[0].to(dtype)
+                    kv_prefix = F.layer_norm(q_prefix, (C,), ln_w, ln_b, norm.eps).expand(2, B, g, C)
+                else:
+                    prefix = qkv_prefix.to(dtype)
+                    q_prefix = prefix[0]
+                    kv_prefix = F.layer_norm(prefix[1:], (C,), ln_w, ln_b, norm.eps)  # (2, B, g, C)
                 shared = torch.cat([shared, kv_prefix], dim=2)
             shared = shared.reshape(2, B, r + g, h, d).transpose(2, 3)  # (2, B, h, r + g, d)
             out = span_flex_attention(
@@ -530,10 +536,11 @@ class LongShortAttention2d(FoldableModule):
             out = out.reshape(B, num_patches, C)
             if g > 0:  # each prefix query attends to the prefix keys and to the patches' attention outputs
                 patches = out.reshape(B, num_patches, h, d)
-                keys = torch.cat([kv_prefix[0].reshape(B, g, h, d), patches], dim=1).transpose(1, 2)
-                values = torch.cat([kv_prefix[1].reshape(B, g, h, d), patches], dim=1).transpose(1, 2)
-                q_prefix = qkv_prefix[0].to(dtype).reshape(B, g, h, d).transpose(1, 2)
-                out_prefix = F.scaled_dot_product_attention(q_prefix, keys, values, scale=d ** -0.5)
+                k_prefix, v_prefix = kv_prefix.reshape(2, B, g, h, d).unbind(0)
+                keys = torch.cat([k_prefix, patches], dim=1).transpose(1, 2)
+                values = torch.cat([v_prefix, patches], dim=1).transpose(1, 2)
+                q_heads = q_prefix.reshape(B, g, h, d).transpose(1, 2)
+                out_prefix = F.scaled_dot_product_attention(q_heads, keys, values, scale=d ** -0.5)
                 out = torch.cat([out_prefix.transpose(1, 2).reshape(B, g, C), out], dim=1)
         return self.proj_drop(self.proj(out))
 

@@ -276,6 +276,6 @@ def span_flex_attention(
     geo = span_flex_geometry((H, W), window_size, kv_shared.shape[3], order)
     block_mask = span_flex_block_mask(geo, tuple(block_size), q.device)
     score_mod = None if rel_pos_table is None else span_flex_score_mod(geo, rel_pos_table)
-    keys_values = torch.cat([_to_order(kv, geo), kv_shared], dim=3)  # (2, B, h, L + S, d)
-    out = _run_flex(_to_order(q, geo), keys_values[0], keys_values[1], score_mod, block_mask, scale)
+    keys, values = torch.cat([_to_order(kv, geo), kv_shared], dim=3).unbind(0)  # (B, h, L + S, d) each
+    out = _run_flex(_to_order(q, geo), keys, values, score_mod, block_mask, scale)
     return _from_order(out, geo)

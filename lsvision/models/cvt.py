@@ -249,7 +249,10 @@ class SepConvQkv(nn.Module):
         B, C, H, W = feat_map.shape
         with autocast_off(feat_map.device.type):
             x = feat_map.to(dtype, memory_format=torch.channels_last)
-            maps = [c.bn(F.conv2d(x, c.dw.weight.to(dtype), c.dw.bias.to(dtype), padding=1, groups=C)) for c in convs]
+            # each parameter group cast once, stacked (unbind: a backward of one stack, not three slices' zeros)
+            dw_weights = torch.stack([c.dw.weight for c in convs]).to(dtype).unbind(0)
+            dw_biases = torch.stack([c.dw.bias for c in convs]).to(dtype).unbind(0)
+            maps = [c.bn(F.conv2d(x, w, b, padding=1, groups=C)) for c, w, b in zip(convs, dw_weights, dw_biases)]
             tokens = torch.stack([m.flatten(2).transpose(1, 2).reshape(B * H * W, C) for m in maps])  # (3, BN, C)
             weight = torch.stack([c.pw.weight.flatten(1) for c in convs]).to(dtype)  # (3, C_out, C)
             bias = torch.stack([c.pw.bias for c in convs]).to(dtype)
