@@ -15,6 +15,7 @@ without autocast. The attention itself runs through `F.scaled_dot_product_attent
 
 Written for lsvision, Apache-2.0.
 """
+import importlib.util
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -49,6 +50,8 @@ __all__ = [
 # flex path where it runs and launches fewer kernels (CUDA, no attention dropout: docs/benchmarks/cuda_counting.md),
 # else the span path
 SPAN_KERNELS = ('auto', 'span', 'flex')
+# FlexAttention compiles its kernels with Triton (bundled with torch's Linux CUDA wheels): 'auto' needs it
+_HAS_TRITON = importlib.util.find_spec('triton') is not None
 
 
 def window_rel_pos_table_size(window_size: int) -> int:
@@ -403,10 +406,10 @@ class LongShortAttention2d(FoldableModule):
             attn_drop: Dropout on the joint attention weights of the patch queries.
             proj_drop: Dropout after the output projection.
             dual_ln_eps: Epsilon of the DualLN pair.
-            span_kernel: The window attention's kernel: 'auto' (the default: the flex path on CUDA without attention
-                dropout or a window-bias gradient, else the span path), 'span' (the span path, `span_attention`) or
-                'flex' (one FlexAttention call per layer; on the CPU inference only). `set_span_kernel` changes it,
-                with the flex path's token order and block size, on a built model.
+            span_kernel: The window attention's kernel: 'auto' (the default: the flex path on CUDA with Triton and
+                without attention dropout or a window-bias gradient, else the span path), 'span' (the span path,
+                `span_attention`) or 'flex' (one FlexAttention call per layer; on the CPU inference only).
+                `set_span_kernel` changes it, with the flex path's token order and block size, on a built model.
         """
         dd = {'device': device, 'dtype': dtype}
         super().__init__()
@@ -477,15 +480,15 @@ class LongShortAttention2d(FoldableModule):
         return mask + bias.to(dtype)[None, :, None]  # (1, h, n, w^2, K^2)
 
     def _uses_flex(self, x: torch.Tensor, dropout_p: float) -> bool:
-        """Whether this call runs the flex path: `span_kernel='flex'`, or 'auto' on CUDA without attention dropout and
-        without a gradient for the window bias (the fake device, which the counts and tests run on, gives FlexAttention
-        gradients of q, k and v only; the span path is the tested one there)."""
+        """Whether this call runs the flex path: `span_kernel='flex'`, or 'auto' on CUDA with Triton, without attention
+        dropout and without a gradient for the window bias (the fake device, which the counts and tests run on, gives
+        FlexAttention gradients of q, k and v only; the span path is the tested one there)."""
         if torch.jit.is_scripting():
             return False
         if self.span_kernel == 'auto':
             table = self.rel_pos_table
             bias_grad = table is not None and table.requires_grad and torch.is_grad_enabled()
-            return x.device.type == 'cuda' and dropout_p == 0. and not bias_grad
+            return x.device.type == 'cuda' and dropout_p == 0. and not bias_grad and _HAS_TRITON
         return self.span_kernel == 'flex'
 
     @torch.jit.unused  # TorchScript runs the span path
@@ -686,8 +689,8 @@ def set_span_kernel(model: nn.Module, kernel: str, order: str = 'segment', block
 
     Args:
         model: Any module (a CvT-LS or ViL-LS model, a layer).
-        kernel: 'auto' (the default): the flex path on CUDA where it runs (no attention dropout, no gradient for
-            a window bias), which launches fewer kernels and moves fewer bytes by the counts
+        kernel: 'auto' (the default): the flex path on CUDA where it runs (Triton installed, no attention dropout,
+            no gradient for a window bias), which launches fewer kernels and moves fewer bytes by the counts
             (docs/benchmarks/cuda_counting.md), else the span path; 'span': the span path (`span_attention`), the
             CPU's; 'flex': one FlexAttention call per layer (`span_flex`), on the CPU inference only.
         order: The flex path's token order, 'segment' (segment-major) or 'raster'.
