@@ -3,7 +3,7 @@
 The step runs on `lsvision.fake_cuda` with attention as a GPU runs it (`gpu_attention_kernels`): forward, the backward
 of a training step, and the optimizer apart. Every ATen operator on a CUDA tensor is a kernel, except views, aliases,
 allocations and metadata; it reads its tensor arguments and writes its outputs; FLOPs are torch.utils.flop_counter's.
-The rules in full, and their calibration against real steps: docs/benchmarks/cuda_counts.md.
+The rules in full, and their calibration against real steps: docs/benchmarks/cuda_counting.md.
 """
 import contextlib
 import copy

@@ -108,11 +108,12 @@ def test_flex_path_trains_on_the_counter_and_the_report_renders():
 
 def _calibration():
     """The fit of the H100 training steps of docs/benchmarks/cvt_ls_gpu.md (the table since 93f9eb4) to the counts of
-    docs/benchmarks/cuda_counts.json: seconds = a * kernels + b * bytes + c * FLOPs, a, b, c >= 0."""
+    docs/benchmarks/cuda_counts_before.json (the code those steps ran): seconds = a * kernels + b * bytes + c * FLOPs,
+    a, b, c >= 0."""
     bench = Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks'
     measured = {(m, f'train {s} b{b} bfloat16'): float(ms) for m, s, b, ms in re.findall(
         r'^\| (cvt_l?s?_?13) \| (\d+)x\d+ \| (\d+) \| ([\d.]+) ', (bench / 'cvt_ls_gpu.md').read_text(), re.M)[:6]}
-    rows = {(r['model'], r['point']): r for r in json.loads((bench / 'cuda_counts.json').read_text())['rows']}
+    rows = {(r['model'], r['point']): r for r in json.loads((bench / 'cuda_counts_before.json').read_text())['rows']}
     keys = sorted(measured)
     counts = np.array([[rows[k]['kernels'], rows[k]['bytes'], rows[k]['flops']] for k in keys], dtype=float)
     seconds = np.array([measured[k] for k in keys]) / 1e3
@@ -132,3 +133,29 @@ def test_the_documented_calibration_is_the_fit_of_the_committed_counts():
     assert f'{share.min() * 100:.0f} % to {share.max() * 100:.0f} % of each step' in text
     errors = np.abs(predicted / seconds - 1)
     assert sorted(errors)[-2] < 0.12 and errors.argmax() == keys.index(('cvt_ls_13', 'train 384 b64 bfloat16'))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module, feat_size):
+        super().__init__()
+        self.block, self.feat_size = block, feat_size
+
+    def forward(self, x):
+        return self.block(x, self.feat_size)
+
+
+def test_cvt_ls_13_block_launches_at_most_its_recorded_ratio_of_cvt_13s():
+    """A stage-3 block (cls token, 14 x 14 map, bf16) of cvt_ls_13 on its CUDA default path against cvt_13's, in
+    training and inference: the kernel ratio stays at or below where the flex path and the stacked q, k, v convs brought
+    it (158 / 119 = 1.33x training, 64 / 47 = 1.36x inference). Issue 59's targets for the whole step (1.2x
+    training, 1.15x inference) are not met yet: docs/benchmarks/cuda_counting.md."""
+    import timm
+    counts = {}
+    for name in ('cvt_13', 'cvt_ls_13'):
+        torch.manual_seed(0)
+        block = _Block(timm.create_model(name).stages[2].blocks[1], (14, 14))
+        for train in (True, False):
+            cost = count_step(block, lambda: [torch.randn(2, 197, 384)], train, optimizer=False)
+            counts[(name, train)] = cost.total()['kernels']
+    assert counts[('cvt_ls_13', True)] <= 1.33 * counts[('cvt_13', True)], counts
+    assert counts[('cvt_ls_13', False)] <= 1.37 * counts[('cvt_13', False)], counts
