@@ -159,3 +159,32 @@ def test_cvt_ls_13_block_launches_at_most_its_recorded_ratio_of_cvt_13s():
             counts[(name, train)] = cost.total()['kernels']
     assert counts[('cvt_ls_13', True)] <= 1.33 * counts[('cvt_13', True)], counts
     assert counts[('cvt_ls_13', False)] <= 1.37 * counts[('cvt_13', False)], counts
+
+
+def _ratio_rows():
+    """The rows of cuda_counting.md's before / after table, from the committed counts: cvt_ls_13 over cvt_13 before
+    (cuda_counts_before.json), the span path and the default path now (cuda_counts.json), the issue's target and the
+    projections-only floor (cuda_counts_floors.json; kernels do not depend on the size, bytes do)."""
+    bench = Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks'
+    before, after, floors = ({(r['model'], r['point']): r for r in json.loads((bench / f).read_text())['rows']}
+                             for f in ('cuda_counts_before.json', 'cuda_counts.json', 'cuda_counts_floors.json'))
+    floor_points = {'train': 'train 384 b64 bfloat16', 'inference': 'inference 1024 b8 bfloat16'}
+    targets = [('train 224 b256', 'kernels', 1.2), ('train 384 b64', 'kernels', 1.2), ('train 1024 b8', 'kernels', 1.2),
+               ('train 384 b64', 'bytes', 1.0), ('train 1024 b8', 'bytes', 0.6), ('inference 224 b32', 'kernels', 1.15),
+               ('inference 224 b32', 'bytes', 1.0), ('inference 1024 b8', 'bytes', 0.5)]
+    lines = []
+    for point, key, target in targets:
+        p = f'{point} bfloat16'
+        fp = p if key == 'bytes' else floor_points[point.split()[0]]
+        floor = floors.get(('cvt_ls_13@projonly', fp))
+        floor = f"{floor[key] / floors[('cvt_13', fp)][key]:.2f}x" if floor else 'not counted'
+        was, span, now = (rows[(m, p)][key] / rows[('cvt_13', p)][key]
+                          for rows, m in ((before, 'cvt_ls_13'), (after, 'cvt_ls_13@span'), (after, 'cvt_ls_13')))
+        lines.append(f'| {point} | {key} | {was:.2f}x | {span:.2f}x | **{now:.2f}x** | {target}x | {floor} |')
+    return lines
+
+
+def test_the_documented_before_and_after_ratios_are_the_committed_counts():
+    text = (Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks' / 'cuda_counting.md').read_text()
+    for line in _ratio_rows():
+        assert line in text, line
