@@ -125,20 +125,23 @@ def test_cvt_names_an_unknown_attention():
 
 @pytest.mark.parametrize('train', [True, False])
 def test_cvt_ls_stacked_qkv_equals_three_convs(train):
-    """`SepConvQkv.forward_stacked` (CUDA's: one cast of the map, the pointwise convs as one batched GEMM) gives the
-    three `SepConv2d` calls' q, k, v, gradients (map and every parameter) and BatchNorm running statistics."""
-    torch.manual_seed(0)
+    """`SepConvQkv.forward_stacked` (CUDA's: one cast of the map, the pointwise convs as one batched GEMM, the
+    projection-logit conv on the same map) gives the three `SepConv2d` calls' q, k, v and `ConvDynamicProjection`'s
+    logits, their gradients (map and every parameter) and the BatchNorm running statistics."""
     results = []
     for stacked in (False, True):
         torch.manual_seed(0)
-        qkv = SepConvQkv(8).double().train(train)
+        qkv, dp = SepConvQkv(8).double().train(train), ConvDynamicProjection(8, 6).double().train(train)
         for c in (qkv.q, qkv.k, qkv.v):  # BatchNorms that are not the identity
             nn.init.normal_(c.bn.weight, 1., .3), nn.init.normal_(c.bn.bias, 0., .3)
         x = torch.randn(2, 1 + 5 * 7, 8, dtype=torch.float64, requires_grad=True)
         feat_map = x[:, 1:].transpose(1, 2).reshape(2, 8, 5, 7)
-        out = qkv.forward_stacked(feat_map) if stacked else [c(feat_map) for c in (qkv.q, qkv.k, qkv.v)]
+        if stacked:
+            out = qkv.forward_stacked(feat_map, dp)
+        else:
+            out = [c(feat_map) for c in (qkv.q, qkv.k, qkv.v)] + [dp(x[:, 1:], (5, 7))]
         sum((o * (i + 1)).sin().sum() for i, o in enumerate(out)).backward()
-        results.append([*out, x.grad, *[p.grad for p in qkv.parameters()], *qkv.buffers()])
-    assert qkv.stacks()
+        results.append([*out, x.grad, *[p.grad for p in (*qkv.parameters(), *dp.parameters())], *qkv.buffers()])
+    assert qkv.stacks() and len(results[1]) == len(results[0])
     for ours, theirs in zip(results[1], results[0]):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)

@@ -509,7 +509,10 @@ class LongShortAttention2d(FoldableModule):
         num_patches = H * W
         g = N - num_patches
         h, d, r = self.num_heads, self.head_dim, self.dp_rank
-        q, k, v, qkv_prefix, logits = self.projections(x, feat_size)
+        # the projections in one pass where the qkv module offers it (CvT-LS's convs: one cast of the map)
+        joint = getattr(self.qkv, 'project_with', None) if self.fused_proj is None else None
+        projected = joint(self.dynamic_proj, x, feat_size, g) if joint is not None else None
+        q, k, v, qkv_prefix, logits = projected if projected is not None else self.projections(x, feat_size)
         dtype = autocast_dtype(q)  # FlexAttention has no autocast rule: one dtype for all
         norm, norm_g = self.norm_local, self.norm_global
         with autocast_off(x.device.type):

@@ -231,33 +231,60 @@ class SepConvQkv(nn.Module):
         return all(not c.reparameterized and isinstance(c.bn, nn.BatchNorm2d) for c in (self.q, self.k, self.v))
 
     @torch.jit.unused
-    def forward_stacked(self, feat_map: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v for few kernels (the CUDA path): the map cast once for the three depthwise convs, their
-        BatchNorms in the compute dtype (fp32 statistics and affine, as autocast runs BatchNorm), and the three
-        pointwise convs as one batched GEMM. Autograd keeps each conv's output for its BatchNorm and the stacked
-        normalized maps, where `SepConv2d`'s CPU path keeps the input map only and recomputes (a kernel per
-        recomputed op). The same math as three `SepConv2d` calls (tested).
+    def forward_stacked(self, feat_map: torch.Tensor, dynamic_proj: Optional['ConvDynamicProjection'] = None
+                        ) -> Tuple[torch.Tensor, ...]:
+        """q, k, v (and the projection logits) for few kernels (the CUDA path): the map cast once for all the
+        depthwise convs, each parameter group cast once, BatchNorm in the compute dtype (fp32 statistics and affine,
+        as autocast runs BatchNorm), and the three pointwise convs as one batched GEMM. Autograd keeps each conv's
+        output for its BatchNorm and the stacked normalized maps, where `SepConv2d`'s CPU path keeps the input map
+        only and recomputes (a kernel per recomputed op). The same math as the modules' own calls (tested).
 
         Args:
             feat_map: (B, C, H, W) map (any strides, e.g. a `_map_view` of tokens).
+            dynamic_proj: The layer's projection-logit conv, run on the same cast map; None: q, k, v only.
 
         Returns:
-            q, k, v as (B, H * W, C) tokens each.
+            q, k, v as (B, H * W, C) tokens each, then the logits (B, H * W, h * r) if `dynamic_proj` is given.
         """
         convs = (self.q, self.k, self.v)
         dtype = autocast_dtype(feat_map)
         B, C, H, W = feat_map.shape
+        dw_weights, dw_biases = [c.dw.weight for c in convs], [c.dw.bias for c in convs]
+        if dynamic_proj is not None:
+            dw = dynamic_proj.dw  # StdConv2d's standardized weight, as it computes it
+            dw_weights.append(F.batch_norm(dw.weight.reshape(1, dw.out_channels, -1), None, None, training=True,
+                                           momentum=0., eps=dw.eps).reshape_as(dw.weight))
+            dw_biases.append(dw.bias)
         with autocast_off(feat_map.device.type):
             x = feat_map.to(dtype, memory_format=torch.channels_last)
             # each parameter group cast once, stacked (unbind: a backward of one stack, not three slices' zeros)
-            dw_weights = torch.stack([c.dw.weight for c in convs]).to(dtype).unbind(0)
-            dw_biases = torch.stack([c.dw.bias for c in convs]).to(dtype).unbind(0)
-            maps = [c.bn(F.conv2d(x, w, b, padding=1, groups=C)) for c, w, b in zip(convs, dw_weights, dw_biases)]
-            tokens = torch.stack([m.flatten(2).transpose(1, 2).reshape(B * H * W, C) for m in maps])  # (3, BN, C)
+            dw_weights = torch.stack(dw_weights).to(dtype).unbind(0)
+            dw_biases = torch.stack(dw_biases).to(dtype).unbind(0)
+            maps = [F.conv2d(x, w, b, padding=1, groups=C) for w, b in zip(dw_weights, dw_biases)]
+            tokens = torch.stack([c.bn(m).flatten(2).transpose(1, 2).reshape(B * H * W, C)
+                                  for c, m in zip(convs, maps)])  # (3, BN, C)
             weight = torch.stack([c.pw.weight.flatten(1) for c in convs]).to(dtype)  # (3, C_out, C)
             bias = torch.stack([c.pw.bias for c in convs]).to(dtype)
-            out = torch.baddbmm(bias[:, None], tokens, weight.transpose(1, 2))  # (3, BN, C_out)
-        return out.reshape(3, B, H * W, -1).unbind(0)
+            out = torch.baddbmm(bias[:, None], tokens, weight.transpose(1, 2)).reshape(3, B, H * W, -1).unbind(0)
+            if dynamic_proj is None:
+                return out
+            pw = dynamic_proj.pw
+            logits = F.linear(maps[3].flatten(2).transpose(1, 2), pw.weight.flatten(1).to(dtype), pw.bias.to(dtype))
+        return (*out, logits)
+
+    @torch.jit.unused
+    def project_with(self, dynamic_proj: nn.Module, x: torch.Tensor, feat_size: Tuple[int, int],
+                     num_prefix_tokens: int) -> Optional[Tuple[torch.Tensor, ...]]:
+        """q, k, v, the prefix tokens' q, k, v and the projection logits in one pass (`forward_stacked` with the
+        projection-logit conv), as `LongShortAttention2d`'s CUDA path asks; None where that does not apply (not on
+        CUDA, folded convs, another projection module): the layer then calls the two modules."""
+        if not (x.device.type == 'cuda' and self.stacks() and isinstance(dynamic_proj, ConvDynamicProjection)
+                and isinstance(dynamic_proj.dw, StdConv2d)):
+            return None
+        feat_map = _map_view(x[:, num_prefix_tokens:], feat_size)
+        prefix = x[:, :num_prefix_tokens]
+        q, k, v, logits = self.forward_stacked(feat_map, dynamic_proj)
+        return q, k, v, prefix.expand((3,) + prefix.shape), logits
 
     def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
         """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
