@@ -147,7 +147,7 @@ class _Block(torch.nn.Module):
 def test_cvt_ls_13_block_launches_at_most_its_recorded_ratio_of_cvt_13s():
     """A stage-3 block (cls token, 14 x 14 map, bf16) of cvt_ls_13 on its CUDA default path against cvt_13's, in
     training and inference: the kernel ratio stays at or below where the flex path and the stacked q, k, v convs brought
-    it (150 / 119 = 1.26x training, 60 / 47 = 1.28x inference). Issue 59's targets for the whole step (1.2x
+    it (148 / 119 = 1.24x training, 60 / 47 = 1.28x inference). Issue 59's targets for the whole step (1.2x
     training, 1.15x inference) are not met yet: docs/benchmarks/cuda_counting.md."""
     import timm
     counts = {}
@@ -157,7 +157,7 @@ def test_cvt_ls_13_block_launches_at_most_its_recorded_ratio_of_cvt_13s():
         for train in (True, False):
             cost = count_step(block, lambda: [torch.randn(2, 197, 384)], train, optimizer=False)
             counts[(name, train)] = cost.total()['kernels']
-    assert counts[('cvt_ls_13', True)] <= 1.27 * counts[('cvt_13', True)], counts
+    assert counts[('cvt_ls_13', True)] <= 1.25 * counts[('cvt_13', True)], counts
     assert counts[('cvt_ls_13', False)] <= 1.28 * counts[('cvt_13', False)], counts
 
 

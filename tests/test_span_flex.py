@@ -65,7 +65,8 @@ def _reference(q, kv, shared, table, w, scale):
 @pytest.mark.parametrize('feat_size,w,S,order,block,bias', CASES)
 def test_flex_matches_dense_reference(feat_size, w, S, order, block, bias):
     q, kv, shared, table = _inputs(feat_size, w, S, bias)
-    out = span_flex_attention(q, kv, shared, w, 0.35, table, order, block)
+    out = span_flex_attention(q.permute(0, 2, 3, 1, 4), kv.permute(1, 3, 4, 0, 2, 5), shared, w, 0.35, table, order,
+                              block)
     torch.testing.assert_close(out, _reference(q, kv, shared, table, w, 0.35), rtol=1e-10, atol=1e-10)
 
 
@@ -96,9 +97,9 @@ def test_a_wrong_span_is_caught():
     for order, wrong in (('raster', dict(pad=1)), ('segment', dict(height=H + 2))):
         right = span_flex_geometry((H, W), w, S, order)
         mask = _build_block_mask(right._replace(**wrong), (16, 16), q.device)
-        keys = torch.cat([_to_order(kv[0], right), shared[0]], 2)
-        values = torch.cat([_to_order(kv[1], right), shared[1]], 2)
-        out = _from_order(flex_attention(_to_order(q, right), keys, values, block_mask=mask, scale=0.35), right)
+        keys, values = torch.cat([_to_order(kv.permute(1, 3, 4, 0, 2, 5), right), shared], 3).unbind(0)
+        out = flex_attention(_to_order(q.permute(0, 2, 3, 1, 4), right), keys, values, block_mask=mask, scale=0.35)
+        out = _from_order(out, right)
         assert (out - ref).abs().max() > 0.05
 
 

@@ -536,8 +536,7 @@ class LongShortAttention2d(FoldableModule):
                 shared = torch.cat([shared, kv_prefix], dim=2)
             shared = shared.reshape(2, B, r + g, h, d).transpose(2, 3)  # (2, B, h, r + g, d)
             out = span_flex_attention(
-                q.to(dtype).reshape(B, H, W, h, d).permute(0, 3, 1, 2, 4),
-                kv.reshape(B, H, W, 2, h, d).permute(3, 0, 4, 1, 2, 5), shared, self.window_size, d ** -0.5,
+                q.to(dtype).reshape(B, H, W, h, d), kv.reshape(B, H, W, 2, h, d), shared, self.window_size, d ** -0.5,
                 self.rel_pos_table, self.flex_order, (self.flex_block_size, self.flex_block_size))
             out = out.reshape(B, num_patches, C)
             if g > 0:  # each prefix query attends to the prefix keys and to the patches' attention outputs

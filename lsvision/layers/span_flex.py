@@ -221,15 +221,20 @@ def _run_flex(q, k, v, score_mod, block_mask, scale: float) -> torch.Tensor:
 
 
 def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
-    """(..., H, W, d) map -> (..., L, d) tokens in the geometry's order (segment-major: zero-padded segments)."""
-    *lead, H, W, d = t.shape
+    """(B, H, W, *M, d) token-major map -> (*M[:-1], B, M[-1], L, d) tokens in the geometry's order (segment-major:
+    zero-padded segments), e.g. queries (B, H, W, h, d) -> (B, h, L, d), keys and values (B, H, W, 2, h, d) ->
+    (2, B, h, L, d). One permutation of split views and at most one copy: its backward copies once too."""
+    B, H, W, *mid, d = t.shape
+    m = len(mid)
+    lead = list(range(3, 2 + m))  # M[:-1], then B, then M[-1] (the heads)
     if geo.order == 'raster':
-        return t.reshape(*lead, H * W, d)
+        return t.reshape(B, H * W, *mid, d).permute([i - 1 for i in lead] + [0, 1 + m, 1, 2 + m])
     w, gx = geo.window, geo.grid_w
     gy = -(-H // w)
     if gy * w != H or gx * w != W:  # a map of whole segments needs no padding (and no copy for it)
-        t = F.pad(t, (0, 0, 0, gx * w - W, 0, gy * w - H))
-    return t.reshape(*lead, gy, w, gx, w, d).transpose(-4, -3).reshape(*lead, geo.num_queries, d)
+        t = F.pad(t, (0, 0) * (m + 1) + (0, gx * w - W, 0, gy * w - H))
+    t = t.reshape(B, gy, w, gx, w, *mid, d).permute([i + 2 for i in lead] + [0, 4 + m, 1, 3, 2, 4, 5 + m])
+    return t.reshape(*t.shape[:m + 1], geo.num_queries, d)
 
 
 def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
@@ -258,8 +263,8 @@ def span_flex_attention(
     1)) as one FlexAttention call.
 
     Args:
-        q: Queries (B, h, H, W, d); any strides.
-        kv: The map's keys and values, stacked: (2, B, h, H, W, d) (after LN_L); any strides (one re-layout serves
+        q: Queries (B, H, W, h, d), token-major (a view of (B, H * W, C) tokens); any strides.
+        kv: The map's keys and values, stacked: (B, H, W, 2, h, d) (after LN_L); any strides (one re-layout serves
             both).
         kv_shared: Keys and values every query sees (2, B, h, S, d) (projected and prefix keys); S may be 0.
         window_size: Segment size w.
@@ -272,7 +277,7 @@ def span_flex_attention(
     Returns:
         Outputs (B, H, W, h, d), as `span_attention`'s. No dropout (pass attention dropout 0).
     """
-    H, W = q.shape[2:4]
+    H, W = q.shape[1:3]
     geo = span_flex_geometry((H, W), window_size, kv_shared.shape[3], order)
     block_mask = span_flex_block_mask(geo, tuple(block_size), q.device)
     score_mod = None if rel_pos_table is None else span_flex_score_mod(geo, rel_pos_table)
