@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from scipy.optimize import nnls
 
 import lsvision  # noqa: F401  (registers the models)
+from lsvision import bench
 from lsvision.layers import LongShortAttention2d
 from lsvision.measure_cuda import add_count_ratios, cost_row, count_row, count_step, counts_markdown
 
@@ -135,30 +136,20 @@ def test_the_documented_calibration_is_the_fit_of_the_committed_counts():
     assert sorted(errors)[-2] < 0.12 and errors.argmax() == keys.index(('cvt_ls_13', 'train 384 b64 bfloat16'))
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, block: torch.nn.Module, feat_size):
-        super().__init__()
-        self.block, self.feat_size = block, feat_size
-
-    def forward(self, x):
-        return self.block(x, self.feat_size)
-
-
-def test_cvt_ls_13_block_launches_at_most_its_recorded_ratio_of_cvt_13s():
-    """A stage-3 block (cls token, 14 x 14 map, bf16) of cvt_ls_13 on its CUDA default path against cvt_13's, in
-    training and inference: the kernel ratio stays at or below where the flex path and the stacked q, k, v convs brought
-    it (148 / 119 = 1.24x training, 60 / 47 = 1.28x inference). Issue 59's targets for the whole step (1.2x
-    training, 1.15x inference) are not met yet: docs/benchmarks/cuda_counting.md."""
-    import timm
+def test_cvt_ls_13_step_meets_the_kernel_target_on_its_cuda_default_path():
+    """Issue 59's kernel target for the training step, on the counts: cvt_ls_13's bf16 step on its CUDA default path
+    launches at most 1.2x cvt_13's kernels (1892 / 1580 at 224 b256, 384 b64 and 1024 b8 in
+    docs/benchmarks/cuda_counts.md; batch 2 counts the same, batch 1 a few kernels fewer). Its inference is held
+    where it is (772 / 622 = 1.24x): the target there, 1.15x, is not met yet (docs/benchmarks/cuda_counting.md)."""
     counts = {}
     for name in ('cvt_13', 'cvt_ls_13'):
         torch.manual_seed(0)
-        block = _Block(timm.create_model(name).stages[2].blocks[1], (14, 14))
+        model = bench.create_model(name)
         for train in (True, False):
-            cost = count_step(block, lambda: [torch.randn(2, 197, 384)], train, optimizer=False)
+            cost = count_step(model, lambda: [torch.randn(2, 3, 224, 224)], train, optimizer=False)
             counts[(name, train)] = cost.total()['kernels']
-    assert counts[('cvt_ls_13', True)] <= 1.25 * counts[('cvt_13', True)], counts
-    assert counts[('cvt_ls_13', False)] <= 1.28 * counts[('cvt_13', False)], counts
+    assert counts[('cvt_ls_13', True)] <= 1.2 * counts[('cvt_13', True)], counts
+    assert counts[('cvt_ls_13', False)] <= 1.25 * counts[('cvt_13', False)], counts
 
 
 def _ratio_rows():
