@@ -2,6 +2,7 @@
 evaluation under two processes (torchrun, gloo) equal to one. A tiny CvT-LS Mask R-CNN on 64 x 64 generated shapes."""
 import json
 import logging
+import multiprocessing
 import os
 import re
 import shlex
@@ -246,3 +247,34 @@ def test_documented_commands_parse(monkeypatch):
         assert args.model, line
         checked += 1
     assert checked >= 4
+
+
+def _train_as(rank: int, port: int, argv: list) -> None:
+    """One of two processes of a torchrun-like job (its environment set as torchrun sets it)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    code = detect.main(argv)
+    torch.distributed.destroy_process_group()
+    sys.exit(code)
+
+
+def test_two_processes_evaluate_with_rank_0s_batchnorm_statistics(shapes, tmp_path):
+    """Two processes (gloo; forked, so no second import of torch) train the tiny CvT-LS, whose convolutional
+    projections have BatchNorm, for one update and evaluate, each scoring a shard: the same detections as one process
+    scoring the saved weights. Each process's BatchNorm running statistics follow its own batch in training, so this
+    holds only if every process scores with rank 0's (those the checkpoint holds)."""
+    argv = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', *TINY, '--epochs', '1',
+            '--device', 'cpu', '--detector', 'faster_rcnn', '--output', str(tmp_path), '--experiment', 'two']
+    context, port = multiprocessing.get_context('fork'), free_port()
+    procs = [context.Process(target=_train_as, args=(rank, port, argv)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    weights = tmp_path / 'two' / 'last.pth.tar'
+    assert torch.load(weights, weights_only=True)['num_updates'] == 1  # 4 images, 2 processes x batch 2
+    one = ['--eval-only', '--checkpoint', str(weights), '--output', str(tmp_path / 'one')]
+    assert detect.main([*argv[:-4], *one]) == 0
+    two, one = (json.loads((tmp_path / name / 'detections.json').read_text()) for name in ('two', 'one'))
+    assert two == one and sorted({d['image_id'] for d in one}) == [1, 2, 3]

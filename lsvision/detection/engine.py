@@ -48,6 +48,7 @@ from ..train.dense import (
     amp_dtype,
     autocast,
     backbone_weights_message,
+    evaluation_model,
     load_eval_weights,
     recorded_args,
     run_directory,
@@ -357,8 +358,8 @@ def _iou_types(args: argparse.Namespace) -> Tuple[str, ...]:
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: CocoInstances, device: torch.device
               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    return evaluate_detector(unwrap(model), val, device, _iou_types(args), args.workers, autocast(args, device),
-                             args.log_interval, args.log_interval_s)
+    return evaluate_detector(evaluation_model(model, args), val, device, _iou_types(args), args.workers,
+                             autocast(args, device), args.log_interval, args.log_interval_s)
 
 
 def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: CheckpointKeeper

@@ -32,7 +32,6 @@ import yaml
 import timm
 from timm.optim import create_optimizer_v2
 from timm.scheduler import PolyLRScheduler
-from timm.utils import distribute_bn
 
 from ..data.coco_shapes import generate_semantic_shapes
 from ..eval.distributed import all_gather
@@ -46,6 +45,7 @@ from ..train.dense import (
     amp_dtype,
     autocast,
     backbone_weights_message,
+    evaluation_model,
     load_eval_weights,
     recorded_args,
     run_directory,
@@ -249,12 +249,9 @@ class _Training:
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: SegmentationDataset, device: torch.device
               ) -> Dict[str, Any]:
-    if args.distributed:
-        # BatchNorm running statistics follow each process's own batches (DDP only sends rank 0's at each forward,
-        # and SyncBN runs on CUDA only): every process scores with rank 0's, which its checkpoints hold
-        distribute_bn(model, args.world_size, reduce=False)
-    return evaluate_segmentor(unwrap(model), val, device, args.test_mode, args.test_crop, args.test_stride,
-                              args.workers, autocast(args, device), args.log_interval, args.log_interval_s)
+    return evaluate_segmentor(evaluation_model(model, args), val, device, args.test_mode, args.test_crop,
+                              args.test_stride, args.workers, autocast(args, device), args.log_interval,
+                              args.log_interval_s)
 
 
 def _save(run: _Training, keeper: CheckpointKeeper, miou: Optional[float]) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from timm.utils import init_distributed_device, setup_default_logging
+from timm.utils import distribute_bn, init_distributed_device, setup_default_logging
 
 from ..eval.distributed import rank_and_world
 from ..runtime import set_threads
@@ -24,8 +24,8 @@ from .args import ConfigError
 from .checkpoint import CheckpointWriteError, load_checkpoint
 from .data import derive_seed, seed_everything
 
-__all__ = ['setup_run', 'unwrap', 'amp_dtype', 'autocast', 'agree', 'recorded_args', 'run_directory',
-           'load_eval_weights', 'backbone_weights_message', 'tool_main']
+__all__ = ['setup_run', 'unwrap', 'evaluation_model', 'amp_dtype', 'autocast', 'agree', 'recorded_args',
+           'run_directory', 'load_eval_weights', 'backbone_weights_message', 'tool_main']
 
 # what a checkpoint and args.yaml do not record: this machine's place in the job, and the tool's run controls
 _NOT_RECORDED = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume',
@@ -48,6 +48,15 @@ def setup_run(args: argparse.Namespace) -> torch.device:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP (the model itself otherwise)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def evaluation_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The model to score (out of DDP). Under torchrun every process first takes rank 0's BatchNorm running
+    statistics, which its checkpoints hold: in training each process's follow its own batches (DDP sends rank 0's
+    only at each forward, and SyncBatchNorm runs on CUDA only), and N processes must score as one."""
+    if args.distributed:
+        distribute_bn(model, args.world_size, reduce=False)
+    return unwrap(model)
 
 
 def amp_dtype(args: argparse.Namespace, device: torch.device) -> str:
