@@ -364,8 +364,10 @@ def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True, log: Opt
     results: List[List[Dict[str, Any]]] = [[] for _ in jobs]
     for r in range(repeats):
         for i in (range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))):
+            if any('failed' in x for x in results[i]):
+                continue  # it failed before
             t0 = time.perf_counter()
-            while not any('failed' in x for x in results[i]):
+            while True:
                 try:  # FLOPs are the same in every run: counted in the first
                     row = run_fresh(replace(jobs[i], flops=jobs[i].flops and r == 0))
                     break
@@ -379,12 +381,11 @@ def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True, log: Opt
                     jobs[i] = replace(jobs[i], batch_size=decay_batch_step(jobs[i].batch_size))
                     if log:
                         log(f'  {jobs[i].label}: out of memory; retrying at batch {jobs[i].batch_size}')
-            else:
-                continue  # failed before
             results[i].append({**row, 'repeat': r})
             if log:
-                log(f'  [{r + 1}/{repeats}] {jobs[i].label} {jobs[i].kind} b{jobs[i].batch_size}: ' + row.get(
-                    'failed', f"{row['timing']['median_s'] * 1e3:.1f} ms/pass") + f'; {time.perf_counter() - t0:.0f} s')
+                log(f'  [{r + 1}/{repeats}] {jobs[i].label} {jobs[i].kind} b{jobs[i].batch_size}: '
+                    + (row.get('failed') or f"{row['timing']['median_s'] * 1e3:.1f} ms/pass")
+                    + f'; {time.perf_counter() - t0:.0f} s')
     return results
 
 

@@ -34,6 +34,7 @@ import lsvision.sequence as seq
 from lsvision import bench
 from lsvision.detection import backbone_with_fpn, detector_input_size
 from lsvision.flops import parameter_count
+from lsvision.measure_cuda import add_count_ratios, count_row, count_step, counts_markdown
 from lsvision.models import list_models
 from lsvision.reports import machine_description, markdown_table, plot, write_json, write_reports, write_text
 from lsvision.runs import source_commit, unknown_name_message
@@ -487,11 +488,12 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
 SEGMENTATION = (['cvt_ls_13', 'cvt_13', 'pvt_v2_b0', 'pvt_v2_b0_grc'], [(512, 512), (1024, 1024), (1024, 2048)])
 DENSE_HEADS = {'fpn': ('FPN', backbone_with_fpn, ['cvt_ls_13', 'cvt_13', 'pvt_small', 'pvt_small_grc'],
                        [(800, 1333), (1024, 1024)], 'detection'),
-               **{h: (name, functools.partial(fn, num_classes=150), *SEGMENTATION, 'segmentation' + suffix) for
-                  h, name, fn, suffix in (('semantic_fpn', 'Semantic FPN', semantic_fpn, ''),
-                                          ('upernet', 'UperNet', upernet, '_upernet'))}}
+               **{h: (name, functools.partial(fn, num_classes=150, **kw), *SEGMENTATION, 'segmentation' + suffix) for
+                  h, name, fn, kw, suffix in (('semantic_fpn', 'Semantic FPN', semantic_fpn, {}, ''),
+                                              ('upernet', 'UperNet (GN)', upernet, dict(norm='gn'), '_upernet'))}}
 """Head -> (name, builder, models, sizes (H, W), report): the FPN at the detectors' 1x test size and large-scale
-jitter's; the segmentors (ADE20K's 150 classes) at ADE20K's crops, a square 1024 and Cityscapes' 1024x2048."""
+jitter's; the segmentors (ADE20K's 150 classes) at ADE20K's crops, a square 1024 and Cityscapes' 1024x2048. UperNet's
+head with GroupNorm (GN): BatchNorm cannot train its 1x1 pyramid-pooling cell at batch 1."""
 
 
 def add_dense_args(det: argparse.ArgumentParser) -> None:
@@ -549,9 +551,8 @@ def dense_markdown(rows: Sequence[Dict[str, Any]], settings: Dict[str, Any], mac
             "torchvision's detector transform makes of each image (padded to a multiple of 32)", "sum of the levels' "
             'means') if head == 'fpn' else (f'{DENSE_HEADS[head][0]} (`lsvision.segmentation.{head}`, 150 classes, '
                                             'logits at the input size) at batch 1 on the whole image', "logits' mean")
-    cuda = (' CUDA: the kernels, GB moved and TFLOP of the forward (train: forward + backward; AdamW apart) on the '
-            'fake CUDA device under bf16 autocast (`tools/benchmark.py cuda-count`, docs/benchmarks/cuda_counting.md),'
-            ' the ratios to the baseline in brackets; they need no GPU and stand where the CPU run did not finish.')
+    cuda = (' CUDA: kernels, GB moved, TFLOP of a forward (train: and backward; AdamW apart) on the fake CUDA device, '
+            'bf16 autocast (docs/benchmarks/cuda_counting.md), ratios in brackets; they stand where a CPU run failed.')
     return '\n'.join([
         f"## Backbone + {DENSE_HEADS[head][0]} at {'detection' if head == 'fpn' else 'segmentation'} resolution: "
         'long-short attention against full and spatial-reduction attention', '',
@@ -595,7 +596,6 @@ def run_dense(args: argparse.Namespace, command: str) -> int:
                            optimizer='adamw', extra=dict(image=f'{h}x{w}')) for kind in kinds] for s in specs}
         rows += measure_rows(jobs, args, [h, w], args.baseline, keep_going=True)
         for row in rows[-len(specs):] if args.cuda_count else []:
-            from lsvision.measure_cuda import count_step
             row.update({f'{k}_cuda': count_step(build(row['spec']), functools.partial(
                 lambda s: [torch.randn(1, 3, *s)], size), k == 'train', optimizer=False).total() for k in kinds})
             log(f"  {row['spec']}: {[row[k + '_cuda']['kernels'] for k in kinds]} CUDA kernels")
@@ -632,7 +632,6 @@ def add_count_args(count: argparse.ArgumentParser) -> None:
 
 def run_count(args: argparse.Namespace, command: str) -> int:
     """The ``cuda-count`` sub-command: kernels, bytes and FLOPs of each model and point on the fake CUDA device."""
-    from lsvision.measure_cuda import add_count_ratios, count_row, counts_markdown
     commit = source_commit()  # of the code that counts, before the (long) counting
     rows = []
     for kind, size, batch in args.points:
