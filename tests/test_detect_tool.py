@@ -2,7 +2,6 @@
 evaluation under two processes (torchrun, gloo) equal to one. A tiny CvT-LS Mask R-CNN on 64 x 64 generated shapes."""
 import json
 import logging
-import multiprocessing
 import os
 import re
 import shlex
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args
+from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args, run_as_two_processes
 
 from lsvision.data.coco_shapes import generate_coco_shapes
 from lsvision.detection.data import CocoDataError
@@ -249,15 +248,6 @@ def test_documented_commands_parse(monkeypatch):
     assert checked >= 4
 
 
-def _train_as(rank: int, port: int, argv: list) -> None:
-    """One of two processes of a torchrun-like job (its environment set as torchrun sets it)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port))
-    code = detect.main(argv)
-    torch.distributed.destroy_process_group()
-    sys.exit(code)
-
-
 def test_two_processes_evaluate_with_rank_0s_batchnorm_statistics(shapes, tmp_path):
     """Two processes (gloo; forked, so no second import of torch) train the tiny CvT-LS, whose convolutional
     projections have BatchNorm, for one update and evaluate, each scoring a shard: the same detections as one process
@@ -265,13 +255,7 @@ def test_two_processes_evaluate_with_rank_0s_batchnorm_statistics(shapes, tmp_pa
     holds only if every process scores with rank 0's (those the checkpoint holds)."""
     argv = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', *TINY, '--epochs', '1',
             '--device', 'cpu', '--detector', 'faster_rcnn', '--output', str(tmp_path), '--experiment', 'two']
-    context, port = multiprocessing.get_context('fork'), free_port()
-    procs = [context.Process(target=_train_as, args=(rank, port, argv)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
+    run_as_two_processes(detect.main, argv)
     weights = tmp_path / 'two' / 'last.pth.tar'
     assert torch.load(weights, weights_only=True)['num_updates'] == 1  # 4 images, 2 processes x batch 2
     one = ['--eval-only', '--checkpoint', str(weights), '--output', str(tmp_path / 'one')]
