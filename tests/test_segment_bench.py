@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from _helpers import load_tool
+from _helpers import ROOT, load_tool
 
 from lsvision import bench
 from lsvision.sequence import list_models as sequence_models
@@ -68,3 +68,28 @@ def test_cuda_count_checks_every_spec_before_counting(tool, tmp_path, capsys):
         assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     tool.check_names(tool.parse_args(['cuda-count', '--models', sequence_models()[0], 'cvt_ls_13@flex']))
+
+
+def segmentation_summary(rows) -> str:
+    """docs/segmentation.md's sentence on the committed reports: cvt_ls_13's CPU time per kind and size against
+    cvt_13's ('not measured' where either run did not finish), then its counts at the largest size on the fake CUDA
+    device against cvt_13's."""
+    by = {(r['label'], r['image']): r for r in rows}
+    images = list(dict.fromkeys(r['image'] for r in rows))
+
+    def cpu(kind: str) -> str:
+        key = f'{kind}_cpu_ms_per_image'
+        return ', '.join(f"{by['cvt_ls_13', i][key] / by['cvt_13', i][key]:.2f}x" if by['cvt_ls_13', i].get(key)
+                         and by['cvt_13', i].get(key) else 'not measured' for i in images)
+
+    counts = [by[m, images[-1]]['train_cuda'] for m in ('cvt_ls_13', 'cvt_13')]
+    kernels, moved, flops = (f'{counts[0][k] / counts[1][k]:.2f}x' for k in ('kernels', 'bytes', 'flops'))
+    return (f"cvt_ls_13's CPU time per image against cvt_13's at {', '.join(images)}: forward {cpu('inference')}; "
+            f"training step {cpu('train')}. On the fake CUDA device at {images[-1]}, cvt_ls_13's training step "
+            f"launches {kernels} the kernels of cvt_13's, moves {moved} the bytes and does {flops} the FLOPs.")
+
+
+def test_docs_quote_the_segmentation_reports():
+    rows = [r for name in ('segmentation.json', 'segmentation_2048.json')
+            for r in bench.read_report(ROOT / 'docs' / 'benchmarks' / name)['rows']]
+    assert segmentation_summary(rows) in ' '.join((ROOT / 'docs' / 'segmentation.md').read_text().split())
