@@ -491,9 +491,8 @@ DENSE_HEADS = {'fpn': ('FPN', backbone_with_fpn, ['cvt_ls_13', 'cvt_13', 'pvt_sm
                **{h: (name, functools.partial(fn, num_classes=150, **kw), *SEGMENTATION, 'segmentation' + suffix) for
                   h, name, fn, kw, suffix in (('semantic_fpn', 'Semantic FPN', semantic_fpn, {}, ''),
                                               ('upernet', 'UperNet (GN)', upernet, dict(norm='gn'), '_upernet'))}}
-"""Head -> (name, builder, models, sizes (H, W), report): the FPN at the detectors' 1x test size and large-scale
-jitter's; the segmentors (ADE20K's 150 classes) at ADE20K's crops, a square 1024 and Cityscapes' 1024x2048. UperNet's
-head with GroupNorm (GN): BatchNorm cannot train its 1x1 pyramid-pooling cell at batch 1."""
+"""Head -> (name, builder, models, sizes (H, W), report name); 150 classes as ADE20K. UperNet's head has GroupNorm
+(GN): BatchNorm cannot train its 1x1 pyramid-pooling cell at batch 1."""
 
 
 def add_dense_args(det: argparse.ArgumentParser) -> None:
@@ -569,10 +568,9 @@ def dense_markdown(rows: Sequence[Dict[str, Any]], settings: Dict[str, Any], mac
 
 
 def run_dense(args: argparse.Namespace, command: str) -> int:
-    """The ``dense`` sub-command (``detection`` its earlier name): backbone + ``--head`` at each image size (the FPN
-    on the input torchvision's detector transform makes of it), forward and AdamW step, ratios to the baseline, a run
-    killed for memory or over ``--timeout`` noted in its row; the reports are rewritten after each size (a long run
-    keeps what it measured). ``--from-json``: the markdown of a stored report again, beside it."""
+    """``dense`` (``detection`` its earlier name): backbone + ``--head`` at each size (the FPN on the detector's input
+    for it), forward and AdamW step, ratios to the baseline, a run killed for memory or over ``--timeout`` noted; the
+    reports rewritten after each size. ``--from-json``: the markdown of a stored report again, beside it."""
     if args.from_json is not None:
         data, md = bench.read_report(args.from_json), args.from_json.with_suffix('.md')
         # the machine line the run printed (load average at its start), from its markdown; else the JSON's (its end)
