@@ -350,11 +350,12 @@ def is_out_of_memory(error: BaseException) -> bool:
         s in text for s in ('out of memory', "can't allocate memory", 'killed for memory'))
 
 
-def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True,
-             log: Optional[Callable[[str], None]] = None) -> List[List[Dict[str, Any]]]:
+def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True, log: Optional[Callable[[str], None]] = None,
+             keep_going: bool = False) -> List[List[Dict[str, Any]]]:
     """Runs every job ``repeats`` times, each run in a fresh process, in the order given in even rounds and reversed
     in odd ones (A B, B A, ...), so that neither the machine's drift nor the position favours a job. A run that runs
-    out of memory is retried at a smaller batch (``decay_batch_step``), which the job's later runs keep.
+    out of memory is retried at a smaller batch (``decay_batch_step``), which the job's later runs keep; then (or
+    killed for memory, or over its time-out), with ``keep_going``, it is a row with ``failed`` (why), and runs no more.
 
     Returns:
         Per job, in the order given, the rows of its runs (each with its ``repeat``).
@@ -365,12 +366,18 @@ def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True,
     results: List[List[Dict[str, Any]]] = [[] for _ in jobs]
     for r in range(repeats):
         for i in (range(len(jobs)) if r % 2 == 0 else reversed(range(len(jobs)))):
+            if any('failed' in x for x in results[i]):
+                continue  # it failed before
             t0 = time.perf_counter()
             while True:
                 try:  # FLOPs are the same in every run: counted in the first
                     row = run_fresh(replace(jobs[i], flops=jobs[i].flops and r == 0))
                     break
                 except RuntimeError as e:
+                    if keep_going and is_out_of_memory(e) and (not retry or jobs[i].batch_size <= 1):
+                        row = dict(label=jobs[i].label, batch_size=jobs[i].batch_size, failed=str(e), **jobs[i].extra,
+                                   input_size=list(jobs[i].inputs[0][0]) if jobs[i].inputs else None)
+                        break
                     if not retry or jobs[i].batch_size <= 1 or not is_out_of_memory(e):
                         raise
                     jobs[i] = replace(jobs[i], batch_size=decay_batch_step(jobs[i].batch_size))
@@ -379,7 +386,8 @@ def run_jobs(jobs: Sequence[Job], repeats: int = 1, retry: bool = True,
             results[i].append({**row, 'repeat': r})
             if log:
                 log(f'  [{r + 1}/{repeats}] {jobs[i].label} {jobs[i].kind} b{jobs[i].batch_size}: '
-                    f"{row['timing']['median_s'] * 1e3:.1f} ms/pass; {time.perf_counter() - t0:.0f} s")
+                    + (row.get('failed') or f"{row['timing']['median_s'] * 1e3:.1f} ms/pass")
+                    + f'; {time.perf_counter() - t0:.0f} s')
     return results
 
 
@@ -389,9 +397,13 @@ _MEMORY = {'inference': 'peak_mib', 'train': 'train_memory_mib'}
 
 def combine(runs_by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
     """One row from the runs of one model at one point (FLOPs from the first kind's first run): per kind, the per-pass
-    times of all runs pooled (median, p10-p90), the median of each run (for paired ratios), memory their median."""
+    times of all runs pooled (median, p10-p90), the median of each run (for paired ratios), memory their median; runs
+    that ``failed`` (:func:`run_jobs`) are ``exceeded``, 'KIND: why'."""
     first = next(iter(runs_by_kind.values()))[0]
-    row = {k: v for k, v in first.items() if k not in ('timing', 'peak_mib', 'pid', 'kind', 'repeat')}
+    failed = [f"{kind}: {r['failed']}" for kind, runs in runs_by_kind.items() for r in runs if 'failed' in r]
+    runs_by_kind = {kind: ok for kind, runs in runs_by_kind.items() if (ok := [r for r in runs if 'failed' not in r])}
+    row = {k: v for k, v in first.items() if k not in ('timing', 'peak_mib', 'pid', 'kind', 'repeat', 'failed')}
+    row.update(dict(exceeded=failed) if failed else {})
     row['pids'] = {kind: [r['pid'] for r in runs] for kind, runs in runs_by_kind.items()}
     for kind, runs in runs_by_kind.items():
         p, batch = _PREFIX[kind], runs[-1]['batch_size']
@@ -404,7 +416,7 @@ def combine(runs_by_kind: Dict[str, List[Dict[str, Any]]]) -> Dict[str, Any]:
                     f'{kind}_timing': t, f'{kind}_ms_per_image': t['median_s'] * 1e3 / batch,
                     f'{kind}_cpu_ms_per_image': t['cpu_per_pass_s'] * 1e3 / batch,
                     f'{kind}_images_per_s': batch / t['median_s']})
-    row['batch_size'] = runs_by_kind.get('inference', runs_by_kind.get('train'))[-1]['batch_size']
+    row['batch_size'] = runs_by_kind.get('inference', runs_by_kind.get('train', [first]))[-1]['batch_size']
     if 'inference' in runs_by_kind:  # the names of timm's benchmark.py and of the cards
         row.update(images_per_s=row['inference_images_per_s'], ms_per_image=row['inference_ms_per_image'],
                    timed_passes=row['inference_timing']['passes'])

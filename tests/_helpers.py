@@ -4,11 +4,13 @@ and of the few other models tests build), an image folder for training runs, a f
 Test modules import them by name (``from _helpers import load_tool``): ``conftest.py`` puts ``tests/`` on sys.path.
 """
 import importlib.util
+import multiprocessing
+import os
 import socket
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -129,3 +131,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
+
+
+def _main_as_rank(rank: int, port: int, main: Callable[[List[str]], int], argv: List[str]) -> None:
+    """One of two processes of a torchrun-like job (its environment set as torchrun sets it)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    code = main(argv)
+    torch.distributed.destroy_process_group()
+    sys.exit(code)
+
+
+def run_as_two_processes(main: Callable[[List[str]], int], argv: List[str]) -> None:
+    """A tool's ``main(argv)`` in two processes of one job (gloo; forked, so no second import of torch); both must
+    exit with 0."""
+    context, port = multiprocessing.get_context('fork'), free_port()
+    procs = [context.Process(target=_main_as_rank, args=(rank, port, main, argv)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args
+from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args, run_as_two_processes
 
 from lsvision.data.coco_shapes import generate_coco_shapes
 from lsvision.detection.data import CocoDataError
@@ -246,3 +246,19 @@ def test_documented_commands_parse(monkeypatch):
         assert args.model, line
         checked += 1
     assert checked >= 4
+
+
+def test_two_processes_evaluate_with_rank_0s_batchnorm_statistics(shapes, tmp_path):
+    """Two processes (gloo; forked, so no second import of torch) train the tiny CvT-LS, whose convolutional
+    projections have BatchNorm, for one update and evaluate, each scoring a shard: the same detections as one process
+    scoring the saved weights. Each process's BatchNorm running statistics follow its own batch in training, so this
+    holds only if every process scores with rank 0's (those the checkpoint holds)."""
+    argv = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', *TINY, '--epochs', '1',
+            '--device', 'cpu', '--detector', 'faster_rcnn', '--output', str(tmp_path), '--experiment', 'two']
+    run_as_two_processes(detect.main, argv)
+    weights = tmp_path / 'two' / 'last.pth.tar'
+    assert torch.load(weights, weights_only=True)['num_updates'] == 1  # 4 images, 2 processes x batch 2
+    one = ['--eval-only', '--checkpoint', str(weights), '--output', str(tmp_path / 'one')]
+    assert detect.main([*argv[:-4], *one]) == 0
+    two, one = (json.loads((tmp_path / name / 'detections.json').read_text()) for name in ('two', 'one'))
+    assert two == one and sorted({d['image_id'] for d in one}) == [1, 2, 3]

@@ -272,7 +272,7 @@ def test_report_has_the_ratios_to_the_baseline():
             for name, t, m in (('cvt_ls_13', 2.0, 100.), ('cvt_13', 8.0, 400.))]
     bench.add_ratios(rows)
     settings = dict(command='python tools/benchmark.py detection', commit='abc1234')
-    text = load_tool('benchmark').detection_markdown(rows, settings, 'a machine')
+    text = load_tool('benchmark').dense_markdown(rows, settings, 'a machine')
     assert 'Produced by `python tools/benchmark.py detection` at commit `abc1234`.' in text
     forward, train = text.split('### Forward')[1].split('### Training step (AdamW)')
     assert '| cvt_ls_13 | 800x1333 | 800x1344 | 2000 | 2000 | 100 | 0.25x | 0.25x | 0.25x |' in forward

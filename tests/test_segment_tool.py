@@ -2,17 +2,14 @@
 checkpoint (whole-image and a covering sliding window agree), two processes training and evaluating as one, recipes,
 and the errors with their hints. A tiny CvT-LS Semantic FPN on generated shapes of 40 x 48."""
 import json
-import multiprocessing
 import os
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args
+from _helpers import ROOT, TINY_CONFIGS, load_tool, model_kwargs_args, run_as_two_processes
 
 from lsvision.data.coco_shapes import generate_semantic_shapes
 from lsvision.segmentation.engine import SegmentationSetupError
@@ -64,17 +61,8 @@ def test_resume_is_exact(shapes, tmp_path):
         out = tmp_path / ('eval-' + mode[1])
         assert segment.main(['--eval-only', '--checkpoint', str(last), '--output', str(out), *mode]) == 0
         assert json.loads((out / 'result.json').read_text())['metrics'] == resumed['metrics']
-    with pytest.raises(SegmentationSetupError, match='drop the flags and -c that change the model'):
+    with pytest.raises(SegmentationSetupError, match='drop the flags and -c that change the segmentor'):
         segment.run(segment.parse_args(['--eval-only', '--checkpoint', str(last), '--head-kwargs', 'channels=4']))
-
-
-def _train_as(rank: int, port: int, argv: list) -> None:
-    """One of two processes of a torchrun-like job (its environment set as torchrun sets it)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE='2', MASTER_ADDR='127.0.0.1',
-                      MASTER_PORT=str(port))
-    code = segment.main(argv)
-    dist.destroy_process_group()
-    sys.exit(code)
 
 
 def test_two_processes_train_and_evaluate_as_one(shapes, tmp_path):
@@ -86,14 +74,7 @@ def test_two_processes_train_and_evaluate_as_one(shapes, tmp_path):
            '--segmentor', 'upernet', '--head-kwargs', 'channels=8']
     argv = ['--data-dir', str(shapes), *TINY, *grc, '--iters', '2', '--device', 'cpu',
             '--output', str(tmp_path), '--experiment', 'two']
-    context = multiprocessing.get_context('fork')
-    port = free_port()
-    procs = [context.Process(target=_train_as, args=(rank, port, argv)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
+    run_as_two_processes(segment.main, argv)
     weights = tmp_path / 'two' / 'last.pth.tar'
     assert torch.load(weights, weights_only=True)['iters'] == 2
     data = ['--data-dir', str(shapes), *TINY, *grc]

@@ -10,8 +10,9 @@ adds ratios to it. Model specs: names, wildcards, ``NAME@full`` (ViL-LS with ful
         --channels-last --torchcompile --results-file output/bench.csv
 
 ``--suite NAME`` writes NAME.{json,csv,md,png} (``--out``, default docs/benchmarks/); the sub-commands ``sweep`` (time
-and memory against input size until a budget), ``cards`` (model_cards/ and the README table) and ``detection``
-(backbone + FPN at detection resolution) have their own help. ``run ...`` is the earlier spelling.
+and memory against input size until a budget), ``cards`` (model_cards/ and the README table) and ``dense``
+(backbone + detection FPN or segmentation head, ``detection`` its earlier name) have their own help. ``run ...`` is
+the earlier spelling.
 """
 import argparse
 import functools
@@ -29,15 +30,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-import timm
-
 import lsvision.sequence as seq
 from lsvision import bench
 from lsvision.detection import backbone_with_fpn, detector_input_size
 from lsvision.flops import parameter_count
+from lsvision.measure_cuda import add_count_ratios, count_row, count_step, counts_markdown
 from lsvision.models import list_models
 from lsvision.reports import machine_description, markdown_table, plot, write_json, write_reports, write_text
 from lsvision.runs import source_commit, unknown_name_message
+from lsvision.segmentation import semantic_fpn, upernet
 from lsvision.sequence.suites import HSW_LS_TARGET, HSW_MODELS, HSW_TARGETS, MEM, SEQUENCE_CONFIGS, D
 from lsvision.zoo import GENERATED_NOTE, render_outputs
 
@@ -142,15 +143,17 @@ def model_job(spec: str, args: argparse.Namespace, size: Optional[int], batch: i
                   memory=not args.no_memory)
 
 
-def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, point: Any,
-                 baseline: Optional[str]) -> List[Dict[str, Any]]:
+def measure_rows(jobs: Dict[str, List[bench.Job]], args: argparse.Namespace, point: Any, baseline: Optional[str],
+                 keep_going: bool = False) -> List[Dict[str, Any]]:
     """Runs the jobs of one point (spec -> one job per kind; kinds one after the other, the specs alternating) and
-    returns one combined row per spec, its ``baseline`` set (a ``@reparam`` spec's is its plain model)."""
+    returns one combined row per spec, its ``baseline`` set (a ``@reparam`` spec's is its plain model); ``keep_going``:
+    see :func:`bench.run_jobs`."""
     specs = list(jobs)
     by_kind = {}
     for k in range(len(next(iter(jobs.values())))):
         kind_jobs = [jobs[s][k] if k == 0 else replace(jobs[s][k], flops=False) for s in specs]
-        by_kind[kind_jobs[0].kind] = bench.run_jobs(kind_jobs, args.repeats, not getattr(args, 'no_retry', False), log)
+        by_kind[kind_jobs[0].kind] = bench.run_jobs(kind_jobs, args.repeats, not getattr(args, 'no_retry', False), log,
+                                                    keep_going)
     return [dict(bench.combine({kind: runs[i] for kind, runs in by_kind.items()}), spec=spec, point=point,
                  baseline=spec.removesuffix('@reparam') if spec.endswith('@reparam') else baseline)
             for i, spec in enumerate(specs)]
@@ -482,97 +485,121 @@ def run_cards(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-DETECTION_TITLE = ('Backbone + FPN at detection resolution: long-short attention against full and spatial-reduction '
-                   'attention')
-DETECTION_SIZES = [(800, 1333), (1024, 1024)]
-"""Image sizes (height, width): the detectors' 1x-schedule test size and the square one of large-scale jitter."""
+SEGMENTATION = (['cvt_ls_13', 'cvt_13', 'pvt_v2_b0', 'pvt_v2_b0_grc'], [(512, 512), (1024, 1024), (1024, 2048)])
+DENSE_HEADS = {'fpn': ('FPN', backbone_with_fpn, ['cvt_ls_13', 'cvt_13', 'pvt_small', 'pvt_small_grc'],
+                       [(800, 1333), (1024, 1024)], 'detection'),
+               **{h: (name, functools.partial(fn, num_classes=150, **kw), *SEGMENTATION, 'segmentation' + suffix) for
+                  h, name, fn, kw, suffix in (('semantic_fpn', 'Semantic FPN', semantic_fpn, {}, ''),
+                                              ('upernet', 'UperNet (GN)', upernet, dict(norm='gn'), '_upernet'))}}
+"""Head -> (name, builder, models, sizes (H, W), report name); 150 classes as ADE20K. UperNet's head has GroupNorm
+(GN): BatchNorm cannot train its 1x1 pyramid-pooling cell at batch 1."""
 
 
-def add_detection_args(det: argparse.ArgumentParser) -> None:
-    det.add_argument('--models', nargs='+', default=['cvt_ls_13', 'cvt_13', 'pvt_small', 'pvt_small_grc'],
-                     help='backbones (timm names; default: cvt_ls_13 cvt_13 pvt_small pvt_small_grc)')
+def add_dense_args(det: argparse.ArgumentParser) -> None:
+    det.add_argument('--head', choices=sorted(DENSE_HEADS), default='fpn', help="fpn: detection's backbone + FPN "
+                     '(default); semantic_fpn, upernet: the segmentors of lsvision.segmentation')
+    det.add_argument('--models', nargs='+', default=None, help="backbones (timm names; default: the head's)")
     det.add_argument('--baseline', default='cvt_13', help='the model the ratios are to (default: cvt_13)')
-    det.add_argument('--sizes', nargs='+', default=DETECTION_SIZES, metavar='HxW',
+    det.add_argument('--sizes', nargs='+', default=None, metavar='HxW',
                      type=functools.partial(parse_pair, form='HEIGHTxWIDTH', example='800x1333', minimum=32),
-                     help='image sizes (default: 800x1333 1024x1024)')
+                     help='image sizes (default: fpn 800x1333 1024x1024, segmentation 512x512 1024x1024 1024x2048)')
     det.add_argument('--bench', choices=('inference', 'train', 'both'), default='both',
                      help='forward, AdamW training step, or both (default)')
     det.add_argument('--amp', choices=sorted(bench.AMP_DTYPES), default=None, help='autocast dtype')
+    det.add_argument('--cuda-count', action='store_true', help="beside each time, the step's kernels, bytes and "
+                     'FLOPs on the fake CUDA device (cuda-count; bf16 autocast; forward + backward)')
     det.add_argument('--repeats', type=int, default=2, help='fresh processes per model, size and kind (default: 2)')
     det.add_argument('--out', type=Path, default=OUT, help='folder of the reports (default: docs/benchmarks)')
-    det.add_argument('--name', default='detection', help='file name of the reports, without suffix')
+    det.add_argument('--name', default=None, help="reports' file name, without suffix (default: the head's)")
     det.add_argument('--note', default='', help='a sentence for the report (e.g. how loaded the machine was)')
     det.add_argument('--from-json', type=Path, default=None, metavar='JSON', help="write the markdown of a report's "
                      'JSON again (measures nothing; its command, commit, machine and note are kept)')
     add_timing_args(det, warmup=1, budget=1.0, threads=None, timeout=3600.0)
 
 
-def _detection_table(rows: Sequence[Dict[str, Any]], kind: str, baseline: str) -> str:
+def _dense_table(rows: Sequence[Dict[str, Any]], kind: str, baseline: str) -> str:
     """One kind's table: wall-clock and CPU time and memory, each with its ratio to the baseline at the same size
-    (wall-clock: paired where there are rounds; CPU time: this process's, steadier on a shared machine)."""
+    (wall-clock: paired where there are rounds; CPU time: this process's, steadier on a shared machine), the CUDA
+    counts where counted (ratios in brackets) and why a run did not finish."""
     prefix, memory = {'inference': ('latency', 'peak_mib'), 'train': ('train_step', 'train_memory_mib')}[kind]
     cpu, measured = f'{kind}_cpu_ms_per_image', []
     for r in rows:
-        base = next((b for b in rows if b['spec'] == baseline and b['point'] == r['point']), None)
-        if r.get(f'{prefix}_ms') is not None:
-            measured.append(dict(r, cpu_ratio=r[cpu] / base[cpu] if base is not None and base.get(cpu) else None))
-    columns = [('backbone + FPN', 'label', ''), ('image', 'image', ''), ('input', 'input_size', 'size'),
+        base = next((b for b in rows if b['spec'] == baseline and b['point'] == r['point']), {})
+        c, b = r.get(f'{kind}_cuda'), base.get(f'{kind}_cuda')
+        cuda = c and f"{c['kernels']}, {c['bytes'] / 1e9:.1f}, {c['flops'] / 1e12:.2f}" + (
+            f" ({', '.join(f'{c[k] / b[k]:.2f}x' for k in c)})" if b else '')
+        over = [e for e in r.get('exceeded', []) if e.startswith(kind)]
+        if r.get(f'{prefix}_ms') is not None or over:
+            measured.append(dict(r, cpu_ratio=r[cpu] / base[cpu] if base.get(cpu) and r.get(cpu) else None,
+                                 cuda=cuda, exceeded=over or None))
+    columns = [('backbone + head', 'label', ''), ('image', 'image', ''), ('input', 'input_size', 'size'),
                ('wall ms', f'{prefix}_ms', '.0f'), ('CPU ms', cpu, '.0f'), ('MiB', memory, '.0f'),
                (f'wall / {baseline}', f'{prefix}_ratio', 'ratio'), (f'CPU / {baseline}', 'cpu_ratio', 'x'),
-               (f'MiB / {baseline}', memory.replace('_mib', '_ratio'), 'x')]
+               (f'MiB / {baseline}', memory.replace('_mib', '_ratio'), 'x'),
+               ('CUDA kernels, GB, TFLOP', 'cuda', ''), ('not measured', 'exceeded', 'list')]
     return bench.benchmark_table(measured, columns, left_columns=3) if measured else 'Not measured.'
 
 
-def detection_markdown(rows: Sequence[Dict[str, Any]], settings: Dict[str, Any], machine: str, more: str = '') -> str:
-    """The detection report: what was measured, per kind the times and memory with their ratios to the baseline, and
-    every measured field; ``settings`` give its command, commit and note (and whether it is ``complete``)."""
-    baseline = rows[0]['baseline'] if rows else settings['baseline']
+def dense_markdown(rows: Sequence[Dict[str, Any]], settings: Dict[str, Any], machine: str, more: str = '') -> str:
+    """The report: what was measured, per kind the times and memory with their ratios to the baseline, and every
+    measured field; ``settings`` give its head, command, commit and note (and whether it is ``complete``)."""
+    head, baseline = settings.get('head', 'fpn'), rows[0]['baseline'] if rows else settings['baseline']
     note = settings.get('note', '') + ('' if settings.get('complete', True) else ' Partial: ' + ', '.join(
         sorted({r['image'] for r in rows})) + ' measured so far.') + more
+    what = ("FPN (`lsvision.detection.backbone_with_fpn`, 256 channels, five levels) at batch 1, on the input "
+            "torchvision's detector transform makes of each image (padded to a multiple of 32)", "sum of the levels' "
+            'means') if head == 'fpn' else (f'{DENSE_HEADS[head][0]} (`lsvision.segmentation.{head}`, 150 classes, '
+                                            'logits at the input size) at batch 1 on the whole image', "logits' mean")
+    cuda = (' CUDA: kernels, GB moved, TFLOP of a forward (train: and backward; AdamW apart) on the fake CUDA device, '
+            'bf16 autocast (docs/benchmarks/cuda_counting.md), ratios in brackets; they stand where a CPU run failed.')
     return '\n'.join([
-        f'## {DETECTION_TITLE}', '', f"Produced by `{settings['command']}` at commit `{settings['commit']}`.", '',
-        f'Measured on: {machine}.', '',
-        'Backbone + FPN (`lsvision.detection.backbone_with_fpn`, 256 channels, five levels) at batch 1, on the input '
-        "torchvision's detector transform makes of each image (padded to a multiple of 32). Forward: eval mode, "
-        "inference mode; train step: forward, the sum of the levels' means, backward, AdamW (lr 1e-4, weight decay "
-        '0.05; its state counts in the train memory). Memory is the peak above the memory in use once model and '
-        'input exist (CPU: resident, CUDA: allocated). Each model, size and kind ran in fresh processes, the models '
-        f"in alternating order. {bench.RATIOS_EXPLAINED} CPU ms: the measuring process's CPU time per pass."
-        + (f'\n\n{note.strip()}' if note.strip() else ''), '', '### Forward', '',
-        _detection_table(rows, 'inference', baseline), '', '### Training step (AdamW)', '',
-        _detection_table(rows, 'train', baseline), '', '### Every measured field', '', bench.benchmark_table(rows), ''])
+        f"## Backbone + {DENSE_HEADS[head][0]} at {'detection' if head == 'fpn' else 'segmentation'} resolution: "
+        'long-short attention against full and spatial-reduction attention', '',
+        f"Produced by `{settings['command']}` at commit `{settings['commit']}`.", '', f'Measured on: {machine}.', '',
+        f'Backbone + {what[0]}. Forward: eval mode, inference mode; train step: forward, the {what[1]}, backward, '
+        'AdamW (lr 1e-4, weight decay 0.05; its state counts in the train memory). Memory is the peak above the memory '
+        'in use once model and input exist (CPU: resident, CUDA: allocated). Each model, size and kind ran in fresh '
+        f"processes, the models in alternating order. {bench.RATIOS_EXPLAINED} CPU ms: the measuring process's CPU "
+        'time per pass.' + (cuda if settings.get('cuda_count') else '') + ('\n\n' + note.strip() if note.strip() else
+                                                                          ''), '',
+        '### Forward', '', _dense_table(rows, 'inference', baseline), '', '### Training step (AdamW)', '',
+        _dense_table(rows, 'train', baseline), '', '### Every measured field', '', bench.benchmark_table(rows), ''])
 
 
-def run_detection(args: argparse.Namespace, command: str) -> int:
-    """The ``detection`` sub-command: backbone + FPN at the input torchvision's detector transform makes of each image
-    size, forward and AdamW step, ratios to the baseline; the reports are rewritten after each size (a long run keeps
-    what it measured). ``--from-json``: the markdown of a stored report again, beside it."""
+
+def run_dense(args: argparse.Namespace, command: str) -> int:
+    """``dense`` (``detection`` its earlier name): backbone + ``--head`` at each size (the FPN on the detector's input
+    for it), forward and AdamW step, ratios to the baseline, a run killed for memory or over ``--timeout`` noted; the
+    reports rewritten after each size. ``--from-json``: the markdown of a stored report again, beside it."""
     if args.from_json is not None:
         data, md = bench.read_report(args.from_json), args.from_json.with_suffix('.md')
         # the machine line the run printed (load average at its start), from its markdown; else the JSON's (its end)
         line = re.search(r'^Measured on: (.*)\.$', md.read_text() if md.is_file() else '', flags=re.M)
         machine = line.group(1) if line else f"{data['machine']} (the load average when the JSON was written)"
-        text = detection_markdown(data['rows'], data['settings'], machine, ' This markdown was written from its JSON '
-                                  f'by `python tools/benchmark.py detection --from-json {args.from_json}`.')
+        text = dense_markdown(data['rows'], data['settings'], machine, ' This markdown was written from its JSON by '
+                              f'`python tools/benchmark.py {args.command} --from-json {args.from_json}`.')
         write_text(md, text)
         print(text)
         return 0
-    specs = list(dict.fromkeys([*args.models, args.baseline]))
+    specs, build = list(dict.fromkeys([*args.models, args.baseline])), DENSE_HEADS[args.head][1]
     kinds = ['inference', 'train'] if args.bench == 'both' else [args.bench]
     settings = {**settings_of(args), 'command': command, 'commit': source_commit()}
     machine = machine_description(args.device)
     log(f'Machine: {machine}')
     rows: List[Dict[str, Any]] = []
     for i, (h, w) in enumerate(args.sizes, 1):
-        size = detector_input_size(h, w)
+        size = detector_input_size(h, w) if args.head == 'fpn' else (h, w)
         log(f"{h}x{w} images (input {size[0]}x{size[1]}): {', '.join(specs)}")
-        jobs = {s: [job_of(args, s, functools.partial(backbone_with_fpn, s), inputs=[((3, *size), None)], kind=kind,
-                           amp=args.amp, optimizer='adamw', extra=dict(image=f'{h}x{w}')) for kind in kinds]
-                for s in specs}
-        rows += measure_rows(jobs, args, [h, w], args.baseline)
+        jobs = {s: [job_of(args, s, functools.partial(build, s), inputs=[((3, *size), None)], kind=kind, amp=args.amp,
+                           optimizer='adamw', extra=dict(image=f'{h}x{w}')) for kind in kinds] for s in specs}
+        rows += measure_rows(jobs, args, [h, w], args.baseline, keep_going=True)
+        for row in rows[-len(specs):] if args.cuda_count else []:
+            row.update({f'{k}_cuda': count_step(build(row['spec']), functools.partial(
+                lambda s: [torch.randn(1, 3, *s)], size), k == 'train', optimizer=False).total() for k in kinds})
+            log(f"  {row['spec']}: {[row[k + '_cuda']['kernels'] for k in kinds]} CUDA kernels")
         bench.add_ratios(rows)
         settings['complete'] = i == len(args.sizes)
-        text = detection_markdown(rows, settings, machine)
+        text = dense_markdown(rows, settings, machine)
         write_reports(rows, args.out / args.name, text, settings, args.device)
         log(f'Wrote {args.out / args.name}.{{json,csv,md}}' + ('' if settings['complete'] else ' (partial)'))
     print(text)
@@ -603,12 +630,7 @@ def add_count_args(count: argparse.ArgumentParser) -> None:
 
 def run_count(args: argparse.Namespace, command: str) -> int:
     """The ``cuda-count`` sub-command: kernels, bytes and FLOPs of each model and point on the fake CUDA device."""
-    from lsvision.measure_cuda import add_count_ratios, count_row, counts_markdown
     commit = source_commit()  # of the code that counts, before the (long) counting
-    for model in args.count_models:
-        if not seq.is_model(model) and not timm.is_model(model.split('@')[0]):
-            raise ValueError('cuda-count --models: ' + unknown_name_message(
-                model, timm.list_models() + seq.list_models(), 'model'))
     rows = []
     for kind, size, batch in args.points:
         for model in args.count_models:
@@ -626,7 +648,8 @@ SUBCOMMANDS = {
     'cuda-count': (add_count_args, run_count, 'kernels, bytes and FLOPs of a step on a fake CUDA device'),
     'sweep': (add_sweep_args, run_sweep, 'time and peak memory against input size, until a budget'),
     'cards': (add_cards_args, run_cards, 'measure every registered model; write model_cards/ and README'),
-    'detection': (add_detection_args, run_detection, 'backbone + FPN at detection resolution, forward and AdamW step'),
+    'dense': (add_dense_args, run_dense, 'backbone + detection FPN or segmentation head, forward and AdamW step'),
+    'detection': (add_dense_args, run_dense, 'the earlier name of dense (its default --head fpn)'),
 }
 """Sub-command -> (add its arguments, run it with the arguments and the command line, its help)."""
 
@@ -650,14 +673,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error('--repeats must be at least 1')
     if args.command == 'bench':
         args.bench = args.bench or (None if args.suite else 'inference')
+    if args.command in ('dense', 'detection'):  # the head's defaults
+        _, _, models, sizes, name = DENSE_HEADS[args.head]
+        args.models, args.sizes, args.name = args.models or models, args.sizes or sizes, args.name or name
     return args
 
 
 def check_names(args: argparse.Namespace) -> None:
-    """A model spec (or wildcard) or a ``--suite sequence`` configuration that does not exist is a ValueError with the
-    closest names, before anything is measured."""
+    """A model spec (or wildcard; ``cuda-count``'s too) or a ``--suite sequence`` configuration that does not exist is
+    a ValueError with the closest names, before anything is measured."""
     baseline = getattr(args, 'baseline', None)
     bench.resolve_specs(list(getattr(args, 'models', None) or []) + ([baseline] if baseline else []))
+    for model in getattr(args, 'count_models', None) or []:  # cuda-count: sequence models, or specs (all, up front)
+        seq.is_model(model) or bench.split_spec(model)
     if getattr(args, 'suite', None) == 'sequence':
         for name in args.names or []:
             if name not in SEQUENCE_CONFIGS:

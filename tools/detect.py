@@ -26,26 +26,15 @@ from lsvision.detection.data import CocoDataError
 from lsvision.detection.engine import DETECTORS, DetectionSetupError, NonFiniteLossError, run
 from lsvision.models import CheckpointMismatchError
 from lsvision.runtime import PROGRESS_HELP, PROGRESS_SECONDS
-from lsvision.train.args import (
-    ConfigError,
-    Flag,
-    add_amp_arguments,
-    add_dense_run_arguments,
-    demo_preset_help,
-    tool_defaults,
-)
-from lsvision.train.dense import tool_main
+from lsvision.train.args import Flag, add_amp_arguments, add_dense_run_arguments
+from lsvision.train.dense import parse_tool_args, tool_main, tool_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'detection', 'mask_rcnn_shapes_demo.yaml')
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=demo_preset_help(DEMO_CONFIG, ROOT),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument('-c', '--config', default='', metavar='FILE',
-                        help='flat YAML of argument names with underscores (configs/detection/*.yaml); a flag given '
-                             'on the command line beats it')
+    parser = tool_parser(__doc__, DEMO_CONFIG, ROOT)
     group = parser.add_argument_group('Data')
     group.add_argument('--data-dir', default='', metavar='DIR',
                        help="COCO tree with annotations/instances_<split>.json and <split>/ ('' = the generated "
@@ -98,19 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The arguments a checkpoint records (--resume, or --checkpoint: the detector it holds, not its output place),
     then the config (-c), then the command line: the later wins."""
-    parser = build_parser()
-    argv: List[str] = list(sys.argv[1:] if argv is None else argv)
-    cfg, config = tool_defaults(parser, argv, 'detect.py', DEMO_CONFIG)
-    parser.set_defaults(**cfg)
-    args = parser.parse_args(argv)
-    args.config = config
-    if not args.data_dir and config != DEMO_CONFIG:
-        raise ConfigError('no data: give --data-dir, a COCO tree with annotations/instances_<split>.json and an image '
-                          'folder per split (or run the demo on generated data: python tools/detect.py)')
-    if not args.model:
-        raise ConfigError('no backbone: give --model (e.g. cvt_ls_13) or a recipe, -c configs/detection/'
-                          'mask_rcnn_cvt_ls_13_1x.yaml')
-    return args
+    return parse_tool_args(
+        build_parser(), argv, 'detect.py', DEMO_CONFIG,
+        no_data='no data: give --data-dir, a COCO tree with annotations/instances_<split>.json and an image folder per '
+                'split (or run the demo on generated data: python tools/detect.py)',
+        no_model='no backbone: give --model (e.g. cvt_ls_13) or a recipe, -c configs/detection/'
+                 'mask_rcnn_cvt_ls_13_1x.yaml')
 
 
 def summary(report: Dict[str, Any]) -> List[str]:

@@ -28,26 +28,15 @@ from lsvision.runtime import PROGRESS_HELP, PROGRESS_SECONDS
 from lsvision.segmentation.data import SegmentationDataError
 from lsvision.segmentation.engine import DATASETS, NonFiniteLossError, SegmentationSetupError, run
 from lsvision.segmentation.models import SEGMENTORS
-from lsvision.train.args import (
-    ConfigError,
-    Flag,
-    add_amp_arguments,
-    add_dense_run_arguments,
-    demo_preset_help,
-    tool_defaults,
-)
-from lsvision.train.dense import tool_main
+from lsvision.train.args import ConfigError, Flag, add_amp_arguments, add_dense_run_arguments
+from lsvision.train.dense import parse_tool_args, tool_main, tool_parser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_CONFIG = os.path.join(ROOT, 'configs', 'segmentation', 'semantic_fpn_shapes_demo.yaml')
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=demo_preset_help(DEMO_CONFIG, ROOT),
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument('-c', '--config', default='', metavar='FILE',
-                        help='flat YAML of argument names with underscores (configs/segmentation/*.yaml); a flag '
-                             'given on the command line beats it')
+    parser = tool_parser(__doc__, DEMO_CONFIG, ROOT)
     group = parser.add_argument_group('Data')
     group.add_argument('--dataset', default='ade20k', choices=DATASETS)
     group.add_argument('--data-dir', default='', metavar='DIR', help="the dataset's root ('' = the demo's shapes)")
@@ -110,18 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The arguments a checkpoint records (--resume, or --checkpoint), then the config (-c), then the command line:
     the later wins."""
-    parser = build_parser()
-    argv: List[str] = list(sys.argv[1:] if argv is None else argv)
-    cfg, config = tool_defaults(parser, argv, 'segment.py', DEMO_CONFIG)
-    parser.set_defaults(**cfg)
-    args = parser.parse_args(argv)
-    args.config = config
-    if not args.data_dir and config != DEMO_CONFIG:
-        raise ConfigError('no data: give --data-dir (an ADE20K or Cityscapes root, or an image / mask folder pair '
-                          'with --dataset folder), or run the demo on generated data: python tools/segment.py')
-    if not args.model:
-        raise ConfigError('no backbone: give --model (e.g. cvt_ls_13) or a recipe, -c configs/segmentation/'
-                          'semantic_fpn_cvt_ls_13_ade20k_40k.yaml')
+    args = parse_tool_args(
+        build_parser(), argv, 'segment.py', DEMO_CONFIG,
+        no_data='no data: give --data-dir (an ADE20K or Cityscapes root, or an image / mask folder pair with --dataset '
+                'folder), or run the demo on generated data: python tools/segment.py',
+        no_model='no backbone: give --model (e.g. cvt_ls_13) or a recipe, -c configs/segmentation/'
+                 'semantic_fpn_cvt_ls_13_ade20k_40k.yaml')
     if args.test_scale and len(args.test_scale) != 2:
         raise ConfigError(f'--test-scale takes two edges, LONG SHORT (or none), got {args.test_scale}')
     return args

@@ -41,17 +41,20 @@ from ..eval.distributed import DatasetShard, all_gather, rank_and_world, shard_r
 from ..reports import machine_description, markdown_table, write_json, write_text
 from ..runs import source_commit
 from ..runtime import ProgressClock
-from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, save_atomic, set_rng_state
+from ..train.checkpoint import CheckpointKeeper, load_checkpoint, save_atomic
 from ..train.data import derive_seed
 from ..train.dense import (
     agree,
     amp_dtype,
     autocast,
     backbone_weights_message,
-    load_eval_weights,
+    eval_only_weights,
+    evaluation_model,
+    load_training_state,
     recorded_args,
     run_directory,
     setup_run,
+    training_state,
     unwrap,
 )
 from ..train.engine import all_reduce_grc_caches, long_warmup_warning, optimizer_update
@@ -270,27 +273,17 @@ class _Training:
                                            pin_memory=self.device.type == 'cuda', generator=generator)
 
     def state_dict(self, keeper: CheckpointKeeper) -> Dict[str, Any]:
-        rng = all_gather(get_rng_state())  # each process resumes its own random stream
-        return dict(state_dict=unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
-                    scaler=self.scaler.state_dict() if self.scaler else None, next_epoch=self.epoch,
-                    next_batch=self.batch, loss_sums=dict(self.loss_sums), num_updates=self.num_updates, rng=rng,
+        return dict(training_state(self.model, self.optimizer, self.scaler), next_epoch=self.epoch,
+                    next_batch=self.batch, loss_sums=dict(self.loss_sums), num_updates=self.num_updates,
                     history=self.history, keeper=keeper.state_dict(),
                     args=recorded_args(self.args), arch=self.args.model, detector=self.args.detector)
 
     def load_state_dict(self, ckpt: Dict[str, Any], keeper: CheckpointKeeper) -> None:
-        unwrap(self.model).load_state_dict(ckpt['state_dict'])
-        self.optimizer.load_state_dict(ckpt['optimizer'])
-        if self.scaler is not None and ckpt.get('scaler'):
-            self.scaler.load_state_dict(ckpt['scaler'])
+        load_training_state(ckpt, self.model, self.optimizer, self.scaler, self.args, _logger)
         self.epoch, self.num_updates, self.history = ckpt['next_epoch'], ckpt['num_updates'], ckpt['history']
         self.batch, self.loss_sums = ckpt.get('next_batch', 0), dict(ckpt.get('loss_sums', {}))
         keeper.load_state_dict(ckpt.get('keeper', {}))
         self.scheduler.step_update(self.num_updates)
-        rng = ckpt['rng']
-        if len(rng) != self.args.world_size:
-            _logger.warning(f'the checkpoint was written by {len(rng)} processes, this run has '
-                            f'{self.args.world_size}: the data order and sampling continue, not exactly as before')
-        set_rng_state(rng[self.args.rank % len(rng)])
 
     def step(self, images: List[torch.Tensor], targets: List[Dict[str, Any]]) -> Dict[str, float]:
         """One optimizer update on a batch; returns the losses (the only wait for the device)."""
@@ -357,8 +350,8 @@ def _iou_types(args: argparse.Namespace) -> Tuple[str, ...]:
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: CocoInstances, device: torch.device
               ) -> Tuple[Dict[str, Any], List[Dict[str, Any]]]:
-    return evaluate_detector(unwrap(model), val, device, _iou_types(args), args.workers, autocast(args, device),
-                             args.log_interval, args.log_interval_s)
+    return evaluate_detector(evaluation_model(model, args), val, device, _iou_types(args), args.workers,
+                             autocast(args, device), args.log_interval, args.log_interval_s)
 
 
 def _fit(args: argparse.Namespace, run: _Training, val: CocoInstances, keeper: CheckpointKeeper
@@ -449,17 +442,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: CocoInstances,
                    device: torch.device) -> Dict[str, Any]:
-    if args.checkpoint:
-        def mismatch(recorded: Dict[str, Any], error: str) -> Exception:
-            return DetectionSetupError(
-                f'--checkpoint {args.checkpoint} holds another detector than --detector {args.detector} --model '
-                f'{args.model} with these settings (it records --model {recorded.get("model", "?")}, --fpn-channels '
-                f'{recorded.get("fpn_channels", "?")}): drop the flags and -c that change the detector, so that the '
-                f'recorded ones are used. ({error})')
-        load_eval_weights(model, args.checkpoint, mismatch)
-    elif args.rank == 0:
-        _logger.warning('--eval-only without --checkpoint scores the untrained detector (backbone weights: '
-                        f'{args.backbone_weights or "random"})')
+    eval_only_weights(args, model, 'detector', ('detector', 'model'), ('detector', 'model', 'fpn_channels'),
+                      DetectionSetupError, _logger)
     metrics, detections = _evaluate(args, model, val, device)
     report = _report(args, metrics, val, None, dict(checkpoint=args.checkpoint or None))
     if args.rank == 0 and args.output:

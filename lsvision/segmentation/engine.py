@@ -32,24 +32,25 @@ import yaml
 import timm
 from timm.optim import create_optimizer_v2
 from timm.scheduler import PolyLRScheduler
-from timm.utils import distribute_bn
 
 from ..data.coco_shapes import generate_semantic_shapes
-from ..eval.distributed import all_gather
 from ..reports import machine_description, markdown_table, write_json, write_text
 from ..runs import source_commit
 from ..runtime import ProgressClock
-from ..train.checkpoint import CheckpointKeeper, get_rng_state, load_checkpoint, set_rng_state
+from ..train.checkpoint import CheckpointKeeper, load_checkpoint
 from ..train.data import derive_seed
 from ..train.dense import (
     agree,
     amp_dtype,
     autocast,
     backbone_weights_message,
-    load_eval_weights,
+    eval_only_weights,
+    evaluation_model,
+    load_training_state,
     recorded_args,
     run_directory,
     setup_run,
+    training_state,
     unwrap,
 )
 from ..train.engine import all_reduce_grc_caches, optimizer_update
@@ -204,28 +205,18 @@ class _Training:
                                            pin_memory=self.device.type == 'cuda', generator=generator)
 
     def state_dict(self, keeper: CheckpointKeeper) -> Dict[str, Any]:
-        rng = all_gather(get_rng_state())  # each process resumes its own random stream
-        return dict(state_dict=unwrap(self.model).state_dict(), optimizer=self.optimizer.state_dict(),
-                    scaler=self.scaler.state_dict() if self.scaler else None, iters=self.iters, epoch=self.epoch,
-                    batch=self.batch, loss=[self.loss_sum, self.loss_count], rng=rng, history=self.history,
+        return dict(training_state(self.model, self.optimizer, self.scaler), iters=self.iters, epoch=self.epoch,
+                    batch=self.batch, loss=[self.loss_sum, self.loss_count], history=self.history,
                     keeper=keeper.state_dict(), args=recorded_args(self.args), arch=self.args.model,
                     segmentor=self.args.segmentor)
 
     def load_state_dict(self, ckpt: Dict[str, Any], keeper: CheckpointKeeper) -> None:
-        unwrap(self.model).load_state_dict(ckpt['state_dict'])
-        self.optimizer.load_state_dict(ckpt['optimizer'])
-        if self.scaler is not None and ckpt.get('scaler'):
-            self.scaler.load_state_dict(ckpt['scaler'])
+        load_training_state(ckpt, self.model, self.optimizer, self.scaler, self.args, _logger)
         self.iters, self.epoch, self.batch = ckpt['iters'], ckpt['epoch'], ckpt['batch']
         self.loss_sum, self.loss_count = ckpt['loss']
         self.history = ckpt['history']
         keeper.load_state_dict(ckpt.get('keeper', {}))
         self.scheduler.step_update(self.iters)
-        rng = ckpt['rng']
-        if len(rng) != self.args.world_size:
-            _logger.warning(f'the checkpoint was written by {len(rng)} processes, this run has '
-                            f'{self.args.world_size}: the data order and sampling continue, not exactly as before')
-        set_rng_state(rng[self.args.rank % len(rng)])
 
     def step(self, images: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimizer update on a batch; returns its loss (the only wait for the device)."""
@@ -249,12 +240,9 @@ class _Training:
 
 def _evaluate(args: argparse.Namespace, model: nn.Module, val: SegmentationDataset, device: torch.device
               ) -> Dict[str, Any]:
-    if args.distributed:
-        # BatchNorm running statistics follow each process's own batches (DDP only sends rank 0's at each forward,
-        # and SyncBN runs on CUDA only): every process scores with rank 0's, which its checkpoints hold
-        distribute_bn(model, args.world_size, reduce=False)
-    return evaluate_segmentor(unwrap(model), val, device, args.test_mode, args.test_crop, args.test_stride,
-                              args.workers, autocast(args, device), args.log_interval, args.log_interval_s)
+    return evaluate_segmentor(evaluation_model(model, args), val, device, args.test_mode, args.test_crop,
+                              args.test_stride, args.workers, autocast(args, device), args.log_interval,
+                              args.log_interval_s)
 
 
 def _save(run: _Training, keeper: CheckpointKeeper, miou: Optional[float]) -> None:
@@ -381,17 +369,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 def _evaluate_only(args: argparse.Namespace, model: nn.Module, val: SegmentationDataset,
                    device: torch.device) -> Dict[str, Any]:
-    if args.checkpoint:
-        def mismatch(recorded: Dict[str, Any], error: str) -> Exception:
-            return SegmentationSetupError(
-                f'--checkpoint {args.checkpoint} holds another segmentor than --segmentor {args.segmentor} --model '
-                f'{args.model} with these settings (it records --segmentor {recorded.get("segmentor", "?")} --model '
-                f'{recorded.get("model", "?")}): drop the flags and -c that change the model, so that the recorded '
-                f'ones are used. ({error})')
-        load_eval_weights(model, args.checkpoint, mismatch)
-    elif args.rank == 0:
-        _logger.warning('--eval-only without --checkpoint scores the untrained segmentor (backbone weights: '
-                        f'{args.backbone_weights or "random"})')
+    eval_only_weights(args, model, 'segmentor', ('segmentor', 'model'), ('segmentor', 'model', 'head_kwargs'),
+                      SegmentationSetupError, _logger)
     report = _report(args, _evaluate(args, model, val, device), val, None, dict(checkpoint=args.checkpoint or None))
     if args.rank == 0 and args.output:
         os.makedirs(args.output, exist_ok=True)

@@ -16,16 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from timm.utils import init_distributed_device, setup_default_logging
+from timm.utils import distribute_bn, init_distributed_device, setup_default_logging
 
-from ..eval.distributed import rank_and_world
+from ..eval.distributed import all_gather, rank_and_world
 from ..runtime import set_threads
-from .args import ConfigError
-from .checkpoint import CheckpointWriteError, load_checkpoint
+from .args import ConfigError, demo_preset_help, tool_defaults
+from .checkpoint import CheckpointWriteError, get_rng_state, load_checkpoint, set_rng_state
 from .data import derive_seed, seed_everything
 
-__all__ = ['setup_run', 'unwrap', 'amp_dtype', 'autocast', 'agree', 'recorded_args', 'run_directory',
-           'load_eval_weights', 'backbone_weights_message', 'tool_main']
+__all__ = ['setup_run', 'unwrap', 'evaluation_model', 'amp_dtype', 'autocast', 'agree', 'recorded_args',
+           'run_directory', 'load_eval_weights', 'eval_only_weights', 'backbone_weights_message', 'tool_parser',
+           'parse_tool_args', 'tool_main', 'training_state', 'load_training_state']
 
 # what a checkpoint and args.yaml do not record: this machine's place in the job, and the tool's run controls
 _NOT_RECORDED = {'distributed', 'rank', 'world_size', 'local_rank', 'device_id', 'device', 'config', 'resume',
@@ -48,6 +49,15 @@ def setup_run(args: argparse.Namespace) -> torch.device:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP (the model itself otherwise)."""
     return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def evaluation_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    """The model to score (out of DDP). Under torchrun every process first takes rank 0's BatchNorm running
+    statistics, which its checkpoints hold: in training each process's follow its own batches (DDP sends rank 0's
+    only at each forward, and SyncBatchNorm runs on CUDA only), and N processes must score as one."""
+    if args.distributed:
+        distribute_bn(model, args.world_size, reduce=False)
+    return unwrap(model)
 
 
 def amp_dtype(args: argparse.Namespace, device: torch.device) -> str:
@@ -77,6 +87,28 @@ def recorded_args(args: argparse.Namespace) -> Dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k not in _NOT_RECORDED and not k.startswith('_')}
 
 
+def training_state(model: nn.Module, optimizer: Any, scaler: Optional[Any]) -> Dict[str, Any]:
+    """What every training checkpoint holds: weights, optimizer and loss-scaler states, and each process's random
+    stream (`rng`, one per process: a collective, every process calls it)."""
+    return dict(state_dict=unwrap(model).state_dict(), optimizer=optimizer.state_dict(),
+                scaler=scaler.state_dict() if scaler else None, rng=all_gather(get_rng_state()))
+
+
+def load_training_state(ckpt: Dict[str, Any], model: nn.Module, optimizer: Any, scaler: Optional[Any],
+                        args: argparse.Namespace, logger: logging.Logger) -> None:
+    """Restores :func:`training_state`: this process takes its own random stream (a warning where the checkpoint
+    was written by another number of processes)."""
+    unwrap(model).load_state_dict(ckpt['state_dict'])
+    optimizer.load_state_dict(ckpt['optimizer'])
+    if scaler is not None and ckpt.get('scaler'):
+        scaler.load_state_dict(ckpt['scaler'])
+    rng = ckpt['rng']
+    if len(rng) != args.world_size:
+        logger.warning(f'the checkpoint was written by {len(rng)} processes, this run has {args.world_size}: the '
+                       'data order and sampling continue, not exactly as before')
+    set_rng_state(rng[args.rank % len(rng)])
+
+
 def run_directory(args: argparse.Namespace, default_root: str, kind: str) -> str:
     """The run's folder: the resumed checkpoint's, else `--output` (or `default_root`) / `--experiment` (or a
     dated name with `kind` and the model); rank 0 creates it and every process gets its path."""
@@ -101,6 +133,29 @@ def load_eval_weights(model: nn.Module, path: str, mismatch: Callable[[Dict[str,
         raise mismatch(ckpt.get('args') or {}, str(e).splitlines()[0]) from None
 
 
+def eval_only_weights(args: argparse.Namespace, model: nn.Module, what: str, flags: Sequence[str],
+                      recorded_flags: Sequence[str], error: Type[Exception], logger: logging.Logger) -> None:
+    """The weights an `--eval-only` run scores: `--checkpoint`'s, else the untrained `what` (rank 0 warns). A file
+    of another model is an `error` that names `flags` (argument names) as given and `recorded_flags` as recorded."""
+    if not args.checkpoint:
+        if args.rank == 0:
+            logger.warning(f'--eval-only without --checkpoint scores the untrained {what} (backbone weights: '
+                           f'{args.backbone_weights or "random"})')
+        return
+
+    def mismatch(recorded: Dict[str, Any], message: str) -> Exception:
+        given = ' '.join(f'{_flag(k)} {getattr(args, k)}' for k in flags)
+        held = ' '.join(f'{_flag(k)} {recorded.get(k, "?")}' for k in recorded_flags)
+        return error(f'--checkpoint {args.checkpoint} holds another {what} than {given} with these settings (it '
+                     f'records {held}): drop the flags and -c that change the {what}, so that the recorded ones are '
+                     f'used. ({message})')
+    load_eval_weights(model, args.checkpoint, mismatch)
+
+
+def _flag(dest: str) -> str:
+    return '--' + dest.replace('_', '-')
+
+
 def backbone_weights_message(error: BaseException, model: str) -> Optional[str]:
     """The message of a dense-prediction tool for `--backbone-weights pretrained` that cannot be had (none released,
     or not downloadable here): the fix in the tools' flags (`lsvision.runs.weights_error_message`); None for another
@@ -110,6 +165,35 @@ def backbone_weights_message(error: BaseException, model: str) -> Optional[str]:
         f'give a weights file of {model}, --backbone-weights FILE (safetensors, a .pth state dict, a '
         "tools/train.py checkpoint, or the released file downloaded by hand), or start from random weights, "
         "--backbone-weights ''"))
+
+
+def tool_parser(doc: str, demo_config: str, root: str) -> argparse.ArgumentParser:
+    """A dense-prediction tool's parser: its docstring's first line, the demo preset (`demo_config`, a file under
+    `root`) in the epilog, and `-c` (a recipe from the preset's folder)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0], epilog=demo_preset_help(demo_config, root),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument('-c', '--config', default='', metavar='FILE',
+                        help='flat YAML of argument names with underscores '
+                             f'({os.path.relpath(os.path.dirname(demo_config), root)}/*.yaml); a flag given on the '
+                             'command line beats it')
+    return parser
+
+
+def parse_tool_args(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]], tool: str, demo_config: str,
+                    no_data: str, no_model: str) -> argparse.Namespace:
+    """A dense-prediction tool's arguments: those a checkpoint records (`--resume`, or `--checkpoint`: the model it
+    holds, not its output place), then the config (`-c`), then the command line; the later wins. No `--data-dir`
+    (unless the demo preset runs) or no `--model`: a ConfigError, its message `no_data` or `no_model`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg, config = tool_defaults(parser, argv, tool, demo_config)
+    parser.set_defaults(**cfg)
+    args = parser.parse_args(argv)
+    args.config = config
+    if not args.data_dir and config != demo_config:
+        raise ConfigError(no_data)
+    if not args.model:
+        raise ConfigError(no_model)
+    return args
 
 
 def tool_main(argv: Optional[Sequence[str]], parse_args: Callable[[Optional[Sequence[str]]], argparse.Namespace],
