@@ -4,12 +4,15 @@ which imports torch, timm and lsvision: 10-20 s on 2 busy cores before a run sta
     torchrun --nproc_per_node=2 tests/torchrun_runs.py train.py <arguments> ::: train.py <arguments> ...
 
 Each run is ``tools/<tool>.main(arguments)`` in every worker, one after the other: the tool joins torchrun's process
-group at its start and leaves it at its end, as when torchrun starts it. Before each run every worker prints
+group at its start and leaves it at its end, as when torchrun starts it; every run after the first meets on a store of
+its own (:func:`fresh_store`). Before each run every worker prints
 :func:`marker` to stdout and stderr (flushed), so that a test can cut the launch's output into the runs' outputs with
 :func:`split_runs`. The launch exits with the first run's non-zero exit code (it stops there), else 0.
 """
+import datetime
+import os
 import sys
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 SEPARATOR = ':::'
 
@@ -39,7 +42,23 @@ def launch_args(*runs: List[str]) -> List[str]:
     return out
 
 
-def main(argv: List[str]) -> int:
+def fresh_store(index: int, agent: tuple) -> None:
+    """Points run ``index`` (> 0) of this worker at a rendezvous store of its own: once a process group is destroyed,
+    torch names the next default group as it named the last, so on torchrun's store the ranks could read each
+    other's addresses of the run before (gloo then fails to connect). Rank 0 hosts the new store on a free port,
+    which it tells the others through torchrun's store (``agent``: its address and port)."""
+    import torch.distributed as dist
+    from _helpers import free_port
+    store = dist.TCPStore(agent[0], agent[1], is_master=False, timeout=datetime.timedelta(seconds=300))
+    key = f'torchrun_runs/port/{index}'
+    if os.environ['RANK'] == '0':
+        store.set(key, str(free_port()))
+    os.environ['MASTER_PORT'] = store.get(key).decode()
+    os.environ['TORCHELASTIC_USE_AGENT_STORE'] = 'False'  # env:// then makes rank 0 host a store at MASTER_PORT
+
+
+def main(argv: List[str], after_run: Optional[Callable[[int], None]] = None) -> int:
+    """Runs the runs of ``argv``; ``after_run(index)`` is called after each run that succeeds."""
     from _helpers import load_tool
     runs: List[List[str]] = [[]]
     for word in argv:
@@ -47,7 +66,10 @@ def main(argv: List[str]) -> int:
             runs.append([])
         else:
             runs[-1].append(word)
+    agent = (os.environ.get('MASTER_ADDR', ''), int(os.environ.get('MASTER_PORT', '0')))
     for index, (tool, *args) in enumerate(runs):
+        if index and 'TORCHELASTIC_RUN_ID' in os.environ:
+            fresh_store(index, agent)
         for stream in (sys.stdout, sys.stderr):
             print(marker(index), file=stream, flush=True)
         code = load_tool(tool.removesuffix('.py')).main(args)
@@ -55,6 +77,8 @@ def main(argv: List[str]) -> int:
         sys.stderr.flush()
         if code:
             return code
+        if after_run is not None:
+            after_run(index)
     return 0
 
 
