@@ -26,27 +26,6 @@ torch.set_num_threads(_THREADS)
 if _WORKERS > 1:
     os.environ['OMP_NUM_THREADS'] = str(_THREADS)
 
-# The test files that take longest on 2 cores, longest first (pytest --durations=0 under `make unit`). A scheduling
-# hint only: `make unit`'s pytest-xdist (--dist loadfile, --no-loadscope-reorder in pyproject.toml) hands out whole
-# files in collection order, so these start first and the many short files fill in at the end, instead of a long
-# file (xdist's own order puts the files with the fewest tests, often the slowest, last) running alone on one worker
-# while the other idles. A file not listed runs after these, in collection order; a stale entry costs nothing.
-LONGEST_FIRST = (
-    'test_train.py', 'test_bench_tools.py', 'test_onnx_export.py', 'test_demo.py', 'test_distributed_eval.py',
-    'test_span_attention.py', 'test_gpu_check.py', 'test_grc.py', 'test_cvt.py', 'test_benchmark.py',
-    'test_loading_lines.py', 'test_finetune_recipe.py', 'test_detect_tool.py', 'test_ddp_equivalence.py',
-    'test_finetune_folder.py', 'test_contract_runner.py', 'test_model_cards.py', 'test_hsw_demo.py',
-    'test_mt_tool.py', 'test_lm_tool.py', 'test_grc_sequence.py', 'test_vil_ls.py', 'test_sequence_data.py',
-    'test_sequence_tools.py', 'test_pretrained.py',
-)
-
-
-def pytest_collection_modifyitems(items):
-    """Files of :data:`LONGEST_FIRST` first, in its order; every file's tests keep their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 # the one root of the golden data (tests/golden/README.md says where each folder came from)
 GOLDEN_ROOT = Path(__file__).resolve().parent / 'golden'
 
