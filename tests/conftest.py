@@ -14,7 +14,17 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import _helpers, reference_attention, ... directly
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Torch threads of a test process: at most 2, and the cores shared out between pytest-xdist's workers (`make unit`
+# runs 2 on 2 cores: 1 each). More OpenMP threads than free cores make every step many times slower, the threads
+# spinning while they wait for each other: two processes of 2 threads each doing a tiny model's training steps on
+# 2 busy cores took 18-200 s where 1 thread each took 3.5 s. The tests' own subprocesses inherit the count through
+# OMP_NUM_THREADS (a tool's --threads still sets its own).
+_WORKERS = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1') or 1)
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+_THREADS = max(1, min(2, torch.get_num_threads(), _CORES // _WORKERS))
+torch.set_num_threads(_THREADS)
+if _WORKERS > 1:
+    os.environ['OMP_NUM_THREADS'] = str(_THREADS)
 
 # the one root of the golden data (tests/golden/README.md says where each folder came from)
 GOLDEN_ROOT = Path(__file__).resolve().parent / 'golden'

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _helpers import load_tool
+
 import timm
 
 import lsvision
@@ -29,12 +31,10 @@ def test_demo_prints_table_and_json(tmp_path):
     assert report['models'][0]['params'] == 19_997_480
 
 
-def test_demo_unknown_model_is_explained(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'demo.py'), '--models', 'no_such_model'],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "no lsvision model matches ['no_such_model']; known: " in proc.stderr
+def test_demo_unknown_model_is_explained(capsys):
+    # in this process (test_demo_prints_table_and_json runs the command)
+    assert load_tool('demo').main(['--models', 'no_such_model']) == 2
+    assert "no lsvision model matches ['no_such_model']; known: " in capsys.readouterr().err
 
 
 # `make demo` (tools/train.py with configs/digits_demo.yaml) and the numbers README.md and docs/training.md quote from

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import List, Optional
 
 import torch
 
@@ -18,11 +19,11 @@ from lsvision.flops import count_flops, parameter_count
 from lsvision.runs import close_names
 
 
-def main() -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument('--models', nargs='*', default=['*'], help='model names or wildcards (default: all)')
     parser.add_argument('--out', default='output/demo/models.json', help='JSON report path')
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     known = lsvision.models.list_models()
     unmatched = [p for p in args.models if not lsvision.models.list_models(p)]
