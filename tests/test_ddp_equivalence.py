@@ -33,14 +33,13 @@ import torch
 import torch.nn.functional as F
 from _helpers import TINY_VIL_LS_TWO_STAGES, model_kwargs_args, write_two_class_images
 from PIL import Image
-from torchrun_runs import launch_args, split_runs
 
 import timm
 
 from lsvision.train import load_checkpoint, parse_args, run
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / 'tests' / 'torchrun_runs.py'
+TRAIN = ROOT / 'tools' / 'train.py'
 SEED = 3
 LR = 0.1
 MOMENTUM = 0.9
@@ -80,25 +79,15 @@ def _one_process(image_root: Path, out: Path, name: str, *extra: str) -> Path:
     return out / name
 
 
-def _two_processes(image_root: Path, out: Path, runs: Dict[str, Sequence[str]]) -> Dict[str, Tuple[Path, str]]:
-    """tools/train.py under torchrun: 2 processes, gloo, as tests/test_train.py runs it, one run after the other in
-    one launch (tests/torchrun_runs.py); per run name, (run directory, its log)."""
+def _two_processes(image_root: Path, out: Path, name: str, *extra: str) -> Tuple[Path, str]:
+    """tools/train.py under torchrun: 2 processes, gloo, as tests/test_train.py runs it; (run directory, log)."""
     proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(RUNS),
-         *launch_args(*(['train.py', *_args(image_root, out, name, *extra)] for name, extra in runs.items()))],
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN),
+         *_args(image_root, out, name, *extra)],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    logs = split_runs(proc.stderr, len(runs))
-    assert all('backend gloo' in log for log in logs)
-    return {name: (out / name, log) for name, log in zip(runs, logs)}
-
-
-@pytest.fixture(scope='module')
-def two_process_runs(image_root, tmp_path_factory) -> Dict[int, Tuple[Path, str]]:
-    """Per accumulation (1, 2): the 2 processes x batch 2 run (one launch for both)."""
-    out = tmp_path_factory.mktemp('two')
-    runs = _two_processes(image_root, out, {f'two_{a}': ('-b', '2', '--grad-accum-steps', str(a)) for a in (1, 2)})
-    return {a: runs[f'two_{a}'] for a in (1, 2)}
+    assert 'backend gloo' in proc.stderr
+    return out / name, proc.stderr
 
 
 def _largest_difference(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
@@ -123,7 +112,7 @@ def _state(run_dir: Path) -> dict:
 
 
 @pytest.mark.parametrize('accum', [1, 2])
-def test_two_processes_of_batch_b_train_as_one_process_of_batch_2b(image_root, tmp_path, two_process_runs, accum):
+def test_two_processes_of_batch_b_train_as_one_process_of_batch_2b(image_root, tmp_path, accum):
     """2 gloo processes x batch 2 give the weights of 1 process x batch 4, after 2 epochs of the same samples.
 
     Proves that DDP averages (not sums, not drops) the gradients of the ranks, that the ranks split each global batch
@@ -134,7 +123,7 @@ def test_two_processes_of_batch_b_train_as_one_process_of_batch_2b(image_root, t
     """
     extra = ('--grad-accum-steps', str(accum))
     one = _one_process(image_root, tmp_path, 'one', '-b', '4', *extra)
-    two, log = two_process_runs[accum]
+    two, log = _two_processes(image_root, tmp_path, 'two', '-b', '2', *extra)
     a, b = _state(one), _state(two)
     _assert_same_weights(b['state_dict'], a['state_dict'], f'2 processes x 2 vs 1 x 4, accumulation {accum}')
     assert a['num_updates'] == b['num_updates'] == EPOCHS * (5 if accum == 1 else 3)
