@@ -4,10 +4,9 @@
 the run ('setup', 'train' from the first training forward, 'eval' inside validation, 'end' at the final rank check),
 whether it ran inside DDP's `no_sync`, and the all-reduced element count. Training forwards and optimizer steps are
 recorded too. The records of each process go to `$SYNC_EVENTS.<rank>.json`, the GRC caches before and after the
-first cache sync to `$SYNC_EVENTS.<rank>.caches`. It takes tests/torchrun_runs.py's arguments and records the first
-run (the later runs of the launch run under the same pass-through wrappers, unrecorded):
+first cache sync to `$SYNC_EVENTS.<rank>.caches`.
 
-    torchrun --nproc_per_node=2 tests/count_host_syncs.py train.py <tools/train.py arguments> [::: train.py ...]
+    torchrun --nproc_per_node=2 tests/count_host_syncs.py <tools/train.py arguments>
 """
 import contextlib
 import json
@@ -88,16 +87,11 @@ def phase_end(*args, **kwargs):
 engine.validate, engine._check_ranks_agree = phase_validate, phase_end
 engine.all_reduce_grc_caches = recorded_cache_sync
 
-
-def write_records(index: int) -> None:
-    """The records of the first run, to ``$SYNC_EVENTS.<rank>.json`` and ``.caches``."""
-    if index == 0:
-        out = f'{os.environ["SYNC_EVENTS"]}.{os.environ.get("RANK", "0")}'
-        with open(f'{out}.json', 'w') as f:
-            json.dump(events, f)
-        torch.save(first_cache_sync, f'{out}.caches')
-
-
 if __name__ == '__main__':
-    from torchrun_runs import main  # its tools import lsvision when they run: after the patches too
-    sys.exit(main(sys.argv[1:], after_run=write_records))
+    from _helpers import load_tool  # imports lsvision: after the patches too
+    code = load_tool('train').main(sys.argv[1:])
+    out = f'{os.environ["SYNC_EVENTS"]}.{os.environ.get("RANK", "0")}'
+    with open(f'{out}.json', 'w') as f:
+        json.dump(events, f)
+    torch.save(first_cache_sync, f'{out}.caches')
+    sys.exit(code)

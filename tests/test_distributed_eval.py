@@ -1,10 +1,10 @@
 """Evaluation under torchrun (gloo, CPU): every image scored by exactly one process, numbers equal to one process.
 
-Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of three
-runs one after the other (tests/torchrun_runs.py): validate.py (ImageNet + ReaL, V2), train.py on the digits and
-validate.py's folder suite on its checkpoint; one two-"node" launch of robustness.py (two torchrun processes,
-``--nnodes 2 --nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, and
-one two-"node" launch where node 1 lacks a dataset. The trees carry macOS junk files and an unreadable image, and one
+Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of
+validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes 2
+--nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, one two-"node"
+launch where node 1 lacks a dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and one of
+validate.py's folder suite on its checkpoint. The trees carry macOS junk files and an unreadable image, and one
 ImageNet-C set holds a single image (one process gets none of it).
 
 Batch size 1 everywhere: the tiny model's logits of an image then do not depend on which images share its batch, so
@@ -30,10 +30,8 @@ from eval_fixtures import (
     make_v2,
     truncate,
 )
-from torchrun_runs import launch_args, split_runs
 
 import lsvision  # noqa: F401  (registers cvt_ls_13)
-from lsvision.data import export_digits
 from lsvision.eval.distributed import shard_range
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,45 +79,6 @@ def _torchrun(*args: str) -> List[str]:
     return [sys.executable, '-m', 'torch.distributed.run', *args]
 
 
-def _digits_model_args(checkpoint: Path) -> List[str]:
-    return ['--model', 'cvt_ls_13', '--checkpoint', str(checkpoint), '--workers', '0', '--threads', '1']
-
-
-def _junk_digits_val(val: Path, out: Path) -> Path:
-    """Five images of each class of the digits' validation split, with junk files and an unreadable image (batch
-    size 1 makes each image a step of its own)."""
-    for class_dir in sorted(val.iterdir()):
-        (out / class_dir.name).mkdir(parents=True)
-        for image in sorted(class_dir.glob('*.png'))[:5]:
-            shutil.copy(image, out / class_dir.name / image.name)
-    add_mac_junk(out)
-    truncate(sorted(out.rglob('*.png'))[-1], keep=0.5)
-    return out
-
-
-@pytest.fixture(scope='module')
-def standalone(trees, tmp_path_factory) -> Dict[str, Any]:
-    """The ``torchrun --standalone --nproc-per-node 2`` launch of this file: validate.py on the ImageNet trees,
-    train.py's demo for one epoch, then validate.py's folder suite on its last checkpoint over the junk digits.
-    Returns the folders and each run's stdout and stderr."""
-    root = tmp_path_factory.mktemp('standalone')
-    val = Path(export_digits()['root']) / 'val'
-    junk_val = _junk_digits_val(val, root / 'digits_val')
-    checkpoint = root / 'train' / 'digits_demo' / 'last.pth.tar'
-    runs = [['validate.py', *_validate_args(trees), '--out-dir', str(root / 'validate')],
-            ['train.py', '--epochs', '1', '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output',
-             str(root / 'train')],
-            ['validate.py', '--data-dir', str(junk_val), *_digits_model_args(checkpoint), '--batch-size', '1',
-             '--out-dir', str(root / 'folder')]]
-    proc = subprocess.run(_torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tests' / 'torchrun_runs.py'),
-                                    *launch_args(*runs)), capture_output=True, text=True, timeout=900, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    names = ('validate', 'train', 'folder')
-    return dict(root=root, val=val, junk_val=junk_val, checkpoint=checkpoint,
-                stdout=dict(zip(names, split_runs(proc.stdout, 3))),
-                stderr=dict(zip(names, split_runs(proc.stderr, 3))))
-
-
 def _two_nodes(script: str, node_args: List[List[str]], timeout: int = 240) -> List[subprocess.CompletedProcess]:
     """Two torchrun agents on this machine as two one-process "nodes" (static rendezvous on a free port)."""
     port = free_port()
@@ -155,19 +114,22 @@ def test_shard_range_covers_every_index_once():
     assert [len(shard_range(1, rank, 3)) for rank in range(3)] == [1, 0, 0]
 
 
-def test_validate_two_processes_equals_one(trees, standalone, tmp_path):
-    stdout, stderr = standalone['stdout']['validate'], standalone['stderr']['validate']
-    two = standalone['root'] / 'validate'
-    got = json.loads((two / 'results.json').read_text())
+def test_validate_two_processes_equals_one(trees, tmp_path):
+    proc = subprocess.run(
+        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
+                  *_validate_args(trees), '--out-dir', str(tmp_path / 'two')),
+        capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / 'two' / 'results.json').read_text())
     expected = _one_process('validate', _validate_args(trees), tmp_path / 'one')
     _assert_same_results(got, expected, 2)
     inet = got['models'][0]['suites']['imagenet']
     assert (inet['images'], inet['count'], len(inet['skipped'])) == (6, 5, 1)  # the junk files are not images
     assert inet['real']['count'] == 4
     # written once, by rank 0: the markdown is printed once, and one progress bar counted every image
-    assert stdout.count('| model |') == expected_tables(tmp_path / 'one' / 'results.md')
-    assert (two / 'results.md').read_text() == (tmp_path / 'one' / 'results.md').read_text()
-    assert 'on 2 processes' in stderr and '36/36' in stderr  # 6 ImageNet + 3 x 10 V2 images
+    assert proc.stdout.count('| model |') == expected_tables(tmp_path / 'one' / 'results.md')
+    assert (tmp_path / 'two' / 'results.md').read_text() == (tmp_path / 'one' / 'results.md').read_text()
+    assert 'on 2 processes' in proc.stderr and '36/36' in proc.stderr  # 6 ImageNet + 3 x 10 V2 images
 
 
 def expected_tables(md: Path) -> int:
@@ -205,19 +167,38 @@ def test_a_node_without_the_dataset_fails_the_job_naming_rank_and_path(trees, tm
     assert not (tmp_path / 'out' / 'results.json').exists()
 
 
-def test_train_in_loop_top1_under_ddp_equals_one_process_validate(standalone, tmp_path):
-    assert 'validation: 359 images scored by 2 processes (each image once)' in standalone['stderr']['train']
-    result = json.loads((standalone['root'] / 'train' / 'digits_demo' / 'result.json').read_text())
-    assert result['last_checkpoint'] == str(standalone['checkpoint'])  # the folder suite's run below scored it
-    model = _digits_model_args(standalone['checkpoint'])
-    res = _one_process_quiet('validate', ['--data-dir', str(standalone['val']), *model], tmp_path / 'val')
+def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
+    out = tmp_path / 'train'
+    proc = subprocess.run(
+        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'train.py'), '--epochs', '1',
+                  '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output', str(out)),
+        capture_output=True, text=True, timeout=400, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert 'validation: 359 images scored by 2 processes (each image once)' in proc.stderr
+    result = json.loads((out / 'digits_demo' / 'result.json').read_text())
+    from lsvision.data import export_digits
+    val = Path(export_digits()['root']) / 'val'
+    model = ['--model', 'cvt_ls_13', '--checkpoint', result['last_checkpoint'], '--workers', '0', '--threads', '1']
+    res = _one_process_quiet('validate', ['--data-dir', str(val), *model], tmp_path / 'val')
     folder = res['models'][0]['suites']['folder']
     assert folder['count'] == 359
     assert folder['top1'] == pytest.approx(result['model_metrics']['top1'], abs=1e-9)
 
-    # the folder suite under torchrun, with junk files and an unreadable image: the same as one process
-    args = ['--data-dir', str(standalone['junk_val']), *model, '--batch-size', '1']
-    got = json.loads((standalone['root'] / 'folder' / 'results.json').read_text())
+    # the folder suite under torchrun, with junk files and an unreadable image: the same as one process (on five
+    # images of each class: batch size 1 makes each image a step of its own)
+    junk_val = tmp_path / 'digits_val'
+    for class_dir in sorted(val.iterdir()):
+        (junk_val / class_dir.name).mkdir(parents=True)
+        for image in sorted(class_dir.glob('*.png'))[:5]:
+            shutil.copy(image, junk_val / class_dir.name / image.name)
+    add_mac_junk(junk_val)
+    truncate(sorted(junk_val.rglob('*.png'))[-1], keep=0.5)
+    args = ['--data-dir', str(junk_val), *model, '--batch-size', '1']
+    proc = subprocess.run(_torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
+                                    *args, '--out-dir', str(tmp_path / 'two')),
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / 'two' / 'results.json').read_text())
     expected = _one_process('validate', args, tmp_path / 'one')
     _assert_same_results(got, expected, 2)
     folder = got['models'][0]['suites']['folder']

@@ -18,7 +18,6 @@ import torch
 import yaml
 from _helpers import load_tool, write_two_class_images
 from PIL import Image
-from torchrun_runs import launch_args, split_runs
 
 import lsvision
 from lsvision.data import DIGITS_CLASSES, export_digits
@@ -150,43 +149,15 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path)
     assert replay.grad_accum_steps == 2 and replay.model_kwargs['depths'] == [1, 1, 1]
 
 
-def _grc_args(image_root: Path, out: Path, sync: str):
-    """A tiny PVT v2 GRC run with the GRC cache sync (the default) or without it (`sync`: the flag), for the
-    host-sync test."""
-    return [str(image_root), '--output', str(out), '--experiment', sync[2:], '--model', 'pvt_v2_b0_grc',
-            '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
-            'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
-            '--epochs', '1', '-b', '2', '--grad-accum-steps', '2', '-j', '0', '--warmup-epochs', '0', '--lr', '0',
-            '--progress', 'log', '--log-interval', '4', '--opt', 'sgd', *([sync] if sync.startswith('--no-') else [])]
-
-
-TORCHRUN_RUNS = ('grc-sync-cache', 'no-grc-sync-cache', 'gloo')
-
-
-@pytest.fixture(scope='module')
-def torchrun_launch(image_root, tmp_path_factory):
-    """Every torchrun run of this file in one launch (2 processes, gloo; tests/torchrun_runs.py: a launch costs three
-    interpreters' imports): the GRC run with the cache sync, recorded by tests/count_host_syncs.py (the launch's first
-    run), the one without it, then the CvT-LS run with --sync-bn. Returns (output folder, {run: its log})."""
-    out = tmp_path_factory.mktemp('torchrun')
-    runs = [['train.py', *_grc_args(image_root, out / 'grc', '--grc-sync-cache')],
-            ['train.py', *_grc_args(image_root, out / 'grc', '--no-grc-sync-cache')],
-            ['train.py', *_train_args(image_root, out / 'gloo', '--epochs', '1', '-b', '4', '-j', '0',
-                                      '--log-interval', '1', '--sync-bn')]]
+def test_two_process_torchrun_gloo(image_root, tmp_path):
     proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-         str(ROOT / 'tests' / 'count_host_syncs.py'), *launch_args(*runs)],
-        capture_output=True, text=True, timeout=400,
-        env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(out / 'grc' / 'events')))
+        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN),
+         *_train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0', '--log-interval', '1',
+                      '--sync-bn')],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, dict(zip(TORCHRUN_RUNS, split_runs(proc.stderr, len(runs)), strict=True))
-
-
-def test_two_process_torchrun_gloo(torchrun_launch):
-    out, logs = torchrun_launch
-    log, tmp_path = logs['gloo'], out / 'gloo'
-    assert 'backend gloo' in log
-    assert 'weights identical on all 2 processes' in log
+    assert 'backend gloo' in proc.stderr
+    assert 'weights identical on all 2 processes' in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ['run']  # both ranks use rank 0's run directory
     rows = _final_rows(tmp_path / 'run' / 'summary.csv')
     assert len(rows) == 1 and math.isfinite(float(rows[0]['train_loss']))
@@ -470,26 +441,36 @@ def test_link_atomic_copies_where_links_fail(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['best.pth.tar', 'last.pth.tar']
 
 
-def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(torchrun_launch):
+def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(image_root, tmp_path):
     # 2 processes x 6 batches of 2, 2 micro-batches per optimizer step (3 steps), a log step every 4 batches (at
     # batches 4 and 6). tests/count_host_syncs.py records every .item() / .tolist() / all_reduce of the run.
     # lr 0: the weights stay put, so the caches differ between the two runs only by the cache sync (without it,
     # DDP's buffer broadcast keeps rank 0's cache updates); the all-reduce itself equals the global batch
     # (test_grc.py)
-    out, logs = torchrun_launch
-    tmp_path = out / 'grc'
     states = {}
     for sync in ('--grc-sync-cache', '--no-grc-sync-cache'):
-        log = logs[sync[2:]]
+        args = [str(image_root), '--output', str(tmp_path), '--experiment', sync[2:], '--model', 'pvt_v2_b0_grc',
+                '--num-classes', '2', '--input-size', '3', '32', '32', '--model-kwargs', 'depths=(1,1,1,1)',
+                'embed_dims=(16,32,32,32)', 'num_heads=(1,1,1,1)', '--crop-pct', '1.0', '--threads', '1',
+                '--epochs', '1', '-b', '2', '--grad-accum-steps', '2', '-j', '0', '--warmup-epochs', '0', '--lr', '0',
+                '--progress', 'log', '--log-interval', '4', '--opt', 'sgd']
+        script = str(ROOT / 'tests' / 'count_host_syncs.py') if sync == '--grc-sync-cache' else str(TRAIN)
+        if sync == '--no-grc-sync-cache':
+            args.append(sync)  # the default is on
+        proc = subprocess.run(
+            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', script, *args],
+            capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events')))
+        assert proc.returncode == 0, proc.stderr[-4000:]
         states[sync] = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
         if sync == '--no-grc-sync-cache':
-            assert "caches follow rank 0's batches only" in log, log[-3000:]
-            assert 'DDP buffer broadcast on' in log
+            assert "caches follow rank 0's batches only" in proc.stderr, proc.stderr[-3000:]
+            assert 'DDP buffer broadcast on' in proc.stderr
             continue
         assert 'GRC cache sync on: after every optimizer step one all-reduce averages the caches of the 4 GRC ' \
-               'layers over 2 processes' in log, log[-3000:]
-        assert 'DDP buffer broadcast off' in log
-        assert 'weights identical on all 2 processes' in log  # the caches included
+               'layers over 2 processes' in proc.stderr, proc.stderr[-3000:]
+        assert 'DDP buffer broadcast off' in proc.stderr
+        assert 'weights identical on all 2 processes' in proc.stderr  # the caches included
         cache_numel = sum(v.numel() for k, v in states[sync].items() if k.endswith('.grc.cache'))
         for rank in (0, 1):
             events = json.loads((tmp_path / f'events.{rank}.json').read_text())
