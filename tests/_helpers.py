@@ -7,11 +7,15 @@ import contextlib
 import importlib.util
 import multiprocessing
 import os
+import runpy
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
+from unittest import mock
 
 import numpy as np
 import torch
@@ -178,3 +182,62 @@ def run_as_two_processes(main: Callable[[List[str]], int], argv: List[str]) -> N
     for p in procs:
         p.join(300)
         assert p.exitcode == 0
+
+
+# what the forkserver imports once per test process, so that each torchrun worker starts with them imported
+_FORKSERVER_PRELOAD = ['torch', 'torch.distributed', 'timm', 'lsvision', 'torchvision']
+_TORCHRUN_SIGNALS = ('SIGTERM', 'SIGINT', 'SIGHUP', 'SIGQUIT')  # the ones torchrun's agent takes over
+
+
+class _ScriptWithEnv:
+    """A torchrun worker's entrypoint: the test's environment, then the script as ``python SCRIPT ARGS`` runs it (what
+    torchrun's ``--run-path`` entrypoint does, with the script's folder first on sys.path as the interpreter puts
+    it). A class, so that it pickles to the forkserver and has the ``__name__`` torchrun names a run after."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = env
+        self.__name__ = self.__qualname__ = 'run_script_path'
+
+    def __call__(self, script: str, *script_args: str) -> None:
+        os.environ.update(self.env)
+        sys.path.insert(0, str(Path(script).resolve().parent))
+        sys.argv = [script, *script_args]
+        runpy.run_path(script, run_name='__main__')
+
+
+def torchrun(torchrun_args: Sequence[str], log_dir: Path, env: Optional[Dict[str, str]] = None
+             ) -> subprocess.CompletedProcess:
+    """``torchrun TORCHRUN_ARGS`` (single node) by torchrun's own code in this process: its argument parsing, its
+    elastic agent and rendezvous, with its ``--run-path --start-method forkserver --redirects 3 --log-dir`` options.
+
+    The workers are forked from a forkserver that has torch, timm and lsvision imported (once per test process),
+    so a launch costs no imports: a ``torchrun`` command costs three interpreters' imports (~25 CPU-s). ``env`` is
+    the command's environment (its differences from this process's are set in each worker). Returns what
+    ``subprocess.run(['torchrun', ...], capture_output=True)`` would: exit status 1 when a worker failed (stderr
+    ends with torchrun's failure summary), stdout / stderr the workers' outputs, rank 0 first.
+    """
+    import multiprocessing as mp
+
+    from torch.distributed import run as torchrun_module
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the forkserver runs: it has them
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args = torchrun_module.parse_args(['--run-path', '--start-method', 'forkserver', '--redirects', '3',
+                                       '--log-dir', str(log_dir), *torchrun_args])
+    overrides = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in _TORCHRUN_SIGNALS}
+    returncode, failure = 0, ''
+    try:  # torchrun's run(), its --run-path entrypoint wrapped to set the environment first
+        with mock.patch.object(torchrun_module, 'run_script_path', _ScriptWithEnv(overrides)):
+            torchrun_module.run(args)
+    except ChildFailedError as e:
+        returncode, failure = 1, f'{e}\n'
+    finally:
+        for name, handler in handlers.items():  # pytest's own handlers back (Ctrl-C, timeouts)
+            signal.signal(getattr(signal, name), handler)
+    outputs = {}
+    for stream in ('stdout', 'stderr'):
+        logs = sorted(log_dir.rglob(f'{stream}.log'), key=lambda f: (int(f.parent.name), str(f)))
+        outputs[stream] = ''.join(f.read_text(errors='replace') for f in logs)
+    return subprocess.CompletedProcess(['torchrun', *torchrun_args], returncode, outputs['stdout'],
+                                       outputs['stderr'] + failure)

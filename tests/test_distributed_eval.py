@@ -1,8 +1,10 @@
 """Evaluation under torchrun (gloo, CPU): every image scored by exactly one process, numbers equal to one process.
 
-Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of
-validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes 2
---nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, one two-"node"
+The single-node launches are torchrun's own code run in the test process (``_helpers.torchrun``: its parser, elastic
+agent and ``--run-path``, workers forked from a forkserver with torch imported); the two-"node" launches are real
+``torchrun`` commands. Each launch still costs seconds, so the suites share launches: one ``torchrun --nproc-per-node
+2`` of validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes
+2 --nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, one two-"node"
 launch where node 1 lacks a dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and one of
 validate.py's folder suite on its checkpoint. The trees carry macOS junk files and an unreadable image, and one
 ImageNet-C set holds a single image (one process gets none of it).
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from _helpers import EVAL_CVT_LS, free_port, load_tool, model_kwargs_args, save_eval_checkpoint
+from _helpers import EVAL_CVT_LS, free_port, load_tool, model_kwargs_args, save_eval_checkpoint, torchrun
 from eval_fixtures import (
     add_mac_junk,
     make_imagenet,
@@ -115,10 +117,8 @@ def test_shard_range_covers_every_index_once():
 
 
 def test_validate_two_processes_equals_one(trees, tmp_path):
-    proc = subprocess.run(
-        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
-                  *_validate_args(trees), '--out-dir', str(tmp_path / 'two')),
-        capture_output=True, text=True, timeout=300, env=ENV)
+    proc = torchrun(['--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
+                     *_validate_args(trees), '--out-dir', str(tmp_path / 'two')], tmp_path / 'logs', ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads((tmp_path / 'two' / 'results.json').read_text())
     expected = _one_process('validate', _validate_args(trees), tmp_path / 'one')
@@ -169,10 +169,9 @@ def test_a_node_without_the_dataset_fails_the_job_naming_rank_and_path(trees, tm
 
 def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
     out = tmp_path / 'train'
-    proc = subprocess.run(
-        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'train.py'), '--epochs', '1',
-                  '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output', str(out)),
-        capture_output=True, text=True, timeout=400, env=ENV)
+    proc = torchrun(['--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'train.py'), '--epochs', '1',
+                     '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output', str(out)],
+                    tmp_path / 'train_logs', ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'validation: 359 images scored by 2 processes (each image once)' in proc.stderr
     result = json.loads((out / 'digits_demo' / 'result.json').read_text())
@@ -194,9 +193,8 @@ def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
     add_mac_junk(junk_val)
     truncate(sorted(junk_val.rglob('*.png'))[-1], keep=0.5)
     args = ['--data-dir', str(junk_val), *model, '--batch-size', '1']
-    proc = subprocess.run(_torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
-                                    *args, '--out-dir', str(tmp_path / 'two')),
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = torchrun(['--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'), *args,
+                     '--out-dir', str(tmp_path / 'two')], tmp_path / 'val_logs', ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads((tmp_path / 'two' / 'results.json').read_text())
     expected = _one_process('validate', args, tmp_path / 'one')

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from _helpers import load_tool, write_two_class_images
+from _helpers import load_tool, torchrun, write_two_class_images
 from PIL import Image
 
 import lsvision
@@ -150,11 +150,11 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path)
 
 
 def test_two_process_torchrun_gloo(image_root, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN),
-         *_train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0', '--log-interval', '1',
-                      '--sync-bn')],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+    proc = torchrun(['--standalone', '--nproc_per_node=2', str(TRAIN),
+                     *_train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0', '--log-interval', '1',
+                                  '--sync-bn')],
+                    tmp_path.parent / f'{tmp_path.name}_logs',
+                    dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'backend gloo' in proc.stderr
     assert 'weights identical on all 2 processes' in proc.stderr
@@ -457,10 +457,8 @@ def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(
         script = str(ROOT / 'tests' / 'count_host_syncs.py') if sync == '--grc-sync-cache' else str(TRAIN)
         if sync == '--no-grc-sync-cache':
             args.append(sync)  # the default is on
-        proc = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', script, *args],
-            capture_output=True, text=True, timeout=300,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events')))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events'))
+        proc = torchrun(['--standalone', '--nproc_per_node=2', script, *args], tmp_path / f'logs{sync}', env)
         assert proc.returncode == 0, proc.stderr[-4000:]
         states[sync] = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
         if sync == '--no-grc-sync-cache':
