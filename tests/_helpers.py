@@ -190,6 +190,14 @@ _FORKSERVER_PRELOAD = ['torch', 'torch.distributed', 'timm', 'lsvision', 'torchv
 _TORCHRUN_SIGNALS = ('SIGTERM', 'SIGINT', 'SIGHUP', 'SIGQUIT')  # the ones torchrun's agent takes over
 
 
+def forkserver() -> str:
+    """The start method for test processes: 'forkserver', its server importing torch, timm, torchvision and
+    lsvision once per test process (a spawned interpreter imports them each time, ~9 CPU-s)."""
+    import multiprocessing as mp
+    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the forkserver runs: it has them
+    return 'forkserver'
+
+
 class _ScriptWithEnv:
     """A torchrun worker's entrypoint: the test's environment, then the script as ``python SCRIPT ARGS`` runs it (what
     torchrun's ``--run-path`` entrypoint does, with the script's folder first on sys.path as the interpreter puts
@@ -217,13 +225,10 @@ def torchrun(torchrun_args: Sequence[str], log_dir: Path, env: Optional[Dict[str
     ``subprocess.run(['torchrun', ...], capture_output=True)`` would: exit status 1 when a worker failed (stderr
     ends with torchrun's failure summary), stdout / stderr the workers' outputs, rank 0 first.
     """
-    import multiprocessing as mp
-
     from torch.distributed import run as torchrun_module
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the forkserver runs: it has them
     log_dir.mkdir(parents=True, exist_ok=True)
-    args = torchrun_module.parse_args(['--run-path', '--start-method', 'forkserver', '--redirects', '3',
+    args = torchrun_module.parse_args(['--run-path', '--start-method', forkserver(), '--redirects', '3',
                                        '--log-dir', str(log_dir), *torchrun_args])
     overrides = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
     handlers = {name: signal.getsignal(getattr(signal, name)) for name in _TORCHRUN_SIGNALS}
@@ -277,10 +282,9 @@ def run_script(argv: Sequence[str], cwd: Optional[Path] = None, env: Optional[Di
     import multiprocessing as mp
     import tempfile
     assert argv[0] == sys.executable and str(argv[1]).endswith('.py'), argv
-    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory(prefix='run_script_') as tmp:
         out, err = os.path.join(tmp, 'stdout'), os.path.join(tmp, 'stderr')
-        child = mp.get_context('forkserver').Process(
+        child = mp.get_context(forkserver()).Process(
             target=_script_process, args=([str(a) for a in argv], str(cwd or os.getcwd()),
                                           dict(os.environ if env is None else env), out, err))
         child.start()
