@@ -198,6 +198,13 @@ def forkserver() -> str:
     return 'forkserver'
 
 
+def _as_a_new_interpreter() -> None:
+    """A forkserver child inherits 'forkserver' as its start method; a new interpreter has the platform's default
+    (on Linux 'fork' before Python 3.14), which e.g. the DataLoader's worker processes use."""
+    import multiprocessing as mp
+    mp.set_start_method(None, force=True)
+
+
 class _ScriptWithEnv:
     """A torchrun worker's entrypoint: the test's environment, then the script as ``python SCRIPT ARGS`` runs it (what
     torchrun's ``--run-path`` entrypoint does, with the script's folder first on sys.path as the interpreter puts
@@ -208,6 +215,7 @@ class _ScriptWithEnv:
         self.__name__ = self.__qualname__ = 'run_script_path'
 
     def __call__(self, script: str, *script_args: str) -> None:
+        _as_a_new_interpreter()
         os.environ.update(self.env)
         sys.path.insert(0, str(Path(script).resolve().parent))
         sys.argv = [script, *script_args]
@@ -256,6 +264,7 @@ def _script_process(argv: List[str], cwd: str, env: Dict[str, str], out: str, er
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
         os.close(file)
+    _as_a_new_interpreter()
     os.environ.clear()
     os.environ.update(env)
     if 'OMP_NUM_THREADS' in env:  # read at torch's import, which the forkserver did
