@@ -71,7 +71,7 @@ unit: install
 
 # timm's own tests/test_models.py (from the sdist of the installed timm, cached in contract/.cache) on our models
 contract: install
-	$(PY) contract/run.py $(if $(CONTRACT_MODELS),--models '$(CONTRACT_MODELS)')
+	$(PY) contract/run.py --jobs $(TEST_WORKERS) $(if $(CONTRACT_MODELS),--models '$(CONTRACT_MODELS)')
 
 # cvt_ls_13 vs cvt_13, time and peak memory against input size (docs/benchmarks/); about 15 min on 2 idle cores
 sweep: install

@@ -36,6 +36,7 @@ HUB_TESTS = {
     'test_model_features_pretrained': 'downloads pretrained weights',
 }
 _NON_STD_MARKER = 'vit_*'  # first entry of timm's NON_STD_FILTERS; test_models.py's other lists lack it
+MATRIX_TITLE = 'timm contract: model x test (P pass, F fail, E error, S skip, - hub test, . not run)'
 _LETTERS = {'passed': 'P', 'failed': 'F', 'error': 'E', 'skipped': 'S', 'deselected': '-'}
 
 
@@ -64,6 +65,44 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
 
 def _is_non_std_list(value) -> bool:
     return isinstance(value, (list, tuple)) and _NON_STD_MARKER in value
+
+
+def select_models(packages: Sequence[str], patterns: Sequence[str], exclude: Sequence[str] = ()) -> List[str]:
+    """The timm models registered by ``packages`` that match ``patterns`` and not ``exclude``, in timm's order.
+
+    Raises:
+        ValueError: a package does not import, registers no model, or no model matches (the message says which).
+    """
+    for package in packages:
+        try:
+            importlib.import_module(package)
+        except Exception as e:
+            raise ValueError(f'contract: importing {package!r} failed: {type(e).__name__}: {e}') from e
+    roots = tuple(p.split('.')[0] for p in packages)
+    ours = [n for n in timm.models.list_models() if timm.models.model_entrypoint(n).__module__.split('.')[0] in roots]
+    if not ours:
+        raise ValueError(f'contract: importing {list(packages)} registered no timm models')
+    selected = [n for n in ours if _matches(n, patterns) and not _matches(n, exclude)]
+    if not selected:
+        raise ValueError(
+            f'contract: no model of {list(packages)} matches --models {",".join(patterns)!r}'
+            f'{" minus --exclude " + ",".join(exclude) if exclude else ""}; they have: {", ".join(ours)}')
+    return selected
+
+
+def matrix_lines(models: Sequence[str], outcomes: Dict[Tuple[str, str], str], durations: Dict[str, float],
+                 deselected: Dict[str, int], wall_s: float) -> List[str]:
+    """The model x test matrix the end of a run prints (one letter per outcome, a legend of the tests above)."""
+    tests = sorted({fn for fn, _ in outcomes})
+    lines = [f'  [{i:2d}] {fn}  ({durations.get(fn, 0.0):.1f}s)' for i, fn in enumerate(tests)]
+    width = max(len(m) for m in models)
+    lines.append(' ' * (width + 2) + ''.join(f'{i:>3d}' for i in range(len(tests))))
+    for model in models:
+        row = ''.join(f'{_LETTERS.get(outcomes.get((fn, model)), "."):>3s}' for fn in tests)
+        lines.append(f'  {model:<{width}}{row}')
+    lines += [f'  deselected, {reason}: {count}' for reason, count in sorted(deselected.items())]
+    lines.append(f'  wall time: {wall_s:.1f}s')
+    return lines
 
 
 class TimmContract:
@@ -98,21 +137,10 @@ class TimmContract:
     def pytest_configure(self, config: pytest.Config) -> None:
         if config.option.help or config.option.version:
             return
-        for package in self.packages:
-            try:
-                importlib.import_module(package)
-            except Exception as e:  # a usage error with the cause, not an INTERNALERROR traceback
-                raise pytest.UsageError(f'contract: importing {package!r} failed: {type(e).__name__}: {e}') from e
-        roots = tuple(p.split('.')[0] for p in self.packages)
-        ours = [n for n in timm.models.list_models()
-                if timm.models.model_entrypoint(n).__module__.split('.')[0] in roots]
-        if not ours:
-            raise pytest.UsageError(f'contract: importing {self.packages} registered no timm models')
-        self.models = [n for n in ours if _matches(n, self.patterns) and not _matches(n, self.exclude)]
-        if not self.models:
-            raise pytest.UsageError(
-                f'contract: no model of {self.packages} matches --models {",".join(self.patterns)!r}'
-                f'{" minus --exclude " + ",".join(self.exclude) if self.exclude else ""}; they have: {", ".join(ours)}')
+        try:
+            self.models = select_models(self.packages, self.patterns, self.exclude)
+        except ValueError as e:  # a usage error with the cause, not an INTERNALERROR traceback
+            raise pytest.UsageError(str(e)) from e.__cause__
         self._wrap_timm_lists()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
@@ -182,19 +210,10 @@ class TimmContract:
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int, config: pytest.Config) -> None:
         if not self.outcomes:  # usage error or --collect-only: nothing ran
             return
-        tests = sorted({fn for fn, _ in self.outcomes})
         tr = terminalreporter
-        tr.section('timm contract: model x test (P pass, F fail, E error, S skip, - hub test, . not run)')
-        for i, fn in enumerate(tests):
-            tr.write_line(f'  [{i:2d}] {fn}  ({self.durations.get(fn, 0.0):.1f}s)')
-        width = max(len(m) for m in self.models)
-        tr.write_line(' ' * (width + 2) + ''.join(f'{i:>3d}' for i in range(len(tests))))
-        for model in self.models:
-            row = ''.join(f'{_LETTERS.get(self.outcomes.get((fn, model)), "."):>3s}' for fn in tests)
-            tr.write_line(f'  {model:<{width}}{row}')
-        for reason, count in sorted(self.deselected.items()):
-            tr.write_line(f'  deselected, {reason}: {count}')
-        tr.write_line(f'  wall time: {time.time() - self._t0:.1f}s')
+        tr.section(MATRIX_TITLE)
+        for line in matrix_lines(self.models, self.outcomes, self.durations, self.deselected, time.time() - self._t0):
+            tr.write_line(line)
         if self.report:
             self._write_report(exitstatus)
             tr.write_line(f'  JSON report: {self.report}')

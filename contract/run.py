@@ -13,16 +13,18 @@ the test file cannot be fetched.
 """
 import argparse
 import hashlib
+import json
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import List, Optional
 
 import pytest
-from plugin import TimmContract, write_atomic
+from plugin import HUB_TESTS, MATRIX_TITLE, TimmContract, matrix_lines, select_models, write_atomic
 
 import timm
 
@@ -96,7 +98,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="patterns of token-output models that timm's NON_STD_FILTERS does not name already "
                              f'(default: {DEFAULT_NON_STD}; vit_*_grc and deit_*_grc match its vit_* and deit*)')
     parser.add_argument('--report', type=Path, help='also write the model x test outcomes to this JSON file')
+    parser.add_argument('--jobs', type=int, default=1,
+                        help='processes to run at once, each on its share of the models (default: 1, this process)')
     args, pytest_args = parser.parse_known_args(argv)
+    if args.jobs < 1:
+        parser.error(f'--jobs must be at least 1, not {args.jobs}')
 
     try:
         test_file = fetch_timm_tests(timm.__version__)
@@ -105,6 +111,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
 
     sys.path.insert(0, str(REPO_ROOT))  # this checkout's lsvision, whatever else is installed
+    if args.jobs > 1:
+        return run_jobs(args, pytest_args)
     contract = TimmContract(
         packages=split_patterns(args.packages),
         models=split_patterns(args.models),
@@ -118,6 +126,64 @@ def main(argv: Optional[List[str]] = None) -> int:
         ['-c', str(HERE / 'pytest.ini'), '--rootdir', str(HERE), '--import-mode=importlib', str(test_file),
          *pytest_args],
         plugins=[contract]))
+
+
+def _merged_exit(codes: List[int]) -> int:
+    """One exit status for several pytest runs: failures first; "no tests collected" (5) only if every job had none."""
+    real = [c for c in codes if c != 5]
+    return max(real) if real else 5
+
+
+def run_jobs(args: argparse.Namespace, pytest_args: List[str]) -> int:
+    """Runs the selected models in ``args.jobs`` child processes (models dealt out in turn), prints each child's
+    output once it ends and then the merged model x test matrix; ``--report`` gets the merged outcomes."""
+    t0 = time.time()
+    packages, exclude = split_patterns(args.packages), split_patterns(args.exclude)
+    try:
+        models = select_models(packages, split_patterns(args.models), exclude)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 4  # pytest's usage error, as a single process reports it
+    groups = [models[i::args.jobs] for i in range(min(args.jobs, len(models)))]
+    with tempfile.TemporaryDirectory(prefix='contract-jobs-') as tmp:
+        procs = []
+        for i, group in enumerate(groups):
+            log = open(Path(tmp) / f'job{i}.log', 'w+')
+            cmd = [sys.executable, str(Path(__file__).resolve()), '--models', ','.join(group), '--packages',
+                   args.packages, '--exclude', args.exclude, '--non-std', args.non_std,
+                   '--report', str(Path(tmp) / f'job{i}.json'), *pytest_args]
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        codes = []
+        for i, (proc, log) in enumerate(procs):
+            codes.append(proc.wait())
+            log.seek(0)
+            print(f'===== contract job {i + 1}/{len(procs)}: {", ".join(groups[i])} (exit {codes[-1]}) =====')
+            print(log.read(), end='', flush=True)
+            log.close()
+        reports = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob('job*.json'), key=lambda p: p.name)]
+    if not reports:
+        return _merged_exit(codes)
+    outcomes, durations, deselected = {}, {}, {}
+    hub_reasons = set(HUB_TESTS.values())
+    for report in reports:
+        for model, by_test in report['outcomes'].items():
+            outcomes.update({(fn, model): o for fn, o in by_test.items()})
+        for fn, s in report['durations_s'].items():
+            durations[fn] = durations.get(fn, 0.0) + s
+        for reason, count in report['deselected'].items():  # hub tests are per model; timm's own are in every job
+            deselected[reason] = deselected.get(reason, 0) + count if reason in hub_reasons else count
+    ran = [m for r in reports for m in r['models']]
+    ran = [m for m in models if m in ran]  # timm's order, as one process prints it
+    print(f'===== {MATRIX_TITLE}, {len(procs)} jobs =====')
+    print('\n'.join(matrix_lines(ran, outcomes, durations, deselected, time.time() - t0)))
+    status = _merged_exit(codes)
+    if args.report:
+        merged = dict(reports[0], models=ran, exitstatus=status, deselected=deselected,
+                      outcomes={m: {fn: o for (fn, model), o in sorted(outcomes.items()) if model == m} for m in ran},
+                      durations_s={fn: round(s, 2) for fn, s in sorted(durations.items())})
+        write_atomic(args.report, (json.dumps(merged, indent=2) + '\n').encode())
+        print(f'  JSON report: {args.report}')
+    return status
 
 
 if __name__ == '__main__':

@@ -3,15 +3,20 @@ and of the few other models tests build), an image folder for training runs, a f
 
 Test modules import them by name (``from _helpers import load_tool``): ``conftest.py`` puts ``tests/`` on sys.path.
 """
+import atexit
 import contextlib
 import importlib.util
 import multiprocessing
 import os
+import runpy
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
+from unittest import mock
 
 import numpy as np
 import torch
@@ -178,3 +183,115 @@ def run_as_two_processes(main: Callable[[List[str]], int], argv: List[str]) -> N
     for p in procs:
         p.join(300)
         assert p.exitcode == 0
+
+
+# what the forkserver imports once per test process, so that each torchrun worker starts with them imported
+_FORKSERVER_PRELOAD = ['torch', 'torch.distributed', 'timm', 'lsvision', 'torchvision']
+_TORCHRUN_SIGNALS = ('SIGTERM', 'SIGINT', 'SIGHUP', 'SIGQUIT')  # the ones torchrun's agent takes over
+
+
+def forkserver() -> str:
+    """The start method for test processes: 'forkserver', its server importing torch, timm, torchvision and
+    lsvision once per test process (a spawned interpreter imports them each time, ~9 CPU-s)."""
+    import multiprocessing as mp
+    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the forkserver runs: it has them
+    return 'forkserver'
+
+
+class _ScriptWithEnv:
+    """A torchrun worker's entrypoint: the test's environment, then the script as ``python SCRIPT ARGS`` runs it (what
+    torchrun's ``--run-path`` entrypoint does, with the script's folder first on sys.path as the interpreter puts
+    it). A class, so that it pickles to the forkserver and has the ``__name__`` torchrun names a run after."""
+
+    def __init__(self, env: Dict[str, str]):
+        self.env = env
+        self.__name__ = self.__qualname__ = 'run_script_path'
+
+    def __call__(self, script: str, *script_args: str) -> None:
+        os.environ.update(self.env)
+        sys.path.insert(0, str(Path(script).resolve().parent))
+        sys.argv = [script, *script_args]
+        runpy.run_path(script, run_name='__main__')
+
+
+def torchrun(torchrun_args: Sequence[str], log_dir: Path, env: Optional[Dict[str, str]] = None
+             ) -> subprocess.CompletedProcess:
+    """``torchrun TORCHRUN_ARGS`` (single node) by torchrun's own code in this process: its argument parsing, its
+    elastic agent and rendezvous, with its ``--run-path --start-method forkserver --redirects 3 --log-dir`` options.
+
+    The workers are forked from a forkserver that has torch, timm and lsvision imported (once per test process),
+    so a launch costs no imports: a ``torchrun`` command costs three interpreters' imports (~25 CPU-s). ``env`` is
+    the command's environment (its differences from this process's are set in each worker). Returns what
+    ``subprocess.run(['torchrun', ...], capture_output=True)`` would: exit status 1 when a worker failed (stderr
+    ends with torchrun's failure summary), stdout / stderr the workers' outputs, rank 0 first.
+    """
+    from torch.distributed import run as torchrun_module
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    log_dir.mkdir(parents=True, exist_ok=True)
+    args = torchrun_module.parse_args(['--run-path', '--start-method', forkserver(), '--redirects', '3',
+                                       '--log-dir', str(log_dir), *torchrun_args])
+    overrides = {k: v for k, v in (env or {}).items() if os.environ.get(k) != v}
+    handlers = {name: signal.getsignal(getattr(signal, name)) for name in _TORCHRUN_SIGNALS}
+    returncode, failure = 0, ''
+    try:  # torchrun's run(), its --run-path entrypoint wrapped to set the environment first
+        with mock.patch.object(torchrun_module, 'run_script_path', _ScriptWithEnv(overrides)):
+            torchrun_module.run(args)
+    except ChildFailedError as e:
+        returncode, failure = 1, f'{e}\n'
+    finally:
+        for name, handler in handlers.items():  # pytest's own handlers back (Ctrl-C, timeouts)
+            signal.signal(getattr(signal, name), handler)
+    outputs = {}
+    for stream in ('stdout', 'stderr'):
+        logs = sorted(log_dir.rglob(f'{stream}.log'), key=lambda f: (int(f.parent.name), str(f)))
+        outputs[stream] = ''.join(f.read_text(errors='replace') for f in logs)
+    return subprocess.CompletedProcess(['torchrun', *torchrun_args], returncode, outputs['stdout'],
+                                       outputs['stderr'] + failure)
+
+
+def _script_process(argv: List[str], cwd: str, env: Dict[str, str], out: str, err: str) -> None:
+    """The forked child of :func:`run_script`: outputs to files, the given environment and folder, then the script
+    as ``__main__`` (sys.argv and sys.path[0] as the interpreter sets them)."""
+    for fd, path in ((1, out), (2, err)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(file, fd)
+        os.close(file)
+    os.environ.clear()
+    os.environ.update(env)
+    if 'OMP_NUM_THREADS' in env:  # read at torch's import, which the forkserver did
+        torch.set_num_threads(int(env['OMP_NUM_THREADS']))
+    os.chdir(cwd)
+    sys.argv = list(argv[1:])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+    try:
+        runpy.run_path(argv[1], run_name='__main__')
+    finally:  # an interpreter runs them at exit; a multiprocessing child does not
+        atexit._run_exitfuncs()
+
+
+def run_script(argv: Sequence[str], cwd: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """What ``subprocess.run(argv, cwd=, env=, capture_output=True, text=True, timeout=)`` returns for
+    ``argv = [sys.executable, SCRIPT, *args]``, from a process forked from the forkserver (torch, timm, torchvision
+    and lsvision imported once per test process) instead of a new interpreter (~9 CPU-s of imports each).
+
+    The script runs as ``__main__`` with its own sys.argv, environment, folder and sys.path[0]; its exit status is
+    the interpreter's (SystemExit's code, 1 on an uncaught exception with its traceback on stderr). Not for tests of
+    what an interpreter imports, nor for environment variables read at import time (e.g. HF_HUB_OFFLINE).
+    """
+    import multiprocessing as mp
+    import tempfile
+    assert argv[0] == sys.executable and str(argv[1]).endswith('.py'), argv
+    with tempfile.TemporaryDirectory(prefix='run_script_') as tmp:
+        out, err = os.path.join(tmp, 'stdout'), os.path.join(tmp, 'stderr')
+        child = mp.get_context(forkserver()).Process(
+            target=_script_process, args=([str(a) for a in argv], str(cwd or os.getcwd()),
+                                          dict(os.environ if env is None else env), out, err))
+        child.start()
+        child.join(timeout)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+            raise subprocess.TimeoutExpired(list(argv), timeout)
+        with open(out, errors='replace') as o, open(err, errors='replace') as e:
+            return subprocess.CompletedProcess(list(argv), child.exitcode, o.read(), e.read())

@@ -50,8 +50,9 @@ def test_fetch_without_the_sdist_says_what_to_do(contract_run, tmp_path, monkeyp
 
 
 def test_contract_catches_a_model_that_ignores_num_classes(tmp_path):
+    """Run as `make contract` runs it, in two jobs (one model each): the merged report and matrix hold both."""
     report = tmp_path / 'report.json'
-    proc = _run_contract('--models', '*', '--report', str(report), cwd=tmp_path)
+    proc = _run_contract('--models', '*', '--report', str(report), '--jobs', '2', cwd=tmp_path)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1, log[-4000:]
 
@@ -68,8 +69,11 @@ def test_contract_catches_a_model_that_ignores_num_classes(tmp_path):
     assert broken['test_model_forward'] == 'passed'
     assert 'assert 1000 == 42' in log
     # the matrix names the broken model's failures
-    row = next(line for line in proc.stdout.splitlines() if line.strip().startswith('contract_tiny_resnet_no_num'))
+    merged = proc.stdout.split('2 jobs =====')[1]  # after each job's own output
+    row = next(line for line in merged.splitlines() if line.strip().startswith('contract_tiny_resnet_no_num'))
     assert row.split()[1:].count('F') == sum(o == 'failed' for o in broken.values()) >= 2
+    assert next(line for line in merged.splitlines() if line.strip().startswith('contract_tiny_resnet ')).split()[1:]
+    assert data['exitstatus'] == 1
 
 
 def test_contract_names_the_models_when_a_pattern_matches_none(tmp_path):

@@ -22,8 +22,6 @@ Why these settings:
 import csv
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -31,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import TINY_VIL_LS_TWO_STAGES, model_kwargs_args, write_two_class_images
+from _helpers import TINY_VIL_LS_TWO_STAGES, model_kwargs_args, torchrun, write_two_class_images
 from PIL import Image
 
 import timm
@@ -81,10 +79,8 @@ def _one_process(image_root: Path, out: Path, name: str, *extra: str) -> Path:
 
 def _two_processes(image_root: Path, out: Path, name: str, *extra: str) -> Tuple[Path, str]:
     """tools/train.py under torchrun: 2 processes, gloo, as tests/test_train.py runs it; (run directory, log)."""
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN),
-         *_args(image_root, out, name, *extra)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+    proc = torchrun(['--standalone', '--nproc_per_node=2', str(TRAIN), *_args(image_root, out, name, *extra)],
+                    out / f'{name}_logs', dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'backend gloo' in proc.stderr
     return out / name, proc.stderr

@@ -1,10 +1,9 @@
 """The model table (tools/demo.py, `make models`), the model listing, and `make demo` against its recorded run."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from _helpers import load_tool
+from _helpers import load_tool, run_script
 
 import timm
 
@@ -22,9 +21,8 @@ def test_list_models_only_lists_lsvision_models():
 
 def test_demo_prints_table_and_json(tmp_path):
     out = tmp_path / 'demo.json'
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / 'tools' / 'demo.py'), '--models', 'cvt_13', '--out', str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_script([sys.executable, str(ROOT / 'tools' / 'demo.py'), '--models', 'cvt_13', '--out', str(out)],
+                      cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert '| cvt_13 | 224x224 | 19,997,480 | 4.585 | (1, 1000) |' in proc.stdout
     report = json.loads(out.read_text())
@@ -57,8 +55,8 @@ def test_the_demo_gives_its_recorded_numbers(tmp_path):
     number of validation images right on the recording's CPU model; elsewhere float rounding may move one or two."""
     from lsvision.reports import machine_description
     record = _record()
-    proc = subprocess.run([sys.executable, str(ROOT / 'tools' / 'train.py'), '--output', str(tmp_path),
-                           '--time-budget', '0'], capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = run_script([sys.executable, str(ROOT / 'tools' / 'train.py'), '--output', str(tmp_path),
+                       '--time-budget', '0'], cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / 'digits_demo' / 'result.json').read_text())
     for key in ('model', 'model_kwargs', 'params', 'epochs_done', 'num_updates', 'metrics_of'):

@@ -6,14 +6,12 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args, run_as_two_processes
+from _helpers import ROOT, TINY_CONFIGS, free_port, load_tool, model_kwargs_args, run_as_two_processes, torchrun
 
 from lsvision.data.coco_shapes import generate_coco_shapes
 from lsvision.detection.data import CocoDataError
@@ -113,10 +111,9 @@ def test_torchrun_training_and_evaluation(shapes, tmp_path):
     grc = ['--model', 'pvt_tiny_grc', '--model-kwargs', *model_kwargs_args(TINY_CONFIGS['pvt_tiny_grc'])]
     data = ['--data-dir', str(shapes), '--train-split', 'train', '--val-split', 'val', *TINY, *grc]
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port',
-                           str(free_port()), str(ROOT / 'tools' / 'detect.py'), *data, '--batch-size', '1',
-                           '--epochs', '1', '--device', 'cpu', '--output', str(tmp_path), '--experiment', 'two'],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = torchrun(['--nproc_per_node', '2', '--master_port', str(free_port()), str(ROOT / 'tools' / 'detect.py'),
+                     *data, '--batch-size', '1', '--epochs', '1', '--device', 'cpu', '--output', str(tmp_path),
+                     '--experiment', 'two'], tmp_path / 'logs', env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count('box AP') == 1  # rank 0 reports
     weights = tmp_path / 'two' / 'last.pth.tar'

@@ -1,11 +1,13 @@
 """Evaluation under torchrun (gloo, CPU): every image scored by exactly one process, numbers equal to one process.
 
-Each launch costs 10-20 s on this machine, so the suites share launches: one ``torchrun --nproc-per-node 2`` of
-validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes, ``--nnodes 2
---nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, one two-"node"
-launch where node 1 lacks a dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and one of
-validate.py's folder suite on its checkpoint. The trees carry macOS junk files and an unreadable image, and one
-ImageNet-C set holds a single image (one process gets none of it).
+The launches are torchrun's own code run in the test process (``_helpers.torchrun``: its parser, elastic agent and
+``--run-path``, workers forked from a forkserver with torch imported), but for node 1 of the two-"node" launches, a
+real ``torchrun`` command. Each launch still costs seconds, so the suites share launches: one ``torchrun --nproc-
+per-node 2`` of validate.py (ImageNet + ReaL, V2), one two-"node" launch of robustness.py (two torchrun processes,
+``--nnodes 2 --nproc-per-node 1``, static rendezvous) over ImageNet, -C, -A, -R, -9 and corruptions on the fly, one
+two-"node" launch where node 1 lacks a dataset, one ``torchrun --nproc-per-node 2`` of train.py on the digits and
+one of validate.py's folder suite on its checkpoint. The trees carry macOS junk files and an unreadable image, and
+one ImageNet-C set holds a single image (one process gets none of it).
 
 Batch size 1 everywhere: the tiny model's logits of an image then do not depend on which images share its batch, so
 one process and two give bitwise-equal logits and the results must be equal, not close.
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
-from _helpers import EVAL_CVT_LS, free_port, load_tool, model_kwargs_args, save_eval_checkpoint
+from _helpers import EVAL_CVT_LS, free_port, load_tool, model_kwargs_args, save_eval_checkpoint, torchrun
 from eval_fixtures import (
     add_mac_junk,
     make_imagenet,
@@ -79,18 +81,25 @@ def _torchrun(*args: str) -> List[str]:
     return [sys.executable, '-m', 'torch.distributed.run', *args]
 
 
-def _two_nodes(script: str, node_args: List[List[str]], timeout: int = 240) -> List[subprocess.CompletedProcess]:
-    """Two torchrun agents on this machine as two one-process "nodes" (static rendezvous on a free port)."""
+def _two_nodes(script: str, node_args: List[List[str]], log_dir: Path, timeout: int = 240
+               ) -> List[subprocess.CompletedProcess]:
+    """Two torchrun agents on this machine as two one-process "nodes" (static rendezvous on a free port): node 1 a
+    ``torchrun`` command, node 0 torchrun's code in this process (``_helpers.torchrun``)."""
     port = free_port()
-    procs = [subprocess.Popen(
-        _torchrun('--nnodes', '2', '--nproc-per-node', '1', '--node-rank', str(node), '--master-addr', '127.0.0.1',
-                  '--master-port', str(port), str(ROOT / 'tools' / script), *args),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV) for node, args in enumerate(node_args)]
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+
+    def node(rank: int) -> List[str]:
+        return ['--nnodes', '2', '--nproc-per-node', '1', '--node-rank', str(rank), '--master-addr', '127.0.0.1',
+                '--master-port', str(port), str(ROOT / 'tools' / script), *node_args[rank]]
+
+    log_dir.mkdir(parents=True)
+    with open(log_dir / 'node1.out', 'w+') as out, open(log_dir / 'node1.err', 'w+') as err:  # files: no pipe fills
+        node1 = subprocess.Popen(_torchrun(*node(1)), stdout=out, stderr=err, text=True, env=ENV)
+        try:
+            node0 = torchrun(node(0), log_dir / 'node0', ENV)
+        finally:
+            node1.wait(timeout=timeout)
+        out.seek(0), err.seek(0)
+        return [node0, subprocess.CompletedProcess(node1.args, node1.returncode, out.read(), err.read())]
 
 
 def _one_process(tool: str, args: List[str], out: Path) -> Dict[str, Any]:
@@ -115,10 +124,8 @@ def test_shard_range_covers_every_index_once():
 
 
 def test_validate_two_processes_equals_one(trees, tmp_path):
-    proc = subprocess.run(
-        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
-                  *_validate_args(trees), '--out-dir', str(tmp_path / 'two')),
-        capture_output=True, text=True, timeout=300, env=ENV)
+    proc = torchrun(['--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
+                     *_validate_args(trees), '--out-dir', str(tmp_path / 'two')], tmp_path / 'logs', ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads((tmp_path / 'two' / 'results.json').read_text())
     expected = _one_process('validate', _validate_args(trees), tmp_path / 'one')
@@ -138,7 +145,7 @@ def expected_tables(md: Path) -> int:
 
 def test_robustness_two_nodes_equals_one_process(trees, tmp_path):
     args = [*_robustness_args(trees), '--out-dir', str(tmp_path / 'two')]
-    procs = _two_nodes('robustness.py', [args, args])
+    procs = _two_nodes('robustness.py', [args, args], tmp_path / 'logs')
     for p in procs:
         assert p.returncode == 0, p.stderr[-4000:]
     got = json.loads((tmp_path / 'two' / 'results.json').read_text())
@@ -160,7 +167,7 @@ def test_a_node_without_the_dataset_fails_the_job_naming_rank_and_path(trees, tm
     missing = tmp_path / 'not_mounted' / 'imagenet-a'
     base = [*_model_args(trees), '--out-dir', str(tmp_path / 'out')]
     procs = _two_nodes('robustness.py', [['--imagenet-a', str(trees['a']), *base],
-                                         ['--imagenet-a', str(missing), *base]], timeout=120)
+                                         ['--imagenet-a', str(missing), *base]], tmp_path / 'logs', timeout=120)
     assert all(p.returncode != 0 for p in procs)
     for p in procs:  # both processes stop with the same message, before reading an image
         assert f'rank 1 on {socket.gethostname()}: --imagenet-a {missing} does not exist' in p.stderr, p.stderr
@@ -169,10 +176,9 @@ def test_a_node_without_the_dataset_fails_the_job_naming_rank_and_path(trees, tm
 
 def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
     out = tmp_path / 'train'
-    proc = subprocess.run(
-        _torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'train.py'), '--epochs', '1',
-                  '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output', str(out)),
-        capture_output=True, text=True, timeout=400, env=ENV)
+    proc = torchrun(['--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'train.py'), '--epochs', '1',
+                     '--warmup-epochs', '0', '--time-budget', '0', '-j', '0', '--output', str(out)],
+                    tmp_path / 'train_logs', ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'validation: 359 images scored by 2 processes (each image once)' in proc.stderr
     result = json.loads((out / 'digits_demo' / 'result.json').read_text())
@@ -194,9 +200,8 @@ def test_train_in_loop_top1_under_ddp_equals_one_process_validate(tmp_path):
     add_mac_junk(junk_val)
     truncate(sorted(junk_val.rglob('*.png'))[-1], keep=0.5)
     args = ['--data-dir', str(junk_val), *model, '--batch-size', '1']
-    proc = subprocess.run(_torchrun('--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'),
-                                    *args, '--out-dir', str(tmp_path / 'two')),
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = torchrun(['--standalone', '--nproc-per-node', '2', str(ROOT / 'tools' / 'validate.py'), *args,
+                     '--out-dir', str(tmp_path / 'two')], tmp_path / 'val_logs', ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads((tmp_path / 'two' / 'results.json').read_text())
     expected = _one_process('validate', args, tmp_path / 'one')

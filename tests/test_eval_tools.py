@@ -9,13 +9,12 @@ test_eval_suites.py.
 import hashlib
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from _helpers import EVAL_CVT_LS, load_tool, model_kwargs_args, save_eval_checkpoint
+from _helpers import EVAL_CVT_LS, load_tool, model_kwargs_args, run_script, save_eval_checkpoint
 from eval_fixtures import (
     ColourOracle,
     make_suite_trees,
@@ -45,12 +44,11 @@ def data(tmp_path_factory):
 
 def test_validate_tool_subprocess(data, tmp_path):
     out = tmp_path / 'out'
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / 'tools' / 'validate.py'), '--models', 'cvt_ls_13', '--checkpoint',
          str(data['ckpt']), '--model-kwargs', *TINY, '--imagenet', str(data['imagenet']['root']), '--real-labels',
          str(data['imagenet']['real_json']), '--imagenet-v2', str(data['v2']), '--workers', '0', '--threads', '1',
-         '--device', 'cpu', '--out-dir', str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+         '--device', 'cpu', '--out-dir', str(out)], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((out / 'results.json').read_text())
     assert res['tool'] == 'validate' and res['versions']['timm'] == timm.__version__

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
-from _helpers import free_port, grc_caches, grc_modules, perturb
+from _helpers import forkserver, free_port, grc_caches, grc_modules, perturb
 from grc_reference import full_attention_1d, grc_sequence_reference
 from reference_attention import dense_long_short_attention_1d, layer_norm
 
@@ -258,7 +258,8 @@ def test_ddp_gloo_caches_agree_and_equal_the_global_batch(tmp_path):
     loop's all-reduce after each step both leave identical caches on both ranks, equal to one process on the
     global batch (the ranks hold the same number of samples)."""
     batches = [_ids([24, 10, 17, 3], 24, seed=5), _ids([8, 24, 21, 15], 24, seed=6)]
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path), batches), nprocs=2, join=True)
+    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), batches), nprocs=2, join=True,
+                       start_method=forkserver())
     torch.manual_seed(0)
     model = _tiny('ls_grc_lra_listops', pool='mean_real').train()
     with torch.no_grad():

@@ -1,11 +1,11 @@
 """The HSW demo's parts: stdlib byte documents (on a small fake stdlib), time-budgeted training and the metrics."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_script
 
 from lsvision.data.stdlib_docs import PAD_ID, build_stdlib_docs, package_files
 from lsvision.sequence.budget_train import (
@@ -93,11 +93,10 @@ def test_budgeted_training_learns_and_stops():
 
 def test_demo_runs_small(tmp_path):
     out = tmp_path / 'demo.json'
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / 'tools' / 'demo_hsw.py'), '--doc-len', '512', '--train-seconds', '1',
          '--eval-seconds', '1', '--max-train-per-class', '8', '--max-test-per-class', '2', '--threads', '1',
-         '--out', str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+         '--out', str(out)], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert '| class | train docs | test docs |' in proc.stdout and '| bag of bytes |' in proc.stdout
     report = json.loads(out.read_text())

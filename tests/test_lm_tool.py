@@ -9,13 +9,11 @@ import math
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _helpers import ROOT, load_tool
+from _helpers import ROOT, load_tool, torchrun
 
 import lsvision.sequence as seq
 import lsvision.train.lm as lm
@@ -219,10 +217,9 @@ def test_two_processes_train_as_one_process(tmp_path):
               '--max-steps', '4', '--eval-interval', '100', '--eval-batch-size', '2', '--data-dir',
               str(tmp_path / 'wt'), '--model', 'txl_tiny']
     assert load_tool('train_lm').main(common + ['--output', str(tmp_path / 'one')]) == 0
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-         str(ROOT / 'tools' / 'train_lm.py'), *common, '--output', str(tmp_path / 'two')],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+    proc = torchrun(['--standalone', '--nproc_per_node=2', str(ROOT / 'tools' / 'train_lm.py'), *common,
+                     '--output', str(tmp_path / 'two')], tmp_path / 'logs',
+                    dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = load_checkpoint(str(tmp_path / 'one' / 'last.pth.tar'))
     two = load_checkpoint(str(tmp_path / 'two' / 'last.pth.tar'))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import load_tool
+from _helpers import load_tool, torchrun
 
 import lsvision.train.translation as translation
 from lsvision.data.parallel_text import read_parallel, write_demo_task
@@ -195,11 +195,9 @@ def test_two_processes_under_torchrun(data_dir, tmp_path):
     every update, every test sentence translated once (sharded), rank 0's report; both processes' RNG states kept."""
     root = Path(__file__).resolve().parents[1]
     run = tmp_path / 'ddp'
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-         str(root / 'tools' / 'train_mt.py'), '--data-dir', str(data_dir), '--output', str(run), '--max-updates', '2',
-         '--grc-sync-cache', *TINY],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS='1'))
+    proc = torchrun(['--standalone', '--nproc_per_node=2', str(root / 'tools' / 'train_mt.py'), '--data-dir',
+                     str(data_dir), '--output', str(run), '--max-updates', '2', '--grc-sync-cache', *TINY],
+                    tmp_path / 'logs', dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((run / 'result.json').read_text())
     assert result['world_size'] == 2 and result['updates'] == 2 and result['eval_sentences'] == 3

@@ -12,14 +12,20 @@ from lsvision.sequence.budget_train import lr_factor
 
 def test_demo_listops(tmp_path, capsys):
     out = tmp_path / 'listops.json'
-    assert load_tool('demo_listops').main(['--budget', '1', '--threads', '1', '--out', str(out)]) == 0
-    stdout = capsys.readouterr().out
+    tool = load_tool('demo_listops')
+    assert tool.main(['--budget', '1', '--threads', '1', '--num-train', '2000', '--out', str(out)]) == 0
+    captured = capsys.readouterr()
+    stdout = captured.out
+    assert 'ListOps-mini: 2000 train / 1000 test samples' in captured.err
     assert '| long-short (w 8, r 8) | 86,954 |' in stdout and '| full (SDPA) | 84,362 |' in stdout
     report = json.loads(out.read_text())
     assert '| full + GRC cache | 106,318 |' in stdout and '| long-short (w 8, r 8) + GRC cache | 108,910 |' in stdout
     assert [r['model'] for r in report['results']] == ['full', 'grc', 'ls', 'ls_grc']
     assert all(0 <= r['test_acc'] <= 1 and r['steps'] >= 1 for r in report['results'])
     assert 0.05 < report['majority'] < 0.2
+    with pytest.raises(SystemExit):
+        tool.parse_args(['--num-train', '8'])  # fewer than a batch of 64
+    assert 'smaller than a batch (--batch-size 64)' in capsys.readouterr().err
 
 
 def test_demo_bytelm(tmp_path, capsys):

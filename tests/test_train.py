@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from _helpers import load_tool, write_two_class_images
+from _helpers import load_tool, run_script, torchrun, write_two_class_images
 from PIL import Image
 
 import lsvision
@@ -111,9 +111,9 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path)
     full = run(parse_args(_train_args(image_root, tmp_path / 'full', *common)))
     assert full['epochs_done'] == 2 and full['num_updates'] == 6
 
-    killed = subprocess.run(
+    killed = run_script(
         [sys.executable, str(TRAIN), *_train_args(image_root, tmp_path / 'cut', *common), '--stop-after-steps', '4'],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert killed.returncode == 3, killed.stderr[-3000:]
     recovery = tmp_path / 'cut' / 'run' / 'recovery.pth.tar'
     state = load_checkpoint(str(recovery))  # weights_only=True
@@ -150,11 +150,11 @@ def test_killed_mid_epoch_and_resumed_equals_uninterrupted(image_root, tmp_path)
 
 
 def test_two_process_torchrun_gloo(image_root, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', str(TRAIN),
-         *_train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0', '--log-interval', '1',
-                      '--sync-bn')],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
+    proc = torchrun(['--standalone', '--nproc_per_node=2', str(TRAIN),
+                     *_train_args(image_root, tmp_path, '--epochs', '1', '-b', '4', '-j', '0', '--log-interval', '1',
+                                  '--sync-bn')],
+                    tmp_path.parent / f'{tmp_path.name}_logs',
+                    dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1'))
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert 'backend gloo' in proc.stderr
     assert 'weights identical on all 2 processes' in proc.stderr
@@ -457,10 +457,8 @@ def test_torchrun_host_syncs_once_per_log_interval_and_grc_caches_once_per_step(
         script = str(ROOT / 'tests' / 'count_host_syncs.py') if sync == '--grc-sync-cache' else str(TRAIN)
         if sync == '--no-grc-sync-cache':
             args.append(sync)  # the default is on
-        proc = subprocess.run(
-            [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', script, *args],
-            capture_output=True, text=True, timeout=300,
-            env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events')))
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS='1', SYNC_EVENTS=str(tmp_path / 'events'))
+        proc = torchrun(['--standalone', '--nproc_per_node=2', script, *args], tmp_path / f'logs{sync}', env)
         assert proc.returncode == 0, proc.stderr[-4000:]
         states[sync] = load_checkpoint(str(tmp_path / sync[2:] / 'last.pth.tar'))['state_dict']
         if sync == '--no-grc-sync-cache':
@@ -797,11 +795,11 @@ def test_compiled_validation_takes_every_batch_size_with_one_graph(torchcompile,
 def test_compile_times_tool_runs_and_tabulates(tmp_path):
     # eager only (a compile takes minutes on a CPU): the fresh process, the three first calls, the table
     out = tmp_path / 'times.json'
-    proc = subprocess.run(
+    proc = run_script(
         [sys.executable, str(ROOT / 'tools' / 'compile_times.py'), '--model', 'cvt_ls_13', '--model-kwargs',
          'embed_dims=(16,32,32)', 'num_heads=(1,1,1)', 'depths=(1,1,1)', '--sizes', '32', '48', '--threads', '1',
          '--iters', '2', '--modes', 'eager', '--steps', 'infer', '--out', str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row['points'] == [[2, 32], [2, 48], [3, 32]] and row['graphs_final'] == 0

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import lsvision.sequence as seq
 from lsvision.data import LISTOPS_LRA, LISTOPS_MINI, generate_listops, listops_vocab
+from lsvision.data.listops import small
 from lsvision.flops import parameter_count
 from lsvision.reports import machine_description
 from lsvision.runs import name_choice
@@ -37,11 +38,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--models', nargs='+', default=list(MODELS), type=name_choice(list(MODELS)),
                         help='full, grc (full + GRC cache), ls (long-short), ls_grc (long-short + GRC cache)')
     parser.add_argument('--full', action='store_true', help='full LRA ListOps lengths instead of ListOps-mini')
+    parser.add_argument('--num-train', type=int, default=None,
+                        help="training sequences to generate (default: the preset's, 20,000 mini / 96,000 full; "
+                             'fewer for a quick try: generating them takes most of a short run)')
     parser.add_argument('--batch-size', type=int, default=64)
     parser.add_argument('--lr', type=float, default=2e-3)
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', type=Path, default=None, help='also write the results as JSON here')
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.num_train is not None and args.num_train < args.batch_size:
+        parser.error(f'--num-train {args.num_train} is smaller than a batch (--batch-size {args.batch_size})')
+    return args
 
 
 # kind -> (registered model, its extra arguments, table name); the GRC models cache T_m = max_len slots, r = 0.5
@@ -102,6 +109,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.threads = set_threads(args.threads, max_threads=2)
     cfg = LISTOPS_LRA if args.full else LISTOPS_MINI
+    if args.num_train is not None:
+        cfg = small(cfg, args.num_train, cfg.num_val, cfg.num_test)
     t0 = time.perf_counter()
     data = generate_listops(cfg, seed=args.seed)
     test_ids, test_labels = data['test']

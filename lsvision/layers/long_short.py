@@ -371,7 +371,9 @@ class LongShortAttention2d(FoldableModule):
     feat_size) -> (B, H * W, h * r)` on the patch tokens. For inference a qkv module may fuse itself with the
     projection-logit module: if it has `fuse_projections(dynamic_proj)` and that returns a module, `reparameterize`
     puts it in their place as `fused_proj`, called as `fused_proj(x, feat_size, num_prefix_tokens) -> (q, k, v,
-    qkv_prefix, logits)`.
+    qkv_prefix, logits)`. For the CUDA (flex) path it may compute both in one pass: if it has
+    `project_with(dynamic_proj, x, feat_size, num_prefix_tokens)` and that returns a tuple (the same five), the
+    layer uses it; None there means the layer calls the two modules.
     """
 
     def __init__(

@@ -198,6 +198,21 @@ class _SepConvRecompute(torch.autograd.Function):
                 grad_pw_bias, None, None)
 
 
+def _patch_map_and_prefix_qkv(x: torch.Tensor, feat_size: Tuple[int, int], num_prefix_tokens: int
+                              ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(B, g + H*W, C) tokens -> the patch tokens as a (B, C, H, W) map view, and the prefix tokens as their own q,
+    k and v, (3, B, g, C) (an expanded view: prefix tokens have no conv projection)."""
+    prefix = x[:, :num_prefix_tokens]
+    return _map_view(x[:, num_prefix_tokens:], feat_size), prefix.expand((3,) + prefix.shape)
+
+
+def _standardized_weight(conv: StdConv2d, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A StdConv2d's weight as it standardizes it (batch_norm over each filter, biased variance), in `dtype`."""
+    w = conv.weight if dtype is None else conv.weight.to(dtype)
+    return F.batch_norm(w.reshape(1, conv.out_channels, -1), None, None, training=True, momentum=0.,
+                        eps=conv.eps).reshape_as(w)
+
+
 class SepConvQkv(nn.Module):
     """q, k, v from three depthwise-separable convs over the patch map (CvT-LS).
 
@@ -219,8 +234,7 @@ class SepConvQkv(nn.Module):
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns q, k, v of the patch tokens, (B, H * W, C) each (separate tensors: nothing is stacked, nor sliced
         in the layer), and the prefix tokens' q, k, v, (3, B, g, C): the prefix tokens themselves (a view)."""
-        feat_map = _map_view(x[:, num_prefix_tokens:], feat_size)  # each conv makes it dense (see SepConv2d)
-        prefix = x[:, :num_prefix_tokens].expand((3,) + x[:, :num_prefix_tokens].shape)
+        feat_map, prefix = _patch_map_and_prefix_qkv(x, feat_size, num_prefix_tokens)
         if x.device.type == 'cuda' and self.stacks() and not torch.jit.is_scripting():
             q, k, v = self.forward_stacked(feat_map)
             return q, k, v, prefix
@@ -251,10 +265,8 @@ class SepConvQkv(nn.Module):
         B, C, H, W = feat_map.shape
         dw_weights, dw_biases = [c.dw.weight for c in convs], [c.dw.bias for c in convs]
         if dynamic_proj is not None:
-            dw = dynamic_proj.dw  # StdConv2d's standardized weight, as it computes it
-            dw_weights.append(F.batch_norm(dw.weight.reshape(1, dw.out_channels, -1), None, None, training=True,
-                                           momentum=0., eps=dw.eps).reshape_as(dw.weight))
-            dw_biases.append(dw.bias)
+            dw_weights.append(_standardized_weight(dynamic_proj.dw))
+            dw_biases.append(dynamic_proj.dw.bias)
         with autocast_off(feat_map.device.type):
             x = feat_map.to(dtype, memory_format=torch.channels_last)
             # each parameter group cast once, stacked (unbind: a backward of one stack, not three slices' zeros)
@@ -281,10 +293,9 @@ class SepConvQkv(nn.Module):
         if not (x.device.type == 'cuda' and self.stacks() and isinstance(dynamic_proj, ConvDynamicProjection)
                 and isinstance(dynamic_proj.dw, StdConv2d)):
             return None
-        feat_map = _map_view(x[:, num_prefix_tokens:], feat_size)
-        prefix = x[:, :num_prefix_tokens]
+        feat_map, prefix = _patch_map_and_prefix_qkv(x, feat_size, num_prefix_tokens)
         q, k, v, logits = self.forward_stacked(feat_map, dynamic_proj)
-        return q, k, v, prefix.expand((3,) + prefix.shape), logits
+        return q, k, v, prefix, logits
 
     def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
         """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
@@ -320,13 +331,11 @@ class ConvDynamicProjection(FoldableModule):
         dw = self.dw
         if self.reparameterized or not isinstance(dw, StdConv2d):
             return
-        # StdConv2d's own standardization (batch_norm over each filter, biased variance), in fp32
-        w = dw.weight.float()
-        std = F.batch_norm(w.reshape(1, dw.out_channels, -1), None, None, training=True, momentum=0., eps=dw.eps)
+        std = _standardized_weight(dw, torch.float32)
         plain = nn.Conv2d(dw.in_channels, dw.out_channels, dw.kernel_size, stride=dw.stride, padding=dw.padding,
                           dilation=dw.dilation, groups=dw.groups, bias=dw.bias is not None,
                           device=dw.weight.device, dtype=dw.weight.dtype)
-        plain.weight.copy_(std.reshape_as(w))
+        plain.weight.copy_(std)
         if dw.bias is not None:
             plain.bias.copy_(dw.bias)
         self.dw = plain.requires_grad_(False)
@@ -340,8 +349,7 @@ class ConvDynamicProjection(FoldableModule):
             if training_paths_enabled() and isinstance(dw, StdConv2d):
                 # training: keep only the input map for backward (the conv output is recomputed there); the
                 # standardized weight as StdConv2d computes it
-                weight = F.batch_norm(dw.weight.reshape(1, dw.out_channels, -1), None, None, training=True,
-                                      momentum=0., eps=dw.eps).reshape_as(dw.weight)
+                weight = _standardized_weight(dw)
                 dtype = autocast_dtype(feat_map)
                 with autocast_off(feat_map.device.type):
                     return _SepConvRecompute.apply(
