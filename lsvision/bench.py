@@ -21,7 +21,6 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -40,6 +39,7 @@ from lsvision.models import list_models
 from lsvision.models.cvt import ConvAttention
 from lsvision.reports import markdown_table
 from lsvision.runs import unknown_model_message
+from lsvision.runtime import fresh_process_context
 
 MIB = 2 ** 20
 AMP_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -333,9 +333,9 @@ def _run_with_alarm(fn: Callable[[Job], Any], job: Job) -> Any:
 
 
 def run_fresh(job: Job, fn: Callable[[Job], Any] = measure) -> Any:
-    """``fn(job)`` in a fresh spawned process; a child that dies (killed for memory, or over ``job.timeout_s``) is a
-    RuntimeError that says so."""
-    with ProcessPoolExecutor(1, mp_context=get_context('spawn'), max_tasks_per_child=1) as pool:
+    """``fn(job)`` in a fresh process (forked from a server that imported this module: `fresh_process_context`); a
+    child that dies (killed for memory, or over ``job.timeout_s``) is a RuntimeError that says so."""
+    with ProcessPoolExecutor(1, mp_context=fresh_process_context([__name__]), max_tasks_per_child=1) as pool:
         try:
             return pool.submit(_run_with_alarm, fn, job).result()
         except BrokenProcessPool:

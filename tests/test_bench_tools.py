@@ -2,10 +2,10 @@
 the model benchmark against a baseline, ``--reparam``, the suites, the sweep and the cards; the reports committed in
 docs/benchmarks/ and every documented command line against the current tool.
 
-Every measurement runs in a fresh process that imports torch and timm (seconds on a busy machine), so the tests
-run the tool in this process and start as few measurements as they can; the numbers are not checked (timings on a
-shared machine are noise at these settings), their consistency is (ratios from the rows, pooled medians between the
-runs' medians).
+Every measurement runs in a fresh process (forked from a server that imports torch, timm and lsvision once, seconds
+on a busy machine), so the tests run the tool in this process and start as few measurements as they can; the numbers
+are not checked (timings on a shared machine are noise at these settings), their consistency is (ratios from the
+rows, pooled medians between the runs' medians).
 """
 import ast
 import json

@@ -1,7 +1,8 @@
 """Tests of lsvision.bench: one measurement in this process, fresh processes in alternating order, out-of-memory
 retries and time-outs, pooled rows and paired ratios, model specs and floors, reports and the exponent fit.
 
-Fresh processes each import torch and timm (seconds on a busy machine): the tests start as few as they can.
+Fresh processes are forked from a server that imports torch, timm and lsvision once (seconds on a busy machine),
+then each builds its model: the tests start as few as they can.
 """
 import functools
 import json
