@@ -52,6 +52,12 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {**TINY_FAMILIES, **TINY_VARIANTS}
 TINY_VIL_LS_TWO_STAGES: Dict[str, Any] = dict(
     img_size=32, embed_dims=(16, 32), depths=(1, 1), num_heads=(1, 2), patch_sizes=(4, 2),
     attn_types=('long_short', 'full'), num_cls_tokens=(1, 0), window_sizes=(2, 2), dp_ranks=(2, 2))
+# a two-stage CvT at 64 px (maps 16 / 8): a stage without and one with the cls token, one block each (cvt_13; add
+# window_sizes=(4, 2), dp_ranks=(4, 2) for cvt_ls_13): for tests whose cost grows with the layers traced (export,
+# torch.compile)
+TINY_CVT_TWO_STAGES: Dict[str, Any] = dict(
+    embed_dims=(16, 32), num_heads=(1, 2), depths=(1, 1), patch_sizes=(7, 3), patch_strides=(4, 2),
+    patch_paddings=(2, 1), cls_token_stages=(False, True))
 # the cvt_ls_13 of the evaluation tools' tests: one block and one head a stage, the default windows
 EVAL_CVT_LS: Dict[str, Any] = dict(embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
 
