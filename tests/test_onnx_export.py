@@ -15,27 +15,13 @@ import onnxruntime as ort
 import onnxscript  # noqa: F401  (the dynamo exporter needs it: fail here, not inside torch.onnx)
 import pytest
 import torch
-from _helpers import TINY_CVT_TWO_STAGES, TINY_FAMILIES, TINY_VIL_LS_TWO_STAGES, tiny_model
+from _helpers import TINY_TWO_STAGE_FAMILIES, tiny_model
 
 README = (Path(__file__).resolve().parents[1] / 'README.md').read_text()
 
-# one small config per family, smaller than TINY_FAMILIES: two stages of one block each (Swin: two blocks in its
-# first stage, the plain and the shifted window; ViT: one block), as the export's time grows faster than the graph
-# (onnxscript's optimizer matches its patterns against the whole graph); each keeps the family's kinds of stage
-# (CvT: a stage without and one with the cls token; PVT: a reducing and a non-reducing stage, the cls token in the
-# last; ViL-LS: a long-short and a full-attention stage)
-TINY = {
-    'cvt_13': TINY_CVT_TWO_STAGES,
-    'cvt_ls_13': dict(TINY_CVT_TWO_STAGES, window_sizes=(4, 2), dp_ranks=(4, 2)),
-    'vil_ls_medium': TINY_VIL_LS_TWO_STAGES,
-    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), mlp_ratios=(8, 4),
-                         sr_ratios=(2, 1)),
-    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1), embed_dims=(32, 64), num_heads=(1, 2), mlp_ratios=(8, 4),
-                          sr_ratios=(8, 1)),
-    'swin_tiny_patch4_window7_224_grc': dict(img_size=64, embed_dim=32, depths=(2, 1), num_heads=(2, 2)),
-    'vit_small_patch16_224_grc': dict(img_size=64, embed_dim=64, depth=1, num_heads=2),
-}
-assert TINY.keys() == TINY_FAMILIES.keys(), 'one config per family'
+# two stages a family: the export's time grows faster than the graph (onnxscript's optimizer matches its patterns
+# against the whole graph)
+TINY = TINY_TWO_STAGE_FAMILIES
 # cvt_ls_13 exports in test_readme_export_line_runs (the README's snippet), the others here: one export each
 EXPORTED = [name for name in TINY if name != 'cvt_ls_13']
 LEGACY_REFUSED = ['cvt_ls_13', 'vil_ls_medium', 'pvt_tiny_grc', 'pvt_v2_b0_grc', 'swin_tiny_patch4_window7_224_grc',
