@@ -57,6 +57,29 @@ TINY_CONFIGS: Dict[str, Dict[str, Any]] = {**TINY_FAMILIES, **TINY_VARIANTS}
 TINY_VIL_LS_TWO_STAGES: Dict[str, Any] = dict(
     img_size=32, embed_dims=(16, 32), depths=(1, 1), num_heads=(1, 2), patch_sizes=(4, 2),
     attn_types=('long_short', 'full'), num_cls_tokens=(1, 0), window_sizes=(2, 2), dp_ranks=(2, 2))
+# a two-stage CvT at 64 px (maps 16 / 8): a stage without and one with the cls token, one block each (cvt_13; add
+# window_sizes=(4, 2), dp_ranks=(4, 2) for cvt_ls_13): for tests whose cost grows with the layers traced (export,
+# torch.compile)
+TINY_CVT_TWO_STAGES: Dict[str, Any] = dict(
+    embed_dims=(16, 32), num_heads=(1, 2), depths=(1, 1), patch_sizes=(7, 3), patch_strides=(4, 2),
+    patch_paddings=(2, 1), cls_token_stages=(False, True))
+# one config per family smaller than TINY_FAMILIES, for tests whose cost grows with the layers run or traced (ONNX
+# export, the fake CUDA device): two stages of one block (Swin: two in its first stage, the plain and the shifted
+# window; ViT: one block), each family keeping its kinds of stage (CvT: without and with the cls token; PVT: a reducing
+# and a non-reducing stage, the cls token in the last; ViL-LS: a long-short and a full-attention one); head dims of 16
+# or 32 (the CUDA memory-efficient kernel's alignment)
+TINY_TWO_STAGE_FAMILIES: Dict[str, Dict[str, Any]] = {
+    'cvt_13': TINY_CVT_TWO_STAGES,
+    'cvt_ls_13': dict(TINY_CVT_TWO_STAGES, window_sizes=(4, 2), dp_ranks=(4, 2)),
+    'vil_ls_medium': TINY_VIL_LS_TWO_STAGES,
+    'pvt_tiny_grc': dict(img_size=64, depths=(1, 1), embed_dims=(16, 32), num_heads=(1, 2), mlp_ratios=(8, 4),
+                         sr_ratios=(2, 1)),
+    'pvt_v2_b0_grc': dict(img_size=64, depths=(1, 1), embed_dims=(32, 64), num_heads=(1, 2), mlp_ratios=(8, 4),
+                          sr_ratios=(8, 1)),
+    'swin_tiny_patch4_window7_224_grc': dict(img_size=64, embed_dim=32, depths=(2, 1), num_heads=(2, 2)),
+    'vit_small_patch16_224_grc': dict(img_size=64, embed_dim=64, depth=1, num_heads=2),
+}
+assert TINY_TWO_STAGE_FAMILIES.keys() == TINY_FAMILIES.keys(), 'one config per family'
 # the cvt_ls_13 of the evaluation tools' tests: one block and one head a stage, the default windows
 EVAL_CVT_LS: Dict[str, Any] = dict(embed_dims=(16, 32, 64), num_heads=(1, 1, 1), depths=(1, 1, 1))
 

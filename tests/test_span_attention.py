@@ -2,7 +2,7 @@
 shared span core, its saved tensors, and torch.compile."""
 import pytest
 import torch
-from _helpers import perturb, tiny_model
+from _helpers import TINY_CVT_TWO_STAGES, perturb, tiny_model
 from reference_attention import (
     dense_causal_long_short_attention,
     dense_long_short_attention_1d,
@@ -358,7 +358,10 @@ def test_torch_compile_fullgraph_forward_and_backward_equal_eager(amp):
     """torch.compile(fullgraph=True) of a tiny cvt_ls model, forward and backward, equals eager; also under bf16
     autocast (a memory-format query in a custom backward once broke the graph there and left autocast's state
     changed)."""
-    model = tiny_model('cvt_ls_13', img_size=64, num_classes=5, depths=(1, 1, 1)).train()  # one block a stage
+    # two stages of one block (a long-short layer without and one with the cls token): compile time grows with the
+    # number of layers traced
+    model = tiny_model('cvt_ls_13', img_size=64, num_classes=5, **TINY_CVT_TWO_STAGES, window_sizes=(4, 2),
+                       dp_ranks=(4, 2)).train()
     x = torch.randn(2, 3, 64, 72)
     compiled = torch.compile(model, fullgraph=True, backend='aot_eager')
 
