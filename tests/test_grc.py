@@ -15,6 +15,7 @@ import torch.nn as nn
 from _helpers import (
     TINY_CONFIGS,
     TINY_TWO_STAGE_FAMILIES,
+    forkserver,
     free_port,
     grc_caches,
     grc_modules,
@@ -516,7 +517,8 @@ def _ddp_worker(rank, world, port, path, x):
 def test_ddp_sync_cache_equals_global_batch(tmp_path):
     torch.manual_seed(1)
     x = torch.randn(2, 4, 3, 32, 32)
-    mp.spawn(_ddp_worker, args=(2, free_port(), str(tmp_path), x), nprocs=2, join=True)
+    mp.start_processes(_ddp_worker, args=(2, free_port(), str(tmp_path), x), nprocs=2, join=True,
+                       start_method=forkserver())
     model = _tiny('pvt_v2_b0_grc', grc_sync_cache=True).train()
     with torch.no_grad():
         for step in range(2):
