@@ -14,6 +14,7 @@ the test file cannot be fetched.
 import argparse
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -145,6 +146,10 @@ def run_jobs(args: argparse.Namespace, pytest_args: List[str]) -> int:
         print(e, file=sys.stderr)
         return 4  # pytest's usage error, as a single process reports it
     groups = [models[i::args.jobs] for i in range(min(args.jobs, len(models)))]
+    # the cores shared out: torch threads that wait on each other while the other jobs hold the cores run many
+    # times slower than one thread each
+    threads = str(max(1, (os.cpu_count() or 1) // len(groups)))
+    env = dict(os.environ, OMP_NUM_THREADS=threads)
     with tempfile.TemporaryDirectory(prefix='contract-jobs-') as tmp:
         procs = []
         for i, group in enumerate(groups):
@@ -152,12 +157,13 @@ def run_jobs(args: argparse.Namespace, pytest_args: List[str]) -> int:
             cmd = [sys.executable, str(Path(__file__).resolve()), '--models', ','.join(group), '--packages',
                    args.packages, '--exclude', args.exclude, '--non-std', args.non_std,
                    '--report', str(Path(tmp) / f'job{i}.json'), *pytest_args]
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         codes = []
         for i, (proc, log) in enumerate(procs):
             codes.append(proc.wait())
             log.seek(0)
-            print(f'===== contract job {i + 1}/{len(procs)}: {", ".join(groups[i])} (exit {codes[-1]}) =====')
+            print(f'===== contract job {i + 1}/{len(procs)}: {", ".join(groups[i])} ({threads} torch threads; exit '
+                  f'{codes[-1]}) =====')
             print(log.read(), end='', flush=True)
             log.close()
         reports = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob('job*.json'), key=lambda p: p.name)]
