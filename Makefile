@@ -14,9 +14,7 @@ TEST_WORKERS ?= 2
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# --no-compile: byte-compiling every installed module took 80 of the install's 170 s; Python compiles (and caches)
-	# what an import uses
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,bench,eval,corrupt,onnx,detect,text]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench,eval,corrupt,onnx,detect,text]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)
