@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -29,6 +30,7 @@ import timm
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.layers import GatedRecurrentCache
+from lsvision.runtime import fresh_process_context
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / 'tools'
@@ -214,18 +216,21 @@ _TORCHRUN_SIGNALS = ('SIGTERM', 'SIGINT', 'SIGHUP', 'SIGQUIT')  # the ones torch
 
 
 def forkserver() -> str:
-    """The start method for test processes: 'forkserver', its server importing torch, timm, torchvision and
-    lsvision once per test process (a spawned interpreter imports them each time, ~9 CPU-s)."""
-    import multiprocessing as mp
-    mp.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the forkserver runs: it has them
-    return 'forkserver'
+    """The start method for test processes: 'forkserver', its server (lsvision.runtime.fresh_process_context, as the
+    benchmarks' fresh processes use it) importing torch, timm, torchvision and lsvision once per test process (a
+    spawned interpreter imports them each time, ~9 CPU-s)."""
+    return fresh_process_context(_FORKSERVER_PRELOAD).get_start_method()
 
 
-def _as_a_new_interpreter() -> None:
-    """A forkserver child inherits 'forkserver' as its start method; a new interpreter has the platform's default
-    (on Linux 'fork' before Python 3.14), which e.g. the DataLoader's worker processes use."""
-    import multiprocessing as mp
-    mp.set_start_method(None, force=True)
+def _run_as_main(argv: Sequence[str]) -> None:
+    """``python SCRIPT ARGS`` (argv = [SCRIPT, *ARGS]) in a forkserver child: the platform's default start method (a
+    forkserver child inherits 'forkserver'; a new interpreter has e.g. 'fork' on Linux before Python 3.14, which the
+    DataLoader's worker processes use), sys.argv and sys.path[0] as the interpreter sets them, the script as
+    ``__main__``."""
+    multiprocessing.set_start_method(None, force=True)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+    runpy.run_path(argv[0], run_name='__main__')
 
 
 class _ScriptWithEnv:
@@ -238,11 +243,8 @@ class _ScriptWithEnv:
         self.__name__ = self.__qualname__ = 'run_script_path'
 
     def __call__(self, script: str, *script_args: str) -> None:
-        _as_a_new_interpreter()
         os.environ.update(self.env)
-        sys.path.insert(0, str(Path(script).resolve().parent))
-        sys.argv = [script, *script_args]
-        runpy.run_path(script, run_name='__main__')
+        _run_as_main([script, *script_args])
 
 
 def torchrun(torchrun_args: Sequence[str], log_dir: Path, env: Optional[Dict[str, str]] = None
@@ -287,16 +289,13 @@ def _script_process(argv: List[str], cwd: str, env: Dict[str, str], out: str, er
         file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(file, fd)
         os.close(file)
-    _as_a_new_interpreter()
     os.environ.clear()
     os.environ.update(env)
     if 'OMP_NUM_THREADS' in env:  # read at torch's import, which the forkserver did
         torch.set_num_threads(int(env['OMP_NUM_THREADS']))
     os.chdir(cwd)
-    sys.argv = list(argv[1:])
-    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
     try:
-        runpy.run_path(argv[1], run_name='__main__')
+        _run_as_main(argv[1:])
     finally:  # an interpreter runs them at exit; a multiprocessing child does not
         atexit._run_exitfuncs()
 
@@ -311,12 +310,10 @@ def run_script(argv: Sequence[str], cwd: Optional[Path] = None, env: Optional[Di
     the interpreter's (SystemExit's code, 1 on an uncaught exception with its traceback on stderr). Not for tests of
     what an interpreter imports, nor for environment variables read at import time (e.g. HF_HUB_OFFLINE).
     """
-    import multiprocessing as mp
-    import tempfile
     assert argv[0] == sys.executable and str(argv[1]).endswith('.py'), argv
     with tempfile.TemporaryDirectory(prefix='run_script_') as tmp:
         out, err = os.path.join(tmp, 'stdout'), os.path.join(tmp, 'stderr')
-        child = mp.get_context(forkserver()).Process(
+        child = multiprocessing.get_context(forkserver()).Process(
             target=_script_process, args=([str(a) for a in argv], str(cwd or os.getcwd()),
                                           dict(os.environ if env is None else env), out, err))
         child.start()
