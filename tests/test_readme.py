@@ -3,6 +3,7 @@ one's own; the commands are parsed from the README and checked against the Makef
 import contextlib
 import io
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,31 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
             exec(compile(code, 'README.md', 'exec'), {'__name__': '__readme__'})
         run += 1
     assert run, 'no README python block ran'
+
+
+def test_make_install_gives_uv_where_this_machines_pip_looks():
+    """tools/uv_install_args.py turns `pip config list` into uv flags: the install section or a PIP_ variable wins
+    over global (as in pip), list values become one flag each; and on this machine its output is what uv accepts."""
+    sys.path.insert(0, str(ROOT / 'tools'))
+    try:
+        import uv_install_args
+    finally:
+        sys.path.remove(str(ROOT / 'tools'))
+    listed = ("global.extra-index-url='file:///a/simple file:///b/simple'\n"
+              "global.find-links='/global/wheels'\n"
+              ":env:.find-links='/env/wheels'\n"
+              "install.constraint='/etc/pins.txt'\n"
+              "global.cert='/etc/ssl/certs/ca.crt'\n")
+    assert uv_install_args.uv_args(uv_install_args.pip_options(listed)) == [
+        '--index-strategy', 'unsafe-best-match',
+        '--extra-index-url', 'file:///a/simple', '--extra-index-url', 'file:///b/simple',
+        '--find-links', '/env/wheels', '--constraint', '/etc/pins.txt']
+    assert uv_install_args.uv_args(uv_install_args.pip_options('')) == ['--index-strategy', 'unsafe-best-match']
+    printed = subprocess.run([sys.executable, str(ROOT / 'tools' / 'uv_install_args.py')], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    uv = Path(sys.executable).with_name('uv')
+    if uv.exists():  # the Makefile's venv: uv resolves the pins with these flags (no install)
+        check = subprocess.run([str(uv), 'pip', 'install', '--dry-run', '-q', '--python', sys.executable,
+                                *shlex.split(printed), '-c', 'constraints.txt', 'timm'],
+                               cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert check.returncode == 0, check.stderr[-2000:]
