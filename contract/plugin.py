@@ -14,6 +14,7 @@ Collection then keeps only tests parametrized with a package model (timm's hard-
 minus the tests that download from the Hugging Face hub; the end of the run prints a model x test matrix.
 """
 import fnmatch
+import hashlib
 import importlib
 import json
 import os
@@ -24,9 +25,6 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import pytest
-
-import timm
-import timm.models
 
 # tests that fetch files from the Hugging Face hub (test tensors or pretrained weights): not run, CI must not depend
 # on the hub (and lsvision publishes no weights there)
@@ -73,6 +71,8 @@ def select_models(packages: Sequence[str], patterns: Sequence[str], exclude: Seq
     Raises:
         ValueError: a package does not import, registers no model, or no model matches (the message says which).
     """
+    import timm.models  # here, not at the top: `run.py --jobs` merges the jobs' reports without torch
+
     for package in packages:
         try:
             importlib.import_module(package)
@@ -115,10 +115,15 @@ class TimmContract:
         non_std: patterns of token-output models to add to timm's ``NON_STD_FILTERS``.
         report: optional JSON file for the outcomes.
         tests_source: where the test file came from, for the report header.
+        claim_dir: a folder shared with other processes running the same selection (``run.py --jobs``): each
+            test runs in the one process that claims it first (a file of that name, created exclusively), so the
+            jobs take the next test as each is free, as pytest-xdist's workers do.
     """
 
     def __init__(self, packages: Sequence[str], models: Sequence[str], exclude: Sequence[str] = (),
-                 non_std: Sequence[str] = (), report: Optional[Path] = None, tests_source: str = '?'):
+                 non_std: Sequence[str] = (), report: Optional[Path] = None, tests_source: str = '?',
+                 claim_dir: Optional[Path] = None):
+        self.claim_dir = claim_dir
         self.packages = list(packages)
         self.patterns = list(models)
         self.exclude = list(exclude)
@@ -144,11 +149,13 @@ class TimmContract:
         self._wrap_timm_lists()
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
+        import timm
         for module in (timm, timm.models):
             for name, fn in self._originals.items():
                 setattr(module, name, fn)
 
     def _wrap_timm_lists(self) -> None:
+        import timm.models
         list_models, list_pretrained = timm.models.list_models, timm.models.list_pretrained
         self._originals = dict(list_models=list_models, list_pretrained=list_pretrained)
         selected = set(self.models)
@@ -171,6 +178,8 @@ class TimmContract:
 
     def pytest_report_header(self, config: pytest.Config) -> List[str]:
         import torch
+
+        import timm
         return [f'contract: timm {timm.__version__}, torch {torch.__version__}, tests from {self.tests_source}',
                 f'contract: {len(self.models)} models of {",".join(self.packages)}: {", ".join(self.models)}']
 
@@ -196,6 +205,18 @@ class TimmContract:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: Optional[pytest.Item]) -> Optional[bool]:
+        """With a claim folder: run the test only if this process claims it first (True: another job has it)."""
+        if self.claim_dir is None:
+            return None
+        claim = self.claim_dir / hashlib.sha1(item.nodeid.encode()).hexdigest()
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return True
+        return None
+
     # --- reporting -----------------------------------------------------------------------------------------------
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         key = self._item_keys.get(report.nodeid)
@@ -219,6 +240,7 @@ class TimmContract:
             tr.write_line(f'  JSON report: {self.report}')
 
     def _write_report(self, exitstatus: int) -> None:
+        import timm
         data = dict(
             timm_version=timm.__version__,
             tests_source=self.tests_source,

@@ -13,6 +13,7 @@ the test file cannot be fetched.
 """
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -25,9 +26,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import pytest
-from plugin import HUB_TESTS, MATRIX_TITLE, TimmContract, matrix_lines, select_models, write_atomic
-
-import timm
+from plugin import MATRIX_TITLE, TimmContract, matrix_lines, write_atomic
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
@@ -100,13 +99,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                              f'(default: {DEFAULT_NON_STD}; vit_*_grc and deit_*_grc match its vit_* and deit*)')
     parser.add_argument('--report', type=Path, help='also write the model x test outcomes to this JSON file')
     parser.add_argument('--jobs', type=int, default=1,
-                        help='processes to run at once, each on its share of the models (default: 1, this process)')
+                        help='processes to run at once, each taking the next selected test as it is free (default: '
+                             '1, this process)')
+    parser.add_argument('--claim-dir', type=Path,
+                        help='a folder shared by processes running the same selection: each test runs in the one '
+                             'that claims it first (what --jobs gives its jobs)')
     args, pytest_args = parser.parse_known_args(argv)
     if args.jobs < 1:
         parser.error(f'--jobs must be at least 1, not {args.jobs}')
 
     try:
-        test_file = fetch_timm_tests(timm.__version__)
+        test_file = fetch_timm_tests(importlib.metadata.version('timm'))
     except RuntimeError as e:
         print(f'contract: {e}', file=sys.stderr)
         return 2
@@ -121,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         non_std=split_patterns(args.non_std),
         report=args.report,
         tests_source=_source_of(test_file),
+        claim_dir=args.claim_dir,
     )
     # importlib mode: the cached file imports as a plain module, with no clash with the project's own tests
     return int(pytest.main(
@@ -136,51 +140,47 @@ def _merged_exit(codes: List[int]) -> int:
 
 
 def run_jobs(args: argparse.Namespace, pytest_args: List[str]) -> int:
-    """Runs the selected models in ``args.jobs`` child processes (models dealt out in turn), prints each child's
-    output once it ends and then the merged model x test matrix; ``--report`` gets the merged outcomes."""
+    """Runs the selection in ``args.jobs`` child processes that share a claim folder (``--claim-dir``: each takes
+    the next test that no other has taken, so that they end together), prints each child's output once it ends and
+    then the merged model x test matrix; ``--report`` gets the merged outcomes. This process imports neither torch
+    nor the models: the children select them (and report a pattern that matches none)."""
     t0 = time.time()
-    packages, exclude = split_patterns(args.packages), split_patterns(args.exclude)
-    try:
-        models = select_models(packages, split_patterns(args.models), exclude)
-    except ValueError as e:
-        print(e, file=sys.stderr)
-        return 4  # pytest's usage error, as a single process reports it
-    groups = [models[i::args.jobs] for i in range(min(args.jobs, len(models)))]
+    jobs = args.jobs
     # the cores shared out: torch threads that wait on each other while the other jobs hold the cores run many
     # times slower than one thread each
-    threads = str(max(1, (os.cpu_count() or 1) // len(groups)))
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = dict(os.environ, OMP_NUM_THREADS=threads)
     with tempfile.TemporaryDirectory(prefix='contract-jobs-') as tmp:
+        (Path(tmp) / 'claims').mkdir()
         procs = []
-        for i, group in enumerate(groups):
+        for i in range(jobs):
             log = open(Path(tmp) / f'job{i}.log', 'w+')
-            cmd = [sys.executable, str(Path(__file__).resolve()), '--models', ','.join(group), '--packages',
+            cmd = [sys.executable, str(Path(__file__).resolve()), '--models', args.models, '--packages',
                    args.packages, '--exclude', args.exclude, '--non-std', args.non_std,
-                   '--report', str(Path(tmp) / f'job{i}.json'), *pytest_args]
+                   '--claim-dir', str(Path(tmp) / 'claims'), '--report', str(Path(tmp) / f'job{i}.json'),
+                   *pytest_args]
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
         codes = []
         for i, (proc, log) in enumerate(procs):
             codes.append(proc.wait())
             log.seek(0)
-            print(f'===== contract job {i + 1}/{len(procs)}: {", ".join(groups[i])} ({threads} torch threads; exit '
-                  f'{codes[-1]}) =====')
+            print(f'===== contract job {i + 1}/{jobs} ({threads} torch threads; exit {codes[-1]}) =====')
             print(log.read(), end='', flush=True)
             log.close()
         reports = [json.loads(p.read_text()) for p in sorted(Path(tmp).glob('job*.json'), key=lambda p: p.name)]
     if not reports:
         return _merged_exit(codes)
-    outcomes, durations, deselected = {}, {}, {}
-    hub_reasons = set(HUB_TESTS.values())
+    outcomes, durations = {}, {}
     for report in reports:
         for model, by_test in report['outcomes'].items():
-            outcomes.update({(fn, model): o for fn, o in by_test.items()})
+            for fn, outcome in by_test.items():  # a hub test is 'deselected' in every job; the others run in one
+                if outcomes.get((fn, model)) in (None, 'deselected'):
+                    outcomes[(fn, model)] = outcome
         for fn, s in report['durations_s'].items():
             durations[fn] = durations.get(fn, 0.0) + s
-        for reason, count in report['deselected'].items():  # hub tests are per model; timm's own are in every job
-            deselected[reason] = deselected.get(reason, 0) + count if reason in hub_reasons else count
-    ran = [m for r in reports for m in r['models']]
-    ran = [m for m in models if m in ran]  # timm's order, as one process prints it
-    print(f'===== {MATRIX_TITLE}, {len(procs)} jobs =====')
+    deselected = reports[0]['deselected']  # every job collected and deselected the same tests
+    ran = reports[0]['models']  # every job's selection, in timm's order
+    print(f'===== {MATRIX_TITLE}, {jobs} jobs =====')
     print('\n'.join(matrix_lines(ran, outcomes, durations, deselected, time.time() - t0)))
     status = _merged_exit(codes)
     if args.report:

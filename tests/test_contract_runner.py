@@ -6,6 +6,7 @@ test file from the sdist into contract/.cache.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def test_fetch_without_the_sdist_says_what_to_do(contract_run, tmp_path, monkeyp
 
 
 def test_contract_catches_a_model_that_ignores_num_classes(tmp_path):
-    """Run as `make contract` runs it, in two jobs (one model each): the merged report and matrix hold both."""
+    """Run as `make contract` runs it, in two jobs that share out the tests: the merged report and matrix hold both
+    models, each test run once."""
     report = tmp_path / 'report.json'
     proc = _run_contract('--models', '*', '--report', str(report), '--jobs', '2', cwd=tmp_path)
     log = proc.stdout + proc.stderr
@@ -74,6 +76,11 @@ def test_contract_catches_a_model_that_ignores_num_classes(tmp_path):
     assert row.split()[1:].count('F') == sum(o == 'failed' for o in broken.values()) >= 2
     assert next(line for line in merged.splitlines() if line.strip().startswith('contract_tiny_resnet ')).split()[1:]
     assert data['exitstatus'] == 1
+    # each test ran in exactly one job: the jobs' own counts add up to the merged outcomes, and both jobs worked
+    ran = [sum(int(n) for n, what in re.findall(r'(\d+) (passed|failed)', line))
+           for line in proc.stdout.splitlines() if re.match(r'=+ .*\d+ (passed|failed).* in [\d.]+s', line)]
+    assert len(ran) == 2 and min(ran) > 0, ran
+    assert sum(ran) == sum(o in ('passed', 'failed') for m in data['models'] for o in data['outcomes'][m].values())
 
 
 def test_contract_names_the_models_when_a_pattern_matches_none(tmp_path):
