@@ -1,8 +1,9 @@
 """contract/run.py: timm's own model tests run on the models a package registers, and a broken model is caught.
 
-The runner runs in a subprocess on two tiny ResNets (tests/contract_fixture_models.py), the second of which ignores
-``num_classes``. About 15 s (torch import and timm's test collection dominate); the first run also fetches timm's
-test file from the sdist into contract/.cache.
+The runner runs as a script (``run_script``: a process from the tests' forkserver, torch and timm imported) on two
+tiny ResNets (tests/contract_fixture_models.py), the second of which ignores ``num_classes``. A few seconds each,
+timm's test collection most of it; ``--jobs 2`` starts two new interpreters (about 20 s on an idle machine). The
+first run also fetches timm's test file from the sdist into contract/.cache.
 """
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_script
 
 import timm
 
@@ -20,10 +22,12 @@ RUNNER = TESTS.parent / 'contract' / 'run.py'
 
 
 def _run_contract(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``python contract/run.py --packages contract_fixture_models ARGS`` (from the tests' forkserver; the jobs of
+    ``--jobs`` are new interpreters, which find the fixture package through PYTHONPATH)."""
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=os.pathsep.join(
         [str(TESTS), *filter(None, [os.environ.get('PYTHONPATH')])]))
-    return subprocess.run([sys.executable, str(RUNNER), '--packages', 'contract_fixture_models', *args],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return run_script([sys.executable, str(RUNNER), '--packages', 'contract_fixture_models', *args],
+                      cwd=cwd, env=env, timeout=900)
 
 
 @pytest.fixture
