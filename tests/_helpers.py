@@ -293,6 +293,8 @@ def _script_process(argv: List[str], cwd: str, env: Dict[str, str], out: str, er
     os.environ.update(env)
     if 'OMP_NUM_THREADS' in env:  # read at torch's import, which the forkserver did
         torch.set_num_threads(int(env['OMP_NUM_THREADS']))
+    if 'huggingface_hub.constants' in sys.modules:  # HF_HUB_OFFLINE, HF_HOME, ...: read at its import, as above
+        importlib.reload(sys.modules['huggingface_hub.constants'])
     os.chdir(cwd)
     try:
         _run_as_main(argv[1:])
@@ -307,8 +309,9 @@ def run_script(argv: Sequence[str], cwd: Optional[Path] = None, env: Optional[Di
     and lsvision imported once per test process) instead of a new interpreter (~9 CPU-s of imports each).
 
     The script runs as ``__main__`` with its own sys.argv, environment, folder and sys.path[0]; its exit status is
-    the interpreter's (SystemExit's code, 1 on an uncaught exception with its traceback on stderr). Not for tests of
-    what an interpreter imports, nor for environment variables read at import time (e.g. HF_HUB_OFFLINE).
+    the interpreter's (SystemExit's code, 1 on an uncaught exception with its traceback on stderr); torch's thread
+    count and huggingface_hub's settings (HF_HUB_OFFLINE, HF_HOME, ...), read at their import, are taken again from
+    the script's environment. Not for tests of what an interpreter imports, nor for other variables read at import.
     """
     assert argv[0] == sys.executable and str(argv[1]).endswith('.py'), argv
     with tempfile.TemporaryDirectory(prefix='run_script_') as tmp:

@@ -1,13 +1,12 @@
 """README's "Fine-tune on your own folder": its commands (train, resume, evaluate, and the offline train line) as
-written, on a tiny 3-class folder, in fresh processes without network (HF_HUB_OFFLINE=1). The weights file is a tiny
-cvt_13 configuration's, saved as a plain state dict with an ImageNet head (as a released file); only the data path,
-the output root, the file name, the epochs (10 -> 1, 20 -> 2), the size (32 px) and the model's width are changed for
-a CPU test. The config is the real configs/finetune.yaml."""
+written, on a tiny 3-class folder, each run as a script (``run_script``) without network (HF_HUB_OFFLINE=1). The
+weights file is a tiny cvt_13 configuration's, saved as a plain state dict with an ImageNet head (as a released file);
+only the data path, the output root, the file name, the epochs (10 -> 1, 20 -> 2), the size (32 px) and the model's
+width are changed for a CPU test. The config is the real configs/finetune.yaml."""
 import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from _helpers import TINY_FAMILIES, load_tool, model_kwargs_args
+from _helpers import TINY_FAMILIES, load_tool, model_kwargs_args, run_script
 from test_folder_eval import CLASSES, independent_top1, write_folder
 
 import timm
@@ -50,8 +49,7 @@ def _adapted(command, data: Path, out: Path, weights: Path):
 
 
 def _run(command):
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, HF_HUB_OFFLINE='1', PYTHONPATH=str(ROOT)))
+    done = run_script(command, cwd=ROOT, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE='1', PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, (command, done.stderr[-3000:])
     return done
 
@@ -113,3 +111,14 @@ def test_weights_errors_give_the_fix_in_train_flags(tmp_path, caches, caplog):
         caplog.text and 'NoPretrainedWeightsError' not in caplog.text
     assert train.main(unreleased + ['--no-pretrained', '--experiment', 'scratch']) == 0  # the hint, followed
 
+
+
+def test_scripts_here_run_offline_as_a_new_interpreter_would(tmp_path):
+    """huggingface_hub read HF_HUB_OFFLINE when the forkserver imported it: run_script's script sees the value of its
+    own environment, as the README's commands in a new interpreter would."""
+    script = tmp_path / 'offline.py'
+    script.write_text('import huggingface_hub.constants as c\nprint(c.HF_HUB_OFFLINE)\n')
+    env = {k: v for k, v in os.environ.items() if k not in ('HF_HUB_OFFLINE', 'TRANSFORMERS_OFFLINE')}
+    for value, offline in (('1', 'True'), (None, 'False')):
+        done = run_script([sys.executable, str(script)], env=env if value is None else dict(env, HF_HUB_OFFLINE=value))
+        assert done.returncode == 0 and done.stdout.strip() == offline, done.stderr[-2000:]
