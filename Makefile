@@ -69,10 +69,9 @@ test: lint unit contract
 lint: install
 	$(PY) -m ruff check .
 
-# files in tests/conftest.py's order (the longest first: the run ends on short files, both cores busy); the 40
-# slowest test phases are listed after the results (where the 15-minute budget goes)
+# the 40 slowest test phases are listed after the results (where the 15-minute budget goes)
 unit: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40
 
 # timm's own tests/test_models.py (from the sdist of the installed timm, cached in contract/.cache) on our models
 contract: install

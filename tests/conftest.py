@@ -26,26 +26,6 @@ torch.set_num_threads(_THREADS)
 if _WORKERS > 1:
     os.environ['OMP_NUM_THREADS'] = str(_THREADS)
 
-# The test files that take longest (summed over their tests; the order measured on the 2-core machine at 70ea93d),
-# first. `make unit` gives each pytest-xdist worker the next file as it frees up (--dist loadfile), in this order
-# (--no-loadscope-reorder: xdist's own order, by the number of tests in a file, put long files of one to three tests
-# last), so that the run ends on short files with both cores busy. Files not named keep their order, after these.
-LONGEST_FILES_FIRST = (
-    'test_train.py', 'test_loading_lines.py', 'test_demo.py', 'test_span_attention.py', 'test_distributed_eval.py',
-    'test_grc.py', 'test_cvt.py', 'test_onnx_export.py', 'test_cuda_fake.py', 'test_reparameterize.py',
-    'test_vil_ls.py', 'test_contract_runner.py', 'test_finetune_recipe.py', 'test_pretrained.py',
-    'test_measure_cuda.py', 'test_finetune_folder.py', 'test_fvcore_trace.py', 'test_gpu_check.py',
-    'test_bench_tools.py', 'test_span_flex.py', 'test_detect_tool.py', 'test_hints.py', 'test_model_cards.py',
-    'test_benchmark.py', 'test_readme.py', 'test_eval_tools.py', 'test_mt_tool.py', 'test_compile.py',
-    'test_sequence_tools.py', 'test_ddp_equivalence.py',
-)
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order stays
-
-
 # the one root of the golden data (tests/golden/README.md says where each folder came from)
 GOLDEN_ROOT = Path(__file__).resolve().parent / 'golden'
 
