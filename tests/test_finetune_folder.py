@@ -112,7 +112,6 @@ def test_weights_errors_give_the_fix_in_train_flags(tmp_path, caches, caplog):
     assert train.main(unreleased + ['--no-pretrained', '--experiment', 'scratch']) == 0  # the hint, followed
 
 
-
 def test_scripts_here_run_offline_as_a_new_interpreter_would(tmp_path):
     """huggingface_hub read HF_HUB_OFFLINE when the forkserver imported it: run_script's script sees the value of its
     own environment, as the README's commands in a new interpreter would."""

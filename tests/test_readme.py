@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / 'README.md').read_text()
 
@@ -136,11 +138,7 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
 def test_make_install_gives_uv_where_this_machines_pip_looks():
     """tools/uv_install_args.py turns `pip config list` into uv flags: the install section or a PIP_ variable wins
     over global (as in pip), list values become one flag each; and on this machine its output is what uv accepts."""
-    sys.path.insert(0, str(ROOT / 'tools'))
-    try:
-        import uv_install_args
-    finally:
-        sys.path.remove(str(ROOT / 'tools'))
+    uv_install_args = load_tool('uv_install_args')
     listed = ("global.extra-index-url='file:///a/simple file:///b/simple'\n"
               "global.find-links='/global/wheels'\n"
               ":env:.find-links='/env/wheels'\n"
