@@ -11,14 +11,19 @@ def _run(tmp_path, *args: str) -> int:
     return load_tool('gpu_check').main(['--dry-run', '--out-dir', str(tmp_path), *args])
 
 
-def test_plan_measures_the_issue_targets_first():
+def test_plan_measures_the_calibration_points_first_then_profiles_both_models():
     gpu_check = load_tool('gpu_check')
-    labels = [gpu_check.label(p) for p in gpu_check.plan()]
-    assert labels[:8] == [f'{m} {k} {s} b{b}' for k, s, b in (('train', 384, 64), ('train', 1024, 8),
-                                                                ('inference', 224, 32), ('inference', 1024, 8))
-                          for m in ('cvt_ls_13', 'cvt_13')]
-    assert labels[8] == 'cvt_ls_13, span path train 384 b64'
-    assert len(labels) == len(set(labels)) + 1  # the profiled step repeats a point's label
+    points = gpu_check.plan()
+    labels = [gpu_check.label(p) for p in points]
+    assert labels[:10] == [f'{m} {k} {s} b{b}' for k, s, b in (('train', 224, 256), ('train', 384, 64),
+                                                                 ('train', 1024, 8), ('inference', 224, 32),
+                                                                 ('inference', 1024, 8))
+                           for m in ('cvt_ls_13', 'cvt_13')]
+    assert [p.get('profile', False) for p in points[10:14]] == [True] * 4
+    assert labels[10:14] == [f'{m} {k} {s} b{b}' for k, s, b in (('train', 384, 64), ('inference', 224, 32))
+                             for m in ('cvt_ls_13', 'cvt_13')]
+    assert labels[14] == 'cvt_ls_13, span path train 384 b64'
+    assert len(labels) == len(set(labels)) + 4  # each profiled step repeats a point's label
 
 
 def test_dry_run_goes_through_every_step_and_writes_the_report(tmp_path):
@@ -36,7 +41,7 @@ def test_dry_run_goes_through_every_step_and_writes_the_report(tmp_path):
     assert ('inference 224 b32', 'cvt_ls_13, compiled default') in variants
     assert ('inference 224 b32', 'cvt_ls_13, compiled reduce-overhead') in variants
     assert all(r['time_ratio'] > 0 for r in report['ratios'])
-    assert report['profile']['table']
+    assert len(report['profiles']) == 4 and all(p['table'] for p in report['profiles'])
     assert {(r['model'], r['against']) for r in report['pairs']} == {
         ('vil_ls_medium', 'vil_ls_medium@full'), ('cvt_ls_13', 'swin_tiny_patch4_window7_224')}
     text = (tmp_path / 'gpu.md').read_text()

@@ -1,23 +1,25 @@
 #!/usr/bin/env python3
 """The GPU check for the day a CUDA device is lent (`make gpu-check`): under 8 minutes on one H100 / H200.
 
-What issue 53 needs measured, most important first, each model and point in a fresh process (`lsvision.bench`:
+What issues 53 and 59 need measured, most important first, each model and point in a fresh process (`lsvision.bench`:
 torch.utils.benchmark, which synchronizes CUDA; peak `max_memory_allocated` above the memory in use before the first
 step), within one time budget (`--budget-s`; every point has its own time-out, a point that no longer fits is skipped,
 and the report is rewritten after every point, so a cut run leaves what it measured):
 
 1. tests/test_cuda.py (the CUDA kernels and the flex path against the dense references).
-2. cvt_ls_13 against cvt_13, eager, bf16 autocast: training steps (AdamW) at 384 b64 and 1024 b8, inference (no grad)
-   at 224 b32 (the paper's) and 1024 b8: the issue's targets.
-3. The other CUDA candidates at 384 b64 training and 224 b32 inference: cvt_ls_13's span path (`span_kernel='span'`;
+2. cvt_ls_13 against cvt_13, eager, bf16 autocast, at issue 59's calibration points (the ones its fake-CUDA counts
+   were set against): training steps (AdamW) at 224 b256, 384 b64 and 1024 b8, inference (no grad) at 224 b32 (the
+   paper's) and 1024 b8; issue 53's time targets are among them.
+3. torch.profiler of one step of each model, training at 384 b64 and inference at 224 b32: the CUDA kernels it
+   really launches, by name, beside the counts of `tools/benchmark.py cuda-count`.
+4. The other CUDA candidates at 384 b64 training and 224 b32 inference: cvt_ls_13's span path (`span_kernel='span'`;
    the default, 'auto', runs the FlexAttention path on CUDA, segment order, 128-blocks, which the kernel counts
-   favour: docs/benchmarks/cuda_counting.md) and both models under torch.compile (default mode).
-4. The floors: both models with every attention a no-op (`@noattn`), and a torch.profiler summary of one cvt_ls_13
-   training step at 384 b64.
+   favour: docs/benchmarks/cuda_counting.md) and both models under torch.compile (default mode); the floors (both
+   models with every attention a no-op, `@noattn`).
 5. The span path at 1024 b8; both models compiled with CUDA graphs ('reduce-overhead', as the FlexAttention
    maintainers advise for small batches) at 224 b32.
-6. Swin-T, vil_ls_medium against its full-attention version, the rest of the grid (training at 224 b256, inference
-   at 224 b256), the flex path's other token order and block size, compiled at 1024 b8.
+6. Swin-T, vil_ls_medium against its full-attention version, inference at 224 b256, the flex path's other token
+   order and block size, compiled at 1024 b8.
 7. With what is left of the budget: issue 54's detection-resolution benchmark (tools/benchmark.py detection,
    cvt_ls_13 against cvt_13, bf16) into docs/benchmarks/detection_gpu.{json,md}.
 
@@ -53,6 +55,11 @@ SWIN = 'swin_tiny_patch4_window7_224'
 TIME_TARGETS = {('inference', 224, 32): 0.68, ('inference', 1024, 8): 0.4, ('train', 384, 64): 0.9,
                 ('train', 1024, 8): 0.5}
 MEMORY_TARGET = 0.95
+# issue 59's table (the points whose fake-CUDA counts were set against the H100's steps), measured first
+CALIBRATION = [('train', 224, 256), ('train', 384, 64), ('train', 1024, 8), ('inference', 224, 32),
+               ('inference', 1024, 8)]
+# the points profiled (torch.profiler: the CUDA kernels one step really launches), both models
+PROFILED = [('train', 384, 64), ('inference', 224, 32)]
 # the models whose training and inference points both run in the dry run
 DRY_RUN_BOTH_KINDS = ('cvt_ls_13', 'cvt_13', 'cvt_ls_13@noattn', 'cvt_13@noattn')
 # tiny stand-ins of the dry run (lsvision's test configs)
@@ -89,19 +96,20 @@ def _point(model: str, kind: str, size: int, batch: int, kernel: str = 'auto', o
 def plan() -> List[Dict[str, Any]]:
     """Every point, most important first (see the module docstring)."""
     pair = ('cvt_ls_13', 'cvt_13')
+    points = [_point(m, *t) for t in CALIBRATION for m in pair]
+    # the real kernels of a step, to set beside the fake-CUDA counts (tools/benchmark.py cuda-count)
+    points += [dict(_point(m, *t), profile=True) for t in PROFILED for m in pair]
     targets = [('train', 384, 64), ('train', 1024, 8), ('inference', 224, 32), ('inference', 1024, 8)]
-    points = [_point(m, *t) for t in targets for m in pair]
-    # the candidates at one training and one inference point each, then the floors and the profile
+    # the candidates at one training and one inference point each, then the floors
     points += [_point('cvt_ls_13', *t, kernel='span') for t in (targets[0], targets[2])]
     points += [_point(m, *t, compile='default') for t in (targets[0], targets[2]) for m in pair]
     points += [_point(m, *t) for t in targets[:3] for m in ('cvt_ls_13@noattn', 'cvt_13@noattn')]
-    points.append(dict(_point('cvt_ls_13', 'train', 384, 64), profile=True))
     points += [_point('cvt_ls_13', *t, kernel='span') for t in (targets[1], targets[3])]
     points += [_point(m, 'inference', 224, 32, compile='reduce-overhead') for m in pair]
     points += [_point(SWIN, 'train', 224, 256), _point(SWIN, 'inference', 224, 32)]
     points += [_point(m, k, 224, b) for k, b in (('train', 64), ('inference', 32))
                for m in ('vil_ls_medium', 'vil_ls_medium@full')]
-    points += [_point(m, k, 224, 256) for k in ('train', 'inference') for m in pair]
+    points += [_point(m, 'inference', 224, 256) for m in pair]
     points += [_point('cvt_ls_13', 'train', 1024, 8, kernel='flex', order=o, block=b)
                for o, b in (('raster', 128), ('segment', 64))]
     points += [_point(m, *t, compile='default') for t in (targets[1], targets[3]) for m in pair]
@@ -127,7 +135,8 @@ def _job(p: Dict[str, Any], dry_run: bool, timeout_s: float) -> Job:
 
 
 def profile_step(job: Job) -> Dict[str, Any]:
-    """torch.profiler of one training step after warm-up: the operators with the most device (CPU: host) time."""
+    """torch.profiler of one step (training or inference) after warm-up: the operators with the most device (CPU:
+    host) time, and the kernels the device ran (CUDA activity events, copies and fills included), by name."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -145,8 +154,12 @@ def profile_step(job: Job) -> Dict[str, Any]:
     key = 'cuda_time_total' if cuda else 'cpu_time_total'
     table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
     total_us = sum(getattr(e, 'device_time' if cuda else 'self_cpu_time_total', 0) for e in prof.key_averages())
-    kernels = sum(1 for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
-    return dict(label=job.label, table=table, total_ms=total_us / 1e3, kernels=kernels, sort_by=key)
+    by_name: Dict[str, int] = {}
+    for e in prof.events():
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name] = by_name.get(e.name, 0) + 1
+    return dict(label=job.label, table=table, total_ms=total_us / 1e3, kernels=sum(by_name.values()), sort_by=key,
+                kernels_by_name=dict(sorted(by_name.items(), key=lambda kv: -kv[1])))
 
 
 def _median_ms(row: Dict[str, Any]) -> Optional[float]:
@@ -201,12 +214,12 @@ def _fmt(value: Optional[float], spec: str = '.2f') -> str:
 
 
 def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]], tests: Dict[str, Any],
-                 profile_result: Optional[Dict[str, Any]]) -> None:
+                 profiles: List[Dict[str, Any]]) -> None:
     """gpu.json and gpu.md in `out_dir`, atomically (rewritten after every point)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rat, pairs = ratios(rows), pair_ratios(rows)
     write_json(out_dir / 'gpu.json', dict(meta, tests=tests, results=rows, ratios=rat, pairs=pairs,
-                                          profile=profile_result,
+                                          profiles=profiles,
                                           time_targets={f'{k} {s} b{b}': v for (k, s, b), v in TIME_TARGETS.items()},
                                           memory_target=MEMORY_TARGET))
     lines = [
@@ -235,10 +248,10 @@ def write_report(out_dir: Path, meta: Dict[str, Any], rows: List[Dict[str, Any]]
               '|---|---|---|---:|---:|']
     lines += [f"| {r['model']} | {r['against']} | {r['point']} | {_fmt(r['time_ratio'])} | {_fmt(r['memory_ratio'])} |"
               for r in pairs]
-    if profile_result:
-        lines += ['', f"## torch.profiler: {profile_result['label']}", '',
-                  f"{profile_result['kernels']} CUDA kernels, {profile_result['total_ms']:.1f} ms "
-                  f"(sorted by {profile_result['sort_by']})", '', '```', profile_result['table'], '```']
+    for prof in profiles:
+        lines += ['', f"## torch.profiler: {prof['label']}", '',
+                  f"{prof['kernels']} CUDA kernels, {prof['total_ms']:.1f} ms (sorted by {prof['sort_by']})", '',
+                  '```', prof['table'], '```']
     write_text(out_dir / 'gpu.md', '\n'.join(lines) + '\n')
 
 
@@ -256,12 +269,12 @@ def run_tests(dry_run: bool, timeout_s: float) -> Dict[str, Any]:
 
 
 def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: float, out_dir: Path,
-               meta: Dict[str, Any], tests: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], Optional[Dict[str, Any]]]:
+               meta: Dict[str, Any], tests: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
     """Every point that fits in the budget (each in a fresh process; the dry run in this one), the report rewritten
-    after each. Returns the rows and the profile summary."""
+    after each. Returns the rows and the profile summaries."""
     deadline = start + args.budget_s
     rows: List[Dict[str, Any]] = []
-    profile_result = None
+    profiles: List[Dict[str, Any]] = []
     for p in points:
         slow = p['compile'] is not None or p['kernel'] == 'flex'
         timeout = args.compiled_timeout_s if slow else args.point_timeout_s
@@ -279,7 +292,7 @@ def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: fl
         run = (lambda job, fn=measure: fn(job)) if args.dry_run else run_fresh
         try:
             if p.get('profile'):
-                profile_result = run(job, profile_step)
+                profiles.append(run(job, profile_step))
                 row = dict(label=label(p) + ' (profiled)', point=p, profiled=True)
             else:
                 row = run(job)
@@ -290,8 +303,8 @@ def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: fl
         ms = _median_ms(row)
         result = 'error ' + row['error'] if 'error' in row else 'profiled' if ms is None else f'{ms:.1f} ms'
         print(f"{row['label']}: {result} ({row['wall_s']} s, {time.monotonic() - start:.0f} s in)", flush=True)
-        write_report(out_dir, meta, rows, tests, profile_result)
-    return rows, profile_result
+        write_report(out_dir, meta, rows, tests, profiles)
+    return rows, profiles
 
 
 def detection_command(dry_run: bool, out_dir: Path) -> List[str]:
@@ -367,11 +380,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"tests/test_cuda.py: {tests['summary']}", flush=True)
     # the dry run's compiled points run eagerly: inductor on the CPU is not what it checks
     with torch.compiler.set_stance('force_eager') if args.dry_run else contextlib.nullcontext():
-        rows, profile_result = run_points(points, args, start, out_dir, meta, tests)
+        rows, profiles = run_points(points, args, start, out_dir, meta, tests)
     meta['detection'] = run_detection(args.dry_run, out_dir, start + args.budget_s)
     print(f"detection benchmark: {meta['detection']}", flush=True)
     meta['wall_s'] = round(time.monotonic() - start, 1)
-    write_report(out_dir, meta, rows, tests, profile_result)
+    write_report(out_dir, meta, rows, tests, profiles)
     print(f'wrote {out_dir / "gpu.md"} and gpu.json ({meta["wall_s"]} s)')
     return 0 if tests.get('returncode') == 0 else 1
 
