@@ -137,7 +137,8 @@ def test_cvt_ls_stacked_qkv_equals_three_convs(train):
         x = torch.randn(2, 1 + 5 * 7, 8, dtype=torch.float64, requires_grad=True)
         feat_map = x[:, 1:].transpose(1, 2).reshape(2, 8, 5, 7)
         if stacked:
-            out = qkv.forward_stacked(feat_map, dp)
+            q, kv, logits = qkv.forward_stacked(feat_map, dp)
+            out = [q, *kv.unbind(0), logits]
         else:
             out = [c(feat_map) for c in (qkv.q, qkv.k, qkv.v)] + [dp(x[:, 1:], (5, 7))]
         sum((o * (i + 1)).sin().sum() for i, o in enumerate(out)).backward()

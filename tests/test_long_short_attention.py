@@ -194,3 +194,25 @@ def test_traced_layer_equals_eager():
         ref = model(x)
         traced = torch.jit.trace(model, x, check_trace=False)
         torch.testing.assert_close(traced(x), ref)
+
+
+def test_cast_stacked_casts_every_group_in_one_buffer_and_returns_gradients_in_their_dtypes():
+    from lsvision.layers.autocast import cast_stacked
+    torch.manual_seed(0)
+    a, b, c = (torch.randn(3, 5, requires_grad=True) for _ in range(3))
+    w = torch.randn(7, requires_grad=True)
+    stacked, single = cast_stacked([[a, b, c], [w]], torch.bfloat16)
+    assert stacked.shape == (3, 3, 5) and single.shape == (1, 7) and stacked.dtype == torch.bfloat16
+    assert stacked.untyped_storage().data_ptr() == single.untyped_storage().data_ptr()  # one buffer
+    torch.testing.assert_close(stacked, torch.stack([a, b, c]).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(single[0], w.bfloat16(), rtol=0, atol=0)
+    (stacked.float().pow(2).sum() + (single.float() * 3).sum()).backward()
+    assert a.grad.dtype == w.grad.dtype == torch.float32
+    torch.testing.assert_close(a.grad, 2 * a.bfloat16().float(), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, torch.full_like(w, 3.), rtol=0, atol=0)
+    # nothing to cast: stacked as they are (no copy for a group of one)
+    same, one = cast_stacked([[a, b], [w]], torch.float32)
+    torch.testing.assert_close(same, torch.stack([a, b]), rtol=0, atol=0)
+    assert one.data_ptr() == w.data_ptr()
+    with pytest.raises(ValueError, match='one shape'):
+        cast_stacked([[a, w]], torch.bfloat16)

@@ -143,12 +143,10 @@ def test_the_documented_calibration_is_the_fit_of_the_committed_counts():
     assert sorted(errors)[-2] < 0.12 and errors.argmax() == keys.index(('cvt_ls_13', 'train 384 b64 bfloat16'))
 
 
-def test_cvt_ls_13_step_meets_the_kernel_target_on_its_cuda_default_path(cvt_13_inference):
-    """Issue 59's kernel target for the training step, on the counts: cvt_ls_13's bf16 step on its CUDA default path
-    launches at most 1.2x cvt_13's kernels (1892 / 1580 at 224 b256, 384 b64 and 1024 b8 in
-    docs/benchmarks/cuda_counts.md; batch 2 counts the same, batch 1 a few kernels fewer). Its inference (224 b32,
-    cvt_13's counted above) is held where it is (772 / 622 = 1.24x): the target there, 1.15x, is not met yet
-    (docs/benchmarks/cuda_counting.md)."""
+def test_cvt_ls_13_meets_the_kernel_targets_on_its_cuda_default_path(cvt_13_inference):
+    """Issue 59's kernel targets, on the counts: cvt_ls_13's bf16 training step on its CUDA default path launches at
+    most 1.2x cvt_13's kernels (the same at 224 b256, 384 b64 and 1024 b8 in docs/benchmarks/cuda_counts.md; batch 2
+    counts the same, batch 1 a few kernels fewer), and its inference at 224 b32 at most 1.15x."""
     counts = {('cvt_13', False): cvt_13_inference['kernels'],
               ('cvt_ls_13', False): count_row('cvt_ls_13', 'inference', 224, 32)['kernels']}
     for name in ('cvt_13', 'cvt_ls_13'):
@@ -156,7 +154,7 @@ def test_cvt_ls_13_step_meets_the_kernel_target_on_its_cuda_default_path(cvt_13_
         cost = count_step(bench.create_model(name), lambda: [torch.randn(2, 3, 224, 224)], True, optimizer=False)
         counts[(name, True)] = cost.total()['kernels']
     assert counts[('cvt_ls_13', True)] <= 1.2 * counts[('cvt_13', True)], counts
-    assert counts[('cvt_ls_13', False)] <= 1.25 * counts[('cvt_13', False)], counts
+    assert counts[('cvt_ls_13', False)] <= 1.15 * counts[('cvt_13', False)], counts
 
 
 def _ratio_rows():

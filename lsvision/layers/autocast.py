@@ -4,11 +4,11 @@ computes in, and autocast switched off on a device (both safe under torch.compil
 Written for lsvision, Apache-2.0.
 """
 import contextlib
-from typing import ContextManager, FrozenSet
+from typing import ContextManager, FrozenSet, List, Sequence
 
 import torch
 
-__all__ = ['autocast_dtype', 'autocast_off']
+__all__ = ['autocast_dtype', 'autocast_off', 'cast_stacked']
 
 
 def _autocast_devices() -> FrozenSet[str]:
@@ -35,3 +35,26 @@ def autocast_off(device_type: str) -> ContextManager:
     if device_type in _AUTOCAST_DEVICES:
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def cast_stacked(groups: Sequence[Sequence[torch.Tensor]], dtype: torch.dtype) -> List[torch.Tensor]:
+    """Each group of same-shaped tensors (a layer's parameters, say) stacked and cast to `dtype`, in two kernels for
+    all groups together: one `cat` of every tensor's values, one cast of the result. Each group comes back as a view
+    of the cast buffer, (len(group), *shape); autograd returns each tensor's gradient in its own dtype (one cast of
+    the buffer's gradient, then views of it).
+
+    The CUDA paths cast a layer's parameters per forward under autocast; cast one by one (and stacked, where one
+    kernel serves a group), that is two kernels a group, launches that cost more than the few bytes they move. Where
+    nothing needs a cast (every tensor already in `dtype`), each group is stacked as it is (a group of one: the
+    tensor itself, unsqueezed).
+    """
+    for group in groups:
+        if not group or any(t.shape != group[0].shape for t in group):
+            raise ValueError(f'cast_stacked: each group needs tensors of one shape, got '
+                             f'{[tuple(t.shape) for t in group]}')
+    tensors = [t for group in groups for t in group]
+    if all(t.dtype == dtype for t in tensors):
+        return [torch.stack(list(group)) if len(group) > 1 else group[0].unsqueeze(0) for group in groups]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).to(dtype)
+    sizes = [len(group) * group[0].numel() for group in groups]
+    return [piece.view((len(group),) + tuple(group[0].shape)) for piece, group in zip(flat.split(sizes), groups)]

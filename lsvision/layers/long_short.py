@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from timm.layers import register_notrace_module, trunc_normal_
 
-from .autocast import autocast_dtype, autocast_off
+from .autocast import autocast_dtype, autocast_off, cast_stacked
 from .export import refuse_legacy_onnx_export, training_paths_enabled
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .reparam import FoldableModule
@@ -372,8 +372,9 @@ class LongShortAttention2d(FoldableModule):
     projection-logit module: if it has `fuse_projections(dynamic_proj)` and that returns a module, `reparameterize`
     puts it in their place as `fused_proj`, called as `fused_proj(x, feat_size, num_prefix_tokens) -> (q, k, v,
     qkv_prefix, logits)`. For the CUDA (flex) path it may compute both in one pass: if it has
-    `project_with(dynamic_proj, x, feat_size, num_prefix_tokens)` and that returns a tuple (the same five), the
-    layer uses it; None there means the layer calls the two modules.
+    `project_with(dynamic_proj, x, feat_size, num_prefix_tokens)` and that returns a tuple (q, k and v stacked as
+    (2, B, H * W, C), the prefix tokens' q, k, v, the logits), the layer uses it; None there means the layer calls
+    the two modules.
     """
 
     def __init__(
@@ -514,18 +515,24 @@ class LongShortAttention2d(FoldableModule):
         # the projections in one pass where the qkv module offers it (CvT-LS's convs: one cast of the map)
         joint = getattr(self.qkv, 'project_with', None) if self.fused_proj is None else None
         projected = joint(self.dynamic_proj, x, feat_size, g) if joint is not None else None
-        q, k, v, qkv_prefix, logits = projected if projected is not None else self.projections(x, feat_size)
+        if projected is not None:
+            q, kv, qkv_prefix, logits = projected  # k and v one buffer (2, B, Np, C)
+        else:
+            q, k, v, qkv_prefix, logits = self.projections(x, feat_size)
+            kv = torch.stack([k, v])
         dtype = autocast_dtype(q)  # FlexAttention has no autocast rule: one dtype for all
         norm, norm_g = self.norm_local, self.norm_global
         with autocast_off(x.device.type):
-            ln_w, ln_b = norm.weight.to(dtype), norm.bias.to(dtype)
+            # LN_L's and LN_G's parameters cast in two kernels (`cast_stacked`), not four
+            (ln_w, ln_b), (ng_w, ng_b) = cast_stacked([[norm.weight, norm.bias], [norm_g.weight, norm_g.bias]], dtype)
             proj = torch.softmax(logits.to(dtype), dim=1)  # P over the tokens, (B, Np, h * r)
-            kv = F.layer_norm(torch.stack([k, v], dim=2).to(dtype), (C,), ln_w, ln_b, norm.eps)  # (B, Np, 2, C)
-            # P^T [k | v] of all heads in one product: its diagonal head blocks are the per-head products (h times
-            # their multiply-adds, which are few: one GEMM instead of 2h, and no heads-first copy of k or v)
-            prod = torch.bmm(proj.transpose(1, 2), kv.reshape(B, num_patches, 2 * C)).reshape(B, h, r, 2, h, d)
-            kv_bar = prod.diagonal(dim1=1, dim2=4).permute(2, 0, 1, 4, 3).reshape(2, B, r, C)
-            shared = F.layer_norm(kv_bar, (C,), norm_g.weight.to(dtype), norm_g.bias.to(dtype), norm_g.eps)
+            kv = F.layer_norm(kv.to(dtype), (C,), ln_w, ln_b, norm.eps)  # (2, B, Np, C)
+            # P^T k and P^T v of all heads in one product each: their diagonal head blocks are the per-head products
+            # (h times their multiply-adds, which are few: two GEMMs instead of 2h, and no heads-first copy of k or v)
+            proj_t = proj.transpose(1, 2)  # unbind: one stack of both gradients in backward, not two zero-filled
+            prod = torch.stack([torch.bmm(proj_t, t) for t in kv.unbind(0)]).reshape(2, B, h, r, h, d)
+            kv_bar = prod.diagonal(dim1=2, dim2=4).permute(0, 1, 2, 4, 3).reshape(2, B, r, C)
+            shared = F.layer_norm(kv_bar, (C,), ng_w, ng_b, norm_g.eps)
             kv_prefix = q_prefix = torch.empty(0)
             if g > 0:
                 if qkv_prefix.stride(0) == 0:  # q, k, v of the prefix one tensor (CvT-LS: the tokens themselves)
@@ -538,7 +545,8 @@ class LongShortAttention2d(FoldableModule):
                 shared = torch.cat([shared, kv_prefix], dim=2)
             shared = shared.reshape(2, B, r + g, h, d).transpose(2, 3)  # (2, B, h, r + g, d)
             out = span_flex_attention(
-                q.to(dtype).reshape(B, H, W, h, d), kv.reshape(B, H, W, 2, h, d), shared, self.window_size, d ** -0.5,
+                q.to(dtype).reshape(B, H, W, h, d), kv.reshape(2, B, H, W, h, d).permute(1, 2, 3, 0, 4, 5), shared,
+                self.window_size, d ** -0.5,
                 self.rel_pos_table, self.flex_order, (self.flex_block_size, self.flex_block_size))
             out = out.reshape(B, num_patches, C)
             if g > 0:  # each prefix query attends to the prefix keys and to the patches' attention outputs

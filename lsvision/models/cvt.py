@@ -38,7 +38,7 @@ from timm.layers import QuickGELU, StdConv2d, register_notrace_module
 from timm.models import generate_default_cfgs, register_model
 
 from lsvision.layers import LongShortAttention2d, scaled_dot_product_attention
-from lsvision.layers.autocast import autocast_dtype, autocast_off
+from lsvision.layers.autocast import autocast_dtype, autocast_off, cast_stacked
 from lsvision.layers.export import training_paths_enabled
 from lsvision.layers.reparam import FoldableModule
 from lsvision.layers.tuning import FUSE_CONVS_MAX_POSITIONS
@@ -248,54 +248,58 @@ class SepConvQkv(nn.Module):
     def forward_stacked(self, feat_map: torch.Tensor, dynamic_proj: Optional['ConvDynamicProjection'] = None
                         ) -> Tuple[torch.Tensor, ...]:
         """q, k, v (and the projection logits) for few kernels (the CUDA path): the map cast once for all the
-        depthwise convs, each parameter group cast once, BatchNorm in the compute dtype (fp32 statistics and affine,
-        as autocast runs BatchNorm), and the three pointwise convs as one batched GEMM. Autograd keeps each conv's
-        output for its BatchNorm and the stacked normalized maps, where `SepConv2d`'s CPU path keeps the input map
-        only and recomputes (a kernel per recomputed op). The same math as the modules' own calls (tested).
+        depthwise convs, every parameter cast in two kernels (`cast_stacked`), BatchNorm in the compute dtype (fp32
+        statistics and affine, as autocast runs BatchNorm), and the three pointwise convs as one batched GEMM.
+        Autograd keeps each conv's output for its BatchNorm and the stacked normalized maps, where `SepConv2d`'s CPU
+        path keeps the input map only and recomputes (a kernel per recomputed op). The same math as the modules' own
+        calls (tested).
 
         Args:
             feat_map: (B, C, H, W) map (any strides, e.g. a `_map_view` of tokens).
             dynamic_proj: The layer's projection-logit conv, run on the same cast map; None: q, k, v only.
 
         Returns:
-            q, k, v as (B, H * W, C) tokens each, then the logits (B, H * W, h * r) if `dynamic_proj` is given.
+            q, k, v as (B, H * W, C) tokens each; with `dynamic_proj`, q, then k and v stacked (2, B, H * W, C) (views
+            of one buffer: no copy), then the logits (B, H * W, h * r).
         """
         convs = (self.q, self.k, self.v)
         dtype = autocast_dtype(feat_map)
         B, C, H, W = feat_map.shape
         dw_weights, dw_biases = [c.dw.weight for c in convs], [c.dw.bias for c in convs]
+        groups = [dw_weights, dw_biases, [c.pw.weight.flatten(1) for c in convs], [c.pw.bias for c in convs]]
         if dynamic_proj is not None:
             dw_weights.append(_standardized_weight(dynamic_proj.dw))
             dw_biases.append(dynamic_proj.dw.bias)
+            groups += [[dynamic_proj.pw.weight.flatten(1)], [dynamic_proj.pw.bias]]
         with autocast_off(feat_map.device.type):
             x = feat_map.to(dtype, memory_format=torch.channels_last)
-            # each parameter group cast once, stacked (unbind: a backward of one stack, not three slices' zeros)
-            dw_weights = torch.stack(dw_weights).to(dtype).unbind(0)
-            dw_biases = torch.stack(dw_biases).to(dtype).unbind(0)
-            maps = [F.conv2d(x, w, b, padding=1, groups=C) for w, b in zip(dw_weights, dw_biases)]
+            # every parameter cast in two kernels, each group a stacked view (unbind: a backward of one stack, not
+            # of three slices' zeros)
+            dw_weight, dw_bias, weight, bias, *proj = cast_stacked(groups, dtype)
+            maps = [F.conv2d(x, w, b, padding=1, groups=C) for w, b in zip(dw_weight.unbind(0), dw_bias.unbind(0))]
             tokens = torch.stack([c.bn(m).flatten(2).transpose(1, 2).reshape(B * H * W, C)
                                   for c, m in zip(convs, maps)])  # (3, BN, C)
-            weight = torch.stack([c.pw.weight.flatten(1) for c in convs]).to(dtype)  # (3, C_out, C)
-            bias = torch.stack([c.pw.bias for c in convs]).to(dtype)
-            out = torch.baddbmm(bias[:, None], tokens, weight.transpose(1, 2)).reshape(3, B, H * W, -1).unbind(0)
+            # the three pointwise convs as one batched GEMM: weight (3, C_out, C), bias (3, C_out)
+            out = torch.baddbmm(bias[:, None], tokens, weight.transpose(1, 2)).reshape(3, B, H * W, -1)
             if dynamic_proj is None:
-                return out
-            pw = dynamic_proj.pw
-            logits = F.linear(maps[3].flatten(2).transpose(1, 2), pw.weight.flatten(1).to(dtype), pw.bias.to(dtype))
-        return (*out, logits)
+                return out.unbind(0)
+            logits = F.linear(maps[3].flatten(2).transpose(1, 2), proj[0][0], proj[1][0])
+            q, kv = out.split([1, 2])  # split: its backward is one cat (a select's or a slice's would fill zeros)
+        return q.squeeze(0), kv, logits
 
     @torch.jit.unused
     def project_with(self, dynamic_proj: nn.Module, x: torch.Tensor, feat_size: Tuple[int, int],
                      num_prefix_tokens: int) -> Optional[Tuple[torch.Tensor, ...]]:
-        """q, k, v, the prefix tokens' q, k, v and the projection logits in one pass (`forward_stacked` with the
-        projection-logit conv), as `LongShortAttention2d`'s CUDA path asks; None where that does not apply (not on
-        CUDA, folded convs, another projection module): the layer then calls the two modules."""
+        """q, k and v stacked (2, B, H * W, C), the prefix tokens' q, k, v and the projection logits in one pass
+        (`forward_stacked` with the projection-logit conv), as `LongShortAttention2d`'s CUDA path asks; None where
+        that does not apply (not on CUDA, folded convs, another projection module): the layer then calls the two
+        modules."""
         if not (x.device.type == 'cuda' and self.stacks() and isinstance(dynamic_proj, ConvDynamicProjection)
                 and isinstance(dynamic_proj.dw, StdConv2d)):
             return None
         feat_map, prefix = _patch_map_and_prefix_qkv(x, feat_size, num_prefix_tokens)
-        q, k, v, logits = self.forward_stacked(feat_map, dynamic_proj)
-        return q, k, v, prefix, logits
+        q, kv, logits = self.forward_stacked(feat_map, dynamic_proj)
+        return q, kv, prefix, logits
 
     def fuse_projections(self, dynamic_proj: nn.Module) -> Optional['FusedConvProjections']:
         """These q, k, v convs and the projection conv as one `FusedConvProjections`, for inference.
