@@ -192,3 +192,33 @@ def test_flex_path_trains_as_the_span_path(monkeypatch, qkv, feat_size, w, prefi
     names = ['output', 'input grad'] + [n for n, _ in attn.named_parameters()]
     for name, flex, span in zip(names, results[1], results[0]):
         torch.testing.assert_close(flex, span, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize('qkv,feat_size,w,prefix,bias,order', [
+    ('conv', (8, 8), 4, 1, False, 'segment'),  # whole segments: the outputs re-laid straight into the layer's buffer
+    ('conv', (7, 9), 3, 1, False, 'segment'),  # partial segments (padded), a cls token whose q, k, v are one tensor
+    ('linear', (6, 6), 3, 2, True, 'raster'),  # separate prefix keys and values, the window bias
+    ('linear', (5, 7), 2, 1, False, 'segment'),
+    ('conv', (4, 6), 2, 0, False, 'raster'),  # no prefix
+])
+def test_flex_path_infers_as_the_span_path(qkv, feat_size, w, prefix, bias, order):
+    """Without autograd the flex path writes the ordered keys and the outputs into buffers (no cat) and reuses the
+    keys' buffer for the layer's output: the span path's outputs still, in every order and prefix layout."""
+    torch.manual_seed(0)
+    H, W = feat_size
+    attn = perturb(LongShortAttention2d(16, 2, w, 3, rel_pos_bias=bias, **LAYERS[qkv]).double()).eval()
+    x = torch.randn(2, prefix + H * W, 16, dtype=torch.float64)
+    outputs = []
+    for kernel in ('span', 'flex'):
+        set_span_kernel(attn, kernel, order, 16)
+        with torch.no_grad():
+            outputs.append(attn(x, feat_size))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-9, atol=1e-9)
+
+
+def test_flex_out_is_for_inference_only():
+    from lsvision.layers.span_flex import span_flex_attention
+    q = torch.randn(1, 4, 4, 2, 8, requires_grad=True)
+    kv, shared = torch.randn(1, 4, 4, 2, 2, 8), torch.randn(2, 1, 2, 3, 8)
+    with pytest.raises(ValueError, match='for inference'):
+        span_flex_attention(q, kv, shared, 2, 0.3, out=torch.empty(1, 4, 4, 2, 8))

@@ -544,20 +544,52 @@ class LongShortAttention2d(FoldableModule):
                     kv_prefix = F.layer_norm(prefix[1:], (C,), ln_w, ln_b, norm.eps)  # (2, B, g, C)
                 shared = torch.cat([shared, kv_prefix], dim=2)
             shared = shared.reshape(2, B, r + g, h, d).transpose(2, 3)  # (2, B, h, r + g, d)
-            out = span_flex_attention(
-                q.to(dtype).reshape(B, H, W, h, d), kv.reshape(2, B, H, W, h, d).permute(1, 2, 3, 0, 4, 5), shared,
-                self.window_size, d ** -0.5,
-                self.rel_pos_table, self.flex_order, (self.flex_block_size, self.flex_block_size))
-            out = out.reshape(B, num_patches, C)
-            if g > 0:  # each prefix query attends to the prefix keys and to the patches' attention outputs
-                patches = out.reshape(B, num_patches, h, d)
-                k_prefix, v_prefix = kv_prefix.reshape(2, B, g, h, d).unbind(0)
-                keys = torch.cat([k_prefix, patches], dim=1).transpose(1, 2)
-                values = torch.cat([v_prefix, patches], dim=1).transpose(1, 2)
-                q_heads = q_prefix.reshape(B, g, h, d).transpose(1, 2)
-                out_prefix = F.scaled_dot_product_attention(q_heads, keys, values, scale=d ** -0.5)
-                out = torch.cat([out_prefix.transpose(1, 2).reshape(B, g, C), out], dim=1)
+            q_map = q.to(dtype).reshape(B, H, W, h, d)
+            kv_map = kv.reshape(2, B, H, W, h, d).permute(1, 2, 3, 0, 4, 5)
+            flex_args = (shared, self.window_size, d ** -0.5, self.rel_pos_table, self.flex_order,
+                         (self.flex_block_size, self.flex_block_size))
+            if g > 0:
+                out = self._flex_with_prefix(q_map, kv_map, flex_args, q_prefix, kv_prefix)
+            else:
+                out = span_flex_attention(q_map, kv_map, *flex_args).reshape(B, num_patches, C)
         return self.proj_drop(self.proj(out))
+
+    @torch.jit.unused
+    def _flex_with_prefix(self, q_map: torch.Tensor, kv_map: torch.Tensor, flex_args: Tuple, q_prefix: torch.Tensor,
+                          kv_prefix: torch.Tensor) -> torch.Tensor:
+        """`span_flex_attention` of the patches, then the post-cls update: each prefix query attends to the prefix
+        keys and to the patches' attention outputs (one SDPA call). Returns (B, g + Np, C), prefix tokens first.
+
+        Under autograd the patches' outputs are joined to the prefix keys and values by cats (their backward: views
+        of the gradient). Without, one buffer holds the prefix keys and then the patches' outputs, which the flex
+        call's re-layout writes in place; it serves as the keys (and the values, where the prefix's keys and values
+        are one tensor, as CvT-LS's), and then takes the prefix outputs in place of the keys: the layer's output with
+        no cat.
+
+        Args:
+            q_map: Queries (B, H, W, h, d); kv_map: the map's keys and values (B, H, W, 2, h, d); flex_args: the
+                rest of `span_flex_attention`'s arguments.
+            q_prefix: Prefix queries (B, g, C); kv_prefix: prefix keys and values after LN_L (2, B, g, C).
+        """
+        B, H, W, h, d = q_map.shape
+        g, C, num_patches = q_prefix.shape[1], h * d, H * W
+        k_prefix, v_prefix = kv_prefix.unbind(0)
+        if torch.is_grad_enabled():
+            patches = span_flex_attention(q_map, kv_map, *flex_args).reshape(B, num_patches, C)
+            keys, values = torch.cat([k_prefix, patches], dim=1), torch.cat([v_prefix, patches], dim=1)
+        else:
+            keys = q_map.new_empty(B, g + num_patches, C)
+            span_flex_attention(q_map, kv_map, *flex_args, out=keys[:, g:].view(B, H, W, h, d))
+            keys[:, :g] = k_prefix
+            values = keys if kv_prefix.stride(0) == 0 else torch.cat([v_prefix, keys[:, g:]], dim=1)
+        out_prefix = F.scaled_dot_product_attention(
+            q_prefix.reshape(B, g, h, d).transpose(1, 2), keys.reshape(B, g + num_patches, h, d).transpose(1, 2),
+            values.reshape(B, g + num_patches, h, d).transpose(1, 2), scale=d ** -0.5)
+        out_prefix = out_prefix.transpose(1, 2).reshape(B, g, C)
+        if torch.is_grad_enabled():
+            return torch.cat([out_prefix, patches], dim=1)
+        values[:, :g] = out_prefix  # the keys (and values) are read: their buffer becomes the output
+        return values
 
     def _prefix_update(self, q_prefix: torch.Tensor, kv_prefix: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Post-cls update: each prefix query attends to the prefix keys and to the attention outputs of all patches.

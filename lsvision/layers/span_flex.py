@@ -220,10 +220,10 @@ def _run_flex(q, k, v, score_mod, block_mask, scale: float) -> torch.Tensor:
             'lsvision.layers.span_flex.FLEX_RECOMPILE_LIMIT, or use fewer input sizes') from e
 
 
-def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
-    """(B, H, W, *M, d) token-major map -> (*M[:-1], B, M[-1], L, d) tokens in the geometry's order (segment-major:
-    zero-padded segments), e.g. queries (B, H, W, h, d) -> (B, h, L, d), keys and values (B, H, W, 2, h, d) ->
-    (2, B, h, L, d). One permutation of split views and at most one copy: its backward copies once too."""
+def _order_view(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """(B, H, W, *M, d) token-major map -> its tokens in the geometry's order as a permuted view, (*M[:-1], B, M[-1],
+    L, d) in raster order and (*M[:-1], B, M[-1], gy, gx, w, w, d) in segment order (zero-padded segments: the one
+    copy a map of partial segments needs)."""
     B, H, W, *mid, d = t.shape
     m = len(mid)
     lead = list(range(3, 2 + m))  # M[:-1], then B, then M[-1] (the heads)
@@ -233,8 +233,35 @@ def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
     gy = -(-H // w)
     if gy * w != H or gx * w != W:  # a map of whole segments needs no padding (and no copy for it)
         t = F.pad(t, (0, 0) * (m + 1) + (0, gx * w - W, 0, gy * w - H))
-    t = t.reshape(B, gy, w, gx, w, *mid, d).permute([i + 2 for i in lead] + [0, 4 + m, 1, 3, 2, 4, 5 + m])
-    return t.reshape(*t.shape[:m + 1], geo.num_queries, d)
+    return t.reshape(B, gy, w, gx, w, *mid, d).permute([i + 2 for i in lead] + [0, 4 + m, 1, 3, 2, 4, 5 + m])
+
+
+def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """(B, H, W, *M, d) token-major map -> (*M[:-1], B, M[-1], L, d) tokens in the geometry's order (segment-major:
+    zero-padded segments), e.g. queries (B, H, W, h, d) -> (B, h, L, d), keys and values (B, H, W, 2, h, d) ->
+    (2, B, h, L, d). One permutation of split views and at most one copy: its backward copies once too."""
+    t = _order_view(t, geo)
+    lead = t.shape[:len(t.shape) - 2] if geo.order == 'raster' else t.shape[:len(t.shape) - 5]
+    return t.reshape(*lead, geo.num_queries, t.shape[-1])
+
+
+def _keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """The map's keys and values in the geometry's order, then the shared ones: (2, B, h, L + S, d).
+
+    Under autograd one cat of the ordered copy (the cat's backward is views of the gradient; a copy into slices of a
+    buffer would cost copies in backward); otherwise each part written once, straight into the buffer the kernel
+    reads (the cat would write the map's keys and values a second time)."""
+    if torch.is_grad_enabled() and (kv.requires_grad or kv_shared.requires_grad):
+        return torch.cat([_to_order(kv, geo), kv_shared], dim=3)
+    L = geo.num_queries
+    out = kv.new_empty(kv_shared.shape[:3] + (L + kv_shared.shape[3], kv_shared.shape[4]))
+    ordered = _order_view(kv, geo)
+    map_part = out[..., :L, :]
+    if geo.order == 'segment':
+        map_part = map_part.unflatten(3, ordered.shape[3:7])  # (2, B, h, gy, gx, w, w, d), a view of the buffer
+    map_part.copy_(ordered)
+    out[..., L:, :].copy_(kv_shared)
+    return out
 
 
 def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
@@ -249,6 +276,20 @@ def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
     return t[:, :H, :W]
 
 
+def _from_order_into(t: torch.Tensor, geo: FlexSpanGeometry, out: torch.Tensor) -> torch.Tensor:
+    """`_from_order` written into `out` (B, H, W, h, d) (any strides), one copy where the map is whole segments (or
+    in raster order), else two."""
+    B, h, _, d = t.shape
+    H, W, w, gx = geo.height, geo.width, geo.window, geo.grid_w
+    if geo.order == 'raster':
+        return out.copy_(t.reshape(B, h, H, W, d).permute(0, 2, 3, 1, 4))
+    if H % w or W % w:
+        return out.copy_(_from_order(t, geo))
+    ordered = t.reshape(B, h, H // w, gx, w, w, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
+    out.unflatten(1, (H // w, w)).unflatten(3, (gx, w)).copy_(ordered)
+    return out
+
+
 def span_flex_attention(
         q: torch.Tensor,
         kv: torch.Tensor,
@@ -258,6 +299,7 @@ def span_flex_attention(
         rel_pos_table: Optional[torch.Tensor] = None,
         order: str = 'raster',
         block_size: Tuple[int, int] = (128, 128),
+        out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """2D segment-wise window attention with shared keys (`span_attention` with the long-short span, s = max(w // 2,
     1)) as one FlexAttention call.
@@ -273,14 +315,18 @@ def span_flex_attention(
             map keys' scores; None: no bias.
         order: Token order of queries and map keys: 'raster' or 'segment' (segment-major).
         block_size: (query, key) block of the BlockMask and the kernel's sparsity.
+        out: Optional (B, H, W, h, d) tensor (any strides, e.g. a view of a larger buffer) the outputs are written
+            into, which saves the caller a copy; without autograd (inference) only.
 
     Returns:
         Outputs (B, H, W, h, d), as `span_attention`'s. No dropout (pass attention dropout 0).
     """
+    if out is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, kv, kv_shared)):
+        raise ValueError('span_flex_attention(out=...) is for inference: call it without out= under autograd')
     H, W = q.shape[1:3]
     geo = span_flex_geometry((H, W), window_size, kv_shared.shape[3], order)
     block_mask = span_flex_block_mask(geo, tuple(block_size), q.device)
     score_mod = None if rel_pos_table is None else span_flex_score_mod(geo, rel_pos_table)
-    keys, values = torch.cat([_to_order(kv, geo), kv_shared], dim=3).unbind(0)  # (B, h, L + S, d) each
-    out = _run_flex(_to_order(q, geo), keys, values, score_mod, block_mask, scale)
-    return _from_order(out, geo)
+    keys, values = _keys_in_order(kv, kv_shared, geo).unbind(0)  # (B, h, L + S, d) each
+    ordered = _run_flex(_to_order(q, geo), keys, values, score_mod, block_mask, scale)
+    return _from_order(ordered, geo) if out is None else _from_order_into(ordered, geo, out)
