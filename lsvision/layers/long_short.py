@@ -143,9 +143,10 @@ class LinearQkv(nn.Linear):
         """Returns q, k, v of the patch tokens, (B, H * W, C) each, and the prefix tokens' q, k, v, (3, B, g, C)."""
         B, N, C = x.shape
         qkv = F.linear(x, self.weight, self.bias).reshape(B, N, 3, C)
-        patches = qkv[:, num_prefix_tokens:] if num_prefix_tokens > 0 else qkv
+        # split, not two slices: its backward is one cat (each slice's would write a zero-filled full gradient)
+        prefix, patches = qkv.split([num_prefix_tokens, N - num_prefix_tokens], dim=1)
         q, k, v = patches.unbind(2)
-        return q, k, v, qkv[:, :num_prefix_tokens].permute(2, 0, 1, 3)
+        return q, k, v, prefix.permute(2, 0, 1, 3)
 
 
 class LinearDynamicProjection(nn.Linear):
@@ -527,10 +528,12 @@ class LongShortAttention2d(FoldableModule):
             (ln_w, ln_b), (ng_w, ng_b) = cast_stacked([[norm.weight, norm.bias], [norm_g.weight, norm_g.bias]], dtype)
             proj = torch.softmax(logits.to(dtype), dim=1)  # P over the tokens, (B, Np, h * r)
             kv = F.layer_norm(kv.to(dtype), (C,), ln_w, ln_b, norm.eps)  # (2, B, Np, C)
-            # P^T k and P^T v of all heads in one product each: their diagonal head blocks are the per-head products
-            # (h times their multiply-adds, which are few: two GEMMs instead of 2h, and no heads-first copy of k or v)
-            proj_t = proj.transpose(1, 2)  # unbind: one stack of both gradients in backward, not two zero-filled
-            prod = torch.stack([torch.bmm(proj_t, t) for t in kv.unbind(0)]).reshape(2, B, h, r, h, d)
+            # P^T k and P^T v of all heads in one product: its diagonal head blocks are the per-head products (h times
+            # their multiply-adds, which are few: one GEMM instead of 2h, and no heads-first copy of k or v); P is
+            # copied for keys and values (it is smaller than they are: h * r <= C in every CvT-LS and ViL-LS stage),
+            # so that the product reads k and v as they lie and writes their gradient in one piece
+            proj_t = proj.transpose(1, 2).expand(2, B, h * r, num_patches).reshape(2 * B, h * r, num_patches)
+            prod = torch.bmm(proj_t, kv.reshape(2 * B, num_patches, C)).reshape(2, B, h, r, h, d)
             kv_bar = prod.diagonal(dim1=2, dim2=4).permute(0, 1, 2, 4, 3).reshape(2, B, r, C)
             shared = F.layer_norm(kv_bar, (C,), ng_w, ng_b, norm_g.eps)
             kv_prefix = q_prefix = torch.empty(0)

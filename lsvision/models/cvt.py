@@ -202,8 +202,9 @@ def _patch_map_and_prefix_qkv(x: torch.Tensor, feat_size: Tuple[int, int], num_p
                               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(B, g + H*W, C) tokens -> the patch tokens as a (B, C, H, W) map view, and the prefix tokens as their own q,
     k and v, (3, B, g, C) (an expanded view: prefix tokens have no conv projection)."""
-    prefix = x[:, :num_prefix_tokens]
-    return _map_view(x[:, num_prefix_tokens:], feat_size), prefix.expand((3,) + prefix.shape)
+    # split, not two slices: its backward is one cat (each slice's would write a zero-filled full gradient)
+    prefix, patches = x.split([num_prefix_tokens, x.shape[1] - num_prefix_tokens], dim=1)
+    return _map_view(patches, feat_size), prefix.expand((3,) + prefix.shape)
 
 
 def _standardized_weight(conv: StdConv2d, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
