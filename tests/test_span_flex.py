@@ -169,6 +169,7 @@ def _dense_flex(q, k, v, score_mod, block_mask, scale):
     ('conv', (7, 9), 3, 1, False, 'segment'),  # CvT-LS: conv projections, a cls token, a map of partial segments
     ('linear', (6, 6), 3, 2, True, 'raster'),  # ViL-LS: linear projections, the window bias, two prefix tokens
     ('conv', (4, 6), 2, 0, False, 'segment'),  # no prefix, whole segments (no padding)
+    ('conv', (6, 6), 3, 1, False, 'segment'),  # a cls token, whole segments
 ])
 def test_flex_path_trains_as_the_span_path(monkeypatch, qkv, feat_size, w, prefix, bias, order):
     """The flex path's own code (one dtype, stacked keys and values, the dynamic projection of all heads in one

@@ -245,14 +245,9 @@ def _to_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
     return t.reshape(*lead, geo.num_queries, t.shape[-1])
 
 
-def _keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
-    """The map's keys and values in the geometry's order, then the shared ones: (2, B, h, L + S, d).
-
-    Under autograd one cat of the ordered copy (the cat's backward is views of the gradient; a copy into slices of a
-    buffer would cost copies in backward); otherwise each part written once, straight into the buffer the kernel
-    reads (the cat would write the map's keys and values a second time)."""
-    if torch.is_grad_enabled() and (kv.requires_grad or kv_shared.requires_grad):
-        return torch.cat([_to_order(kv, geo), kv_shared], dim=3)
+def _write_keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """(2, B, h, L + S, d): the map's keys and values written in the geometry's order, then the shared ones, each
+    part written once into the buffer the kernel reads."""
     L = geo.num_queries
     out = kv.new_empty(kv_shared.shape[:3] + (L + kv_shared.shape[3], kv_shared.shape[4]))
     ordered = _order_view(kv, geo)
@@ -262,6 +257,44 @@ def _keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeome
     map_part.copy_(ordered)
     out[..., L:, :].copy_(kv_shared)
     return out
+
+
+class _KeysInOrder(torch.autograd.Function):
+    """`_write_keys_in_order` with its backward: the map keys' gradient written once, in the layout of `kv` (so that
+    the view ops before it hand a dense gradient back), the shared keys' a view. Where the map is whole segments (or
+    in raster order): `_order_view` is then a view that the gradient can be written through."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+        ctx.geo, ctx.kv_layout = geo, (kv.shape, kv.stride())
+        return _write_keys_in_order(kv, kv_shared, geo)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        geo, L = ctx.geo, ctx.geo.num_queries
+        grad_kv = None
+        if ctx.needs_input_grad[0]:
+            # in kv's strides (a permuted view of a dense layout: the gradient of that layout, dense)
+            grad_kv = grad.new_empty_strided(*ctx.kv_layout)
+            ordered = _order_view(grad_kv, geo)
+            grad_map = grad[..., :L, :]
+            if geo.order == 'segment':
+                grad_map = grad_map.unflatten(3, ordered.shape[3:7])
+            ordered.copy_(grad_map)
+        return grad_kv, grad[..., L:, :], None
+
+
+def _keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """The map's keys and values in the geometry's order, then the shared ones: (2, B, h, L + S, d), each part
+    written once into the buffer the kernel reads (a cat of an ordered copy would write the map's keys and values a
+    second time). Under autograd through `_KeysInOrder`; where the segment order pads the map, one cat of the padded
+    ordered copy (its backward: views of the gradient)."""
+    if not (torch.is_grad_enabled() and (kv.requires_grad or kv_shared.requires_grad)):
+        return _write_keys_in_order(kv, kv_shared, geo)
+    if geo.order == 'raster' or (geo.height % geo.window == 0 and geo.width % geo.window == 0):
+        return _KeysInOrder.apply(kv, kv_shared, geo)
+    return torch.cat([_to_order(kv, geo), kv_shared], dim=3)
 
 
 def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
