@@ -142,6 +142,18 @@ def test_the_documented_calibration_is_the_fit_of_the_committed_counts():
     assert sorted(errors)[-2] < 0.12 and errors.argmax() == keys.index(('cvt_ls_13', 'train 384 b64 bfloat16'))
 
 
+def test_the_documented_predicted_steps_are_the_fit_applied_to_the_committed_counts():
+    _, _, _, coef = _calibration()
+    bench = Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks'
+    rows = {(r['model'], r['point']): r for r in json.loads((bench / 'cuda_counts.json').read_text())['rows']}
+    predicted = []
+    for point in ('train 224 b256 bfloat16', 'train 384 b64 bfloat16', 'train 1024 b8 bfloat16'):
+        ls, full = ([rows[(m, point)][k] for k in ('kernels', 'bytes', 'flops')] for m in ('cvt_ls_13', 'cvt_13'))
+        predicted.append(f'{np.dot(ls, coef) / np.dot(full, coef):.2f}x')
+    text = ' '.join((bench / 'cuda_counting.md').read_text().split())
+    assert f"cvt_ls_13's step at {predicted[0]}, {predicted[1]} and {predicted[2]} cvt_13's" in text, predicted
+
+
 def test_cvt_ls_13_meets_the_targets_on_its_cuda_default_path(cvt_13_inference):
     """Issue 59's targets on the counts of cvt_ls_13's bf16 CUDA default path against cvt_13's: a training step at
     384 b64 launches at most 1.2x the kernels (the same at 224 b256 and 1024 b8: docs/benchmarks/cuda_counts.md) and
