@@ -223,3 +223,27 @@ def test_flex_out_is_for_inference_only():
     kv, shared = torch.randn(1, 4, 4, 2, 2, 8), torch.randn(2, 1, 2, 3, 8)
     with pytest.raises(ValueError, match='for inference'):
         span_flex_attention(q, kv, shared, 2, 0.3, out=torch.empty(1, 4, 4, 2, 8))
+
+
+@pytest.mark.parametrize('order', ['raster', 'segment'])
+def test_ordered_keys_trace_whole_and_give_their_gradients(order):
+    """The training path's ordered keys (`_KeysInOrder`: written once into the kernel's buffer, the gradient written
+    once in the keys' layout) equal the cat of the ordered copy, gradients included, eagerly and traced whole by
+    torch.compile (fullgraph, aot_eager: what a compiled training step runs through autograd)."""
+    from lsvision.layers.span_flex import _keys_in_order, _to_order
+    torch.manual_seed(0)
+    geo = span_flex_geometry((4, 6), 2, 3, order)
+    kv_base = torch.randn(2, 2, 4, 6, 2, 8, dtype=torch.float64, requires_grad=True)  # (2, B, H, W, h, d)
+    shared = torch.randn(2, 2, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 2, 2, 24 + 3, 8, dtype=torch.float64)
+
+    def loss(fn):
+        kv_base.grad = shared.grad = None
+        out = fn(kv_base.permute(1, 2, 3, 0, 4, 5), shared, geo)
+        (out * weight).sum().backward()
+        return out.detach(), kv_base.grad, shared.grad
+
+    expected = loss(lambda kv, s, g: torch.cat([_to_order(kv, g), s], dim=3))
+    for fn in (_keys_in_order, torch.compile(_keys_in_order, backend='aot_eager', fullgraph=True)):
+        for got, want in zip(loss(fn), expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

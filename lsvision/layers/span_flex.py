@@ -270,7 +270,6 @@ class _KeysInOrder(torch.autograd.Function):
         return _write_keys_in_order(kv, kv_shared, geo)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         geo, L = ctx.geo, ctx.geo.num_queries
         grad_kv = None
