@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from scipy.optimize import nnls
 
 import lsvision  # noqa: F401  (registers the models)
+from lsvision.bench import create_model
 from lsvision.layers import LongShortAttention2d
 from lsvision.measure_cuda import add_count_ratios, cost_row, count_row, count_step, counts_markdown
 
@@ -161,7 +162,9 @@ def test_cvt_ls_13_meets_the_targets_on_its_cuda_default_path(cvt_13_inference):
     inference = count_row('cvt_ls_13', 'inference', 224, 32)
     assert inference['kernels'] <= 1.15 * cvt_13_inference['kernels'], (inference['kernels'], cvt_13_inference)
     assert inference['bytes'] <= cvt_13_inference['bytes'], inference['bytes'] / cvt_13_inference['bytes']
-    ls, full = (count_row(name, 'train', 384, 64) for name in ('cvt_ls_13', 'cvt_13'))
+    # the step without the optimizer (reported apart, and not in the targets): a few seconds less of counting
+    ls, full = (count_step(create_model(name), lambda: [torch.randn(64, 3, 384, 384)], True,
+                           optimizer=False).total() for name in ('cvt_ls_13', 'cvt_13'))
     assert ls['kernels'] <= 1.2 * full['kernels'], (ls['kernels'], full['kernels'])
     assert ls['bytes'] <= full['bytes'], ls['bytes'] / full['bytes']
 
