@@ -40,6 +40,7 @@ import runpy
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -154,12 +155,9 @@ def profile_step(job: Job) -> Dict[str, Any]:
     key = 'cuda_time_total' if cuda else 'cpu_time_total'
     table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60)
     total_us = sum(getattr(e, 'device_time' if cuda else 'self_cpu_time_total', 0) for e in prof.key_averages())
-    by_name: Dict[str, int] = {}
-    for e in prof.events():
-        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
-            by_name[e.name] = by_name.get(e.name, 0) + 1
+    by_name = Counter(e.name for e in prof.events() if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
     return dict(label=job.label, table=table, total_ms=total_us / 1e3, kernels=sum(by_name.values()), sort_by=key,
-                kernels_by_name=dict(sorted(by_name.items(), key=lambda kv: -kv[1])))
+                kernels_by_name=dict(by_name.most_common()))
 
 
 def _median_ms(row: Dict[str, Any]) -> Optional[float]:

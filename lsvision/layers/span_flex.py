@@ -66,6 +66,11 @@ class FlexSpanGeometry(NamedTuple):
     def num_keys(self) -> int:
         return self.num_queries + self.num_shared
 
+    @property
+    def pads(self) -> bool:
+        """Whether the token order pads the map (segment order on a map of partial segments)."""
+        return self.order == 'segment' and bool(self.height % self.window or self.width % self.window)
+
 
 def span_flex_geometry(feat_size: Tuple[int, int], window_size: int, num_shared: int, order: str = 'raster'
                        ) -> FlexSpanGeometry:
@@ -231,7 +236,7 @@ def _order_view(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
         return t.reshape(B, H * W, *mid, d).permute([i - 1 for i in lead] + [0, 1 + m, 1, 2 + m])
     w, gx = geo.window, geo.grid_w
     gy = -(-H // w)
-    if gy * w != H or gx * w != W:  # a map of whole segments needs no padding (and no copy for it)
+    if geo.pads:  # a map of whole segments needs no padding (and no copy for it)
         t = F.pad(t, (0, 0) * (m + 1) + (0, gx * w - W, 0, gy * w - H))
     return t.reshape(B, gy, w, gx, w, *mid, d).permute([i + 2 for i in lead] + [0, 4 + m, 1, 3, 2, 4, 5 + m])
 
@@ -251,10 +256,7 @@ def _write_keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpa
     L = geo.num_queries
     out = kv.new_empty(kv_shared.shape[:3] + (L + kv_shared.shape[3], kv_shared.shape[4]))
     ordered = _order_view(kv, geo)
-    map_part = out[..., :L, :]
-    if geo.order == 'segment':
-        map_part = map_part.unflatten(3, ordered.shape[3:7])  # (2, B, h, gy, gx, w, w, d), a view of the buffer
-    map_part.copy_(ordered)
+    out[..., :L, :].view(ordered.shape).copy_(ordered)  # the buffer's map part, split as the ordered view is
     out[..., L:, :].copy_(kv_shared)
     return out
 
@@ -277,10 +279,7 @@ class _KeysInOrder(torch.autograd.Function):
             # in kv's strides (a permuted view of a dense layout: the gradient of that layout, dense)
             grad_kv = grad.new_empty_strided(*ctx.kv_layout)
             ordered = _order_view(grad_kv, geo)
-            grad_map = grad[..., :L, :]
-            if geo.order == 'segment':
-                grad_map = grad_map.unflatten(3, ordered.shape[3:7])
-            ordered.copy_(grad_map)
+            ordered.copy_(grad[..., :L, :].view(ordered.shape))
         return grad_kv, grad[..., L:, :], None
 
 
@@ -291,34 +290,37 @@ def _keys_in_order(kv: torch.Tensor, kv_shared: torch.Tensor, geo: FlexSpanGeome
     ordered copy (its backward: views of the gradient)."""
     if not (torch.is_grad_enabled() and (kv.requires_grad or kv_shared.requires_grad)):
         return _write_keys_in_order(kv, kv_shared, geo)
-    if geo.order == 'raster' or (geo.height % geo.window == 0 and geo.width % geo.window == 0):
+    if not geo.pads:
         return _KeysInOrder.apply(kv, kv_shared, geo)
     return torch.cat([_to_order(kv, geo), kv_shared], dim=3)
 
 
+def _unorder_view(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
+    """(B, h, L, d) outputs in the geometry's order -> a permuted view of them in map order: (B, H, W, h, d) in raster
+    order, (B, gy, w, gx, w, h, d) in segment order (padded segments included)."""
+    B, h, _, d = t.shape
+    if geo.order == 'raster':
+        return t.reshape(B, h, geo.height, geo.width, d).permute(0, 2, 3, 1, 4)
+    w, gx = geo.window, geo.grid_w
+    return t.reshape(B, h, -(-geo.height // w), gx, w, w, d).permute(0, 2, 4, 3, 5, 1, 6)
+
+
 def _from_order(t: torch.Tensor, geo: FlexSpanGeometry) -> torch.Tensor:
     """(B, h, L, d) outputs in the geometry's order -> (B, H, W, h, d), the span path's output layout."""
-    B, h, _, d = t.shape
-    H, W = geo.height, geo.width
+    t = _unorder_view(t, geo)
     if geo.order == 'raster':
-        return t.reshape(B, h, H, W, d).permute(0, 2, 3, 1, 4)
-    w, gx = geo.window, geo.grid_w
-    gy = -(-H // w)
-    t = t.reshape(B, h, gy, gx, w, w, d).permute(0, 2, 4, 3, 5, 1, 6).reshape(B, gy * w, gx * w, h, d)
-    return t[:, :H, :W]
+        return t
+    B, gy, w, gx, _, h, d = t.shape
+    return t.reshape(B, gy * w, gx * w, h, d)[:, :geo.height, :geo.width]
 
 
 def _from_order_into(t: torch.Tensor, geo: FlexSpanGeometry, out: torch.Tensor) -> torch.Tensor:
     """`_from_order` written into `out` (B, H, W, h, d) (any strides), one copy where the map is whole segments (or
     in raster order), else two."""
-    B, h, _, d = t.shape
-    H, W, w, gx = geo.height, geo.width, geo.window, geo.grid_w
-    if geo.order == 'raster':
-        return out.copy_(t.reshape(B, h, H, W, d).permute(0, 2, 3, 1, 4))
-    if H % w or W % w:
+    if geo.pads:
         return out.copy_(_from_order(t, geo))
-    ordered = t.reshape(B, h, H // w, gx, w, w, d).permute(0, 2, 4, 3, 5, 1, 6)  # (B, gy, w, gx, w, h, d)
-    out.unflatten(1, (H // w, w)).unflatten(3, (gx, w)).copy_(ordered)
+    ordered = _unorder_view(t, geo)
+    out.view(ordered.shape).copy_(ordered)  # `out`, split as the ordered view is
     return out
 
 

@@ -267,16 +267,17 @@ class SepConvQkv(nn.Module):
         dtype = autocast_dtype(feat_map)
         B, C, H, W = feat_map.shape
         dw_weights, dw_biases = [c.dw.weight for c in convs], [c.dw.bias for c in convs]
-        groups = [dw_weights, dw_biases, [c.pw.weight.flatten(1) for c in convs], [c.pw.bias for c in convs]]
+        proj_groups = []
         if dynamic_proj is not None:
             dw_weights.append(_standardized_weight(dynamic_proj.dw))
             dw_biases.append(dynamic_proj.dw.bias)
-            groups += [[dynamic_proj.pw.weight.flatten(1)], [dynamic_proj.pw.bias]]
+            proj_groups = [[dynamic_proj.pw.weight.flatten(1)], [dynamic_proj.pw.bias]]
+        groups = [dw_weights, dw_biases, [c.pw.weight.flatten(1) for c in convs], [c.pw.bias for c in convs]]
         with autocast_off(feat_map.device.type):
             x = feat_map.to(dtype, memory_format=torch.channels_last)
             # every parameter cast in two kernels, each group a stacked view (unbind: a backward of one stack, not
             # of three slices' zeros)
-            dw_weight, dw_bias, weight, bias, *proj = cast_stacked(groups, dtype)
+            dw_weight, dw_bias, weight, bias, *proj = cast_stacked(groups + proj_groups, dtype)
             maps = [F.conv2d(x, w, b, padding=1, groups=C) for w, b in zip(dw_weight.unbind(0), dw_bias.unbind(0))]
             tokens = torch.stack([c.bn(m).flatten(2).transpose(1, 2).reshape(B * H * W, C)
                                   for c, m in zip(convs, maps)])  # (3, BN, C)
