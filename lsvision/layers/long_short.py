@@ -577,7 +577,8 @@ class LongShortAttention2d(FoldableModule):
         B, H, W, h, d = q_map.shape
         g, C, num_patches = q_prefix.shape[1], h * d, H * W
         k_prefix, v_prefix = kv_prefix.unbind(0)
-        if torch.is_grad_enabled():
+        tracking = torch.is_grad_enabled()
+        if tracking:
             patches = span_flex_attention(q_map, kv_map, *flex_args).reshape(B, num_patches, C)
             keys, values = torch.cat([k_prefix, patches], dim=1), torch.cat([v_prefix, patches], dim=1)
         else:
@@ -589,7 +590,7 @@ class LongShortAttention2d(FoldableModule):
             q_prefix.reshape(B, g, h, d).transpose(1, 2), keys.reshape(B, g + num_patches, h, d).transpose(1, 2),
             values.reshape(B, g + num_patches, h, d).transpose(1, 2), scale=d ** -0.5)
         out_prefix = out_prefix.transpose(1, 2).reshape(B, g, C)
-        if torch.is_grad_enabled():
+        if tracking:
             return torch.cat([out_prefix, patches], dim=1)
         values[:, :g] = out_prefix  # the keys (and values) are read: their buffer becomes the output
         return values
