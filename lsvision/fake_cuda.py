@@ -5,9 +5,10 @@ op runs its meta kernel, so the layers take their CUDA branches and the private 
 autograd engine cannot run backward there (it needs a real device context: "hasPrimaryContext expects a valid device
 index"), so `run_backward` walks the graph itself, as the engine would: each node once, in topological order, with its
 incoming gradients summed (each reduced to the shape and cast to the dtype the node was recorded with, as the
-engine's `validate_outputs` does), and the leaves' gradients accumulated into `.grad`. Autocast on `cuda` refuses to
-turn on without a device, so `cuda_autocast` sets its state directly (the dispatcher then casts fake CUDA tensors as
-it would real ones). Where a fake device cannot choose as a GPU would, `gpu_attention_kernels` makes it: SDPA as the
+engine's `validate_outputs` does), and the leaves' gradients accumulated into `.grad`; activation checkpointing
+recomputes each segment once in that walk (one `GraphExecGroup`). Autocast on `cuda` refuses to turn on without a
+device, so `cuda_autocast` sets its state directly (the dispatcher then casts fake CUDA tensors as it would real
+ones), and inside `fake_cuda` `torch.autocast('cuda')` is let turn on, as checkpointing's recomputation needs. Where a fake device cannot choose as a GPU would, `gpu_attention_kernels` makes it: SDPA as the
 memory-efficient kernel, FlexAttention with a backward. Meta kernels do not check a kernel's eligibility rules or
 numerics: a real GPU does (tests/test_cuda.py, `make gpu-check`).
 
@@ -19,6 +20,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
@@ -30,9 +32,26 @@ FAKE_CUDA = torch.device('cuda')
 
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[FakeTensorMode]:
-    """A fake-tensor mode in which real (CPU) tensors may enter: `module.to('cuda')` makes fake CUDA copies."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    """A fake-tensor mode in which real (CPU) tensors may enter: `module.to('cuda')` makes fake CUDA copies.
+
+    Inside it `torch.autocast('cuda')` turns on as it would on a GPU (activation checkpointing re-enters it to
+    recompute a segment in the autocast state of its forward)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _cuda_autocast_allowed():
         yield mode
+
+
+@contextlib.contextmanager
+def _cuda_autocast_allowed() -> Iterator[None]:
+    """`torch.autocast('cuda')` without a device: it asks `amp_definitely_not_available` (and, for bf16,
+    `is_bf16_supported`) and disables itself with a warning where there is no GPU."""
+    common = torch.cuda.amp.common
+    saved = common.amp_definitely_not_available, torch.cuda.is_bf16_supported
+    common.amp_definitely_not_available = lambda: False
+    torch.cuda.is_bf16_supported = lambda *args, **kwargs: True
+    try:
+        yield
+    finally:
+        common.amp_definitely_not_available, torch.cuda.is_bf16_supported = saved
 
 
 @contextlib.contextmanager
@@ -106,8 +125,16 @@ def run_backward(loss: torch.Tensor, around_node: Optional[Callable[[Any], Conte
     """
     root = loss.grad_fn
     assert root is not None, 'the loss does not require grad'
+    # one backward for activation checkpointing: outside the engine each saved tensor it unpacks would otherwise
+    # recompute its whole segment again
+    with torch.utils.checkpoint.GraphExecGroup():
+        return _walk_backward(root, torch.ones_like(loss), around_node)
+
+
+def _walk_backward(root: Any, loss_grad: torch.Tensor, around_node: Optional[Callable[[Any], ContextManager]]) -> int:
+    """`run_backward`'s walk from `root` with the loss's gradient `loss_grad`."""
     pending = _graph_order(root)
-    inbox: Dict = {root: [torch.ones_like(loss)]}
+    inbox: Dict = {root: [loss_grad]}
     ready, done = [root], 0
     while ready:
         node = ready.pop()

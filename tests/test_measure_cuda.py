@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from scipy.optimize import nnls
+from torch.utils.checkpoint import checkpoint
 
 import lsvision  # noqa: F401  (registers the models)
 from lsvision.bench import create_model
@@ -51,6 +52,37 @@ def test_training_step_charges_backward_kernels_to_the_module_that_made_them():
     modules = cost.by('module', ('backward',))
     assert modules['a']['kernels'] > 0 and modules['b']['kernels'] > modules['a']['kernels']
     assert cost.total(('optimizer',))['kernels'] > 0 and 'optimizer' not in str(cost.by('module'))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, recompute: bool):
+        super().__init__()
+        self.recompute = recompute
+        self.fc1, self.fc2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+    def _segment(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def forward(self, x):
+        return checkpoint(self._segment, x, use_reentrant=False) if self.recompute else self._segment(x)
+
+
+def test_activation_checkpointing_recomputes_once_under_autocast():
+    """A checkpointed segment is recomputed once in the backward (not once per saved tensor it unpacks) and in bf16
+    (checkpointing re-enters `torch.autocast('cuda')`, which a device-less machine would turn off)."""
+    def backward_ops(recompute: bool):
+        cost = count_step(_Checkpointed(recompute), lambda: [torch.randn(4, 8, requires_grad=True)], train=True,
+                          optimizer=False)
+        return cost.by('op', ('backward',))
+
+    plain, recomputed = backward_ops(False), backward_ops(True)
+    assert 'addmm.default' not in plain and 'gelu.default' not in plain
+    # fc1 and the GELU once (fc2's output is needed by no backward: recomputation stops before it) ...
+    assert recomputed['addmm.default']['kernels'] == 1 and recomputed['gelu.default']['kernels'] == 1
+    # ... with autocast's casts: the input and fc1's weight and bias, fc2's weight and bias (cast before its addmm)
+    assert recomputed['_to_copy.default']['kernels'] == plain['_to_copy.default']['kernels'] + 5
+    assert {k: v for k, v in recomputed.items() if k not in ('addmm.default', 'gelu.default', '_to_copy.default')} \
+        == {k: v for k, v in plain.items() if k != '_to_copy.default'}
 
 
 class _Attention(nn.Module):
