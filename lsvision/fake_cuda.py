@@ -8,8 +8,9 @@ incoming gradients summed (each reduced to the shape and cast to the dtype the n
 engine's `validate_outputs` does), and the leaves' gradients accumulated into `.grad`; activation checkpointing
 recomputes each segment once in that walk (one `GraphExecGroup`). Autocast on `cuda` refuses to turn on without a
 device, so `cuda_autocast` sets its state directly (the dispatcher then casts fake CUDA tensors as it would real
-ones), and inside `fake_cuda` `torch.autocast('cuda')` is let turn on, as checkpointing's recomputation needs. Where a fake device cannot choose as a GPU would, `gpu_attention_kernels` makes it: SDPA as the
-memory-efficient kernel, FlexAttention with a backward. Meta kernels do not check a kernel's eligibility rules or
+ones), and inside `fake_cuda` `torch.autocast('cuda')` is let turn on, as checkpointing's recomputation needs.
+Where a fake device cannot choose as a GPU would, `gpu_attention_kernels` makes it: SDPA as the memory-efficient
+kernel, FlexAttention with a backward. Meta kernels do not check a kernel's eligibility rules or
 numerics: a real GPU does (tests/test_cuda.py, `make gpu-check`).
 
 Used by the tests (tests/test_cuda_fake.py) and by the CUDA cost counter (`lsvision.measure_cuda`).

@@ -40,6 +40,12 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _closure(fn: Any) -> tuple:
+    """The cells a function (or a functools.partial of one) closes over: a score_mod's captured tensors."""
+    fn = getattr(fn, 'func', fn)
+    return getattr(fn, '__closure__', None) or ()
+
+
 class CudaCost:
     """Kernels, bytes and FLOPs of one step, by (phase, module, operator); phases forward, backward, optimizer."""
 
@@ -83,9 +89,10 @@ class _Counting(TorchDispatchMode):
                 return decomposed
         out = func(*args, **kwargs)
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
-        if hop:  # FlexAttention's forward: reads q, k, v; writes the output and its logsumexp
+        if hop:  # FlexAttention's forward: reads q, k, v and the score_mod's tensors; writes the output and its lse
             if func.__name__.startswith('flex_attention'):
-                self.cost.add(*self.where(), func.__name__, 1, _nbytes(args[:3]) + _nbytes(outputs), 0)
+                read = _nbytes(args[:3]) + _nbytes(_tensors([c.cell_contents for c in _closure(args[3])]))
+                self.cost.add(*self.where(), func.__name__, 1, read + _nbytes(outputs), 0)
             return out
         name = func.__name__.split('.')[0]
         if (func.namespace == 'prim' or func.is_view or name in _NO_KERNEL

@@ -162,6 +162,22 @@ def test_causal_gradients_match_dense_reference_fp64(chunk):
     assert (xg.grad[:, 11:] == 0).all()
 
 
+def test_causal_flex_inference_matches_the_chunk_path():
+    """'auto' at inference runs the causal layer as one compiled FlexAttention call (`causal_flex`) on CUDA: the chunk
+    path's outputs, with a cache, a padded x and two vectors a segment."""
+    torch.manual_seed(0)
+    attn = perturb(CausalLongShortAttention(64, 4, 64, 16, 2, query_chunk_size=128)).to(DEVICE).eval()
+    x = torch.randn(2, 1000, 64, device=DEVICE)
+    cache = torch.randn(2, 256, 64, device=DEVICE)
+    with torch.no_grad():
+        attn.attn_kernel = 'chunks'
+        ref = attn(x, cache)
+        attn.attn_kernel = 'auto' if DEVICE.type == 'cuda' else 'flex'
+        assert attn._uses_flex(x)
+        out = attn(x, cache)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
 class _CountOps(TorchDispatchMode):
     """Counts the operators dispatched to ATen (what Python code calls, below autograd)."""
 

@@ -29,15 +29,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .causal_flex import CausalFlexGeometry, causal_flex_attention
 from .local_norm import local_norm_tokens, recompute_local_norm
-from .long_short import local_norm_projection, project_keys_values, projection_weights
+from .long_short import _HAS_TRITON, local_norm_projection, project_keys_values, projection_weights
 from .matmul_attention import scaled_dot_product_attention
 from .softmax import mask_value, softmax_fp32
 from .span_attention import span_attention, span_attention_local_norm, window_span
 from .tuning import CAUSAL_CHECKPOINT_MIN_SCORES
 
-__all__ = ['LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d', 'sinusoid_frequencies',
-           'sinusoid_positions']
+__all__ = ['CAUSAL_KERNELS', 'LongShortAttention1d', 'CausalLongShortAttention', 'FullAttention1d',
+           'sinusoid_frequencies', 'sinusoid_positions']
+
+# `CausalLongShortAttention`'s attention kernel: the chunk path, one FlexAttention call, or the one the counts favour
+CAUSAL_KERNELS = ('auto', 'chunks', 'flex')
 
 def sinusoid_frequencies(dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The Transformer-XL sinusoid frequencies w_k = 10000^(-2k/dim), k < dim/2, computed as the official
@@ -350,6 +354,7 @@ class _CausalLayout(NamedTuple):
     Mp: int
     Lp: int
     chunk: int  # queries per chunk, a multiple of lcm(W, l)
+    real_from: int  # valid is True on positions [real_from, Mp + len(x))
 
 
 class CausalLongShortAttention(nn.Module):
@@ -370,6 +375,7 @@ class CausalLongShortAttention(nn.Module):
             compress_hidden_cache: bool = True,
             query_chunk_size: Optional[int] = 128,
             checkpoint_chunks: Optional[bool] = None,
+            attn_kernel: str = 'auto',
             attn_drop: float = 0.,
             proj_drop: float = 0.,
             pos_drop: float = 0.,
@@ -391,6 +397,10 @@ class CausalLongShortAttention(nn.Module):
             checkpoint_chunks: Recompute each chunk in the backward pass instead of storing its scores (bounded
                 memory at the price of one more chunk forward). None: only when the scores of all chunks together
                 would exceed `tuning.CAUSAL_CHECKPOINT_MIN_SCORES` (2^24 elements, 64 MB in fp32).
+            attn_kernel: 'auto' (the default): one FlexAttention call for all queries (`causal_flex`) on CUDA at
+                inference (with Triton, without attention dropout), which launches a few kernels a layer where the
+                chunk path launches a dozen a chunk; else the chunk path. 'chunks': always the chunk path; 'flex':
+                always FlexAttention (inference only; on the CPU eager, for checks).
             attn_drop: Dropout on the attention weights.
             proj_drop: Dropout after the output projection.
             pos_drop: Dropout on the window sinusoids (official: the model's embedding dropout).
@@ -411,6 +421,9 @@ class CausalLongShortAttention(nn.Module):
         self.compress_hidden_cache = compress_hidden_cache
         self.query_chunk_size = query_chunk_size
         self.checkpoint_chunks = checkpoint_chunks
+        if attn_kernel not in CAUSAL_KERNELS:
+            raise ValueError(f'attn_kernel must be one of {CAUSAL_KERNELS}, got {attn_kernel!r}')
+        self.attn_kernel = attn_kernel
         self.attn_drop = attn_drop
         self.q = nn.Linear(dim, dim, bias=False, **dd)
         self.k = nn.Linear(dim, dim, bias=False, **dd)
@@ -462,9 +475,45 @@ class CausalLongShortAttention(nn.Module):
         layout = self._layout(x, cache, cache_valid_len)
         bar_k, bar_v, seg_valid = self._segment_keys_values(x, layout)
         win_pos, seg_pos = self._relative_positions(bar_k.shape[2], x.device, x.dtype)
-        out = self._attend_chunks(layout, bar_k, bar_v, seg_valid, win_pos, seg_pos)  # (B, Lp, h, d)
+        if self._uses_flex(x):
+            out = self._attend_flex(layout, bar_k, bar_v, win_pos, seg_pos)
+        else:
+            out = self._attend_chunks(layout, bar_k, bar_v, seg_valid, win_pos, seg_pos)  # (B, Lp, h, d)
         out = out[:, :L].reshape(B, L, C)
         return self.proj_drop(self.proj(out))
+
+    def _uses_flex(self, x: torch.Tensor) -> bool:
+        """Whether this call runs `_attend_flex`: 'flex', or 'auto' on CUDA with Triton at inference (no autograd
+        recording, no attention dropout)."""
+        if self.attn_kernel == 'auto':
+            dropout = self.attn_drop > 0 and self.training
+            return x.device.type == 'cuda' and _HAS_TRITON and not torch.is_grad_enabled() and not dropout
+        return self.attn_kernel == 'flex'
+
+    def _attend_flex(self, layout: '_CausalLayout', bar_k: torch.Tensor, bar_v: torch.Tensor,
+                     win_pos: torch.Tensor, seg_pos: torch.Tensor) -> torch.Tensor:
+        """All queries in one FlexAttention call (`causal_flex`): keys [segment vectors | the W tokens before x, x],
+        the position terms one matmul each. Returns (B, Lp, h, d), as `_attend_chunks`."""
+        h, d, W = self.num_heads, self.head_dim, self.window_size
+        if self.training and self.attn_drop > 0:
+            raise ValueError("attn_kernel='flex' has no attention dropout: call model.eval(), or use 'chunks'")
+        x_cur, Mp = layout.x_cur, layout.Mp
+        q = self._heads(F.linear(x_cur, self.q.weight * d ** -0.5))  # (B, h, Lp, d), scaled
+        tokens = torch.cat([layout.pre[:, Mp - W:], x_cur], dim=1)  # window keys: positions Mp - W .. Mp + Lp - 1
+        kv = F.linear(tokens, torch.cat([self.k.weight, self.v.weight])).unflatten(-1, (2, self.dim))
+        kv = F.layer_norm(kv, (self.dim,), self.norm_local.weight, self.norm_local.bias, self.norm_local.eps)
+        kv = kv.to(q.dtype).unflatten(-1, (h, d)).permute(2, 0, 3, 1, 4)  # LN_L: (2, B, h, W + Lp, d)
+        keys = torch.cat([bar_k.to(q.dtype), kv[0]], dim=2)
+        values = torch.cat([bar_v.to(q.dtype), kv[1]], dim=2)
+        u, v = self.content_bias.to(q.dtype), self.pos_bias.to(q.dtype)
+        seg_scores = q @ seg_pos.transpose(-1, -2)  # (B, h, Lp, vectors)
+        win_scores = (q + v[:, None]) @ win_pos.transpose(-1, -2)  # (B, h, Lp, W)
+        key_bias = (kv[0] @ u[:, :, None]).squeeze(-1)  # (B, h, W + Lp)
+        geo = CausalFlexGeometry(
+            num_queries=layout.Lp, num_vectors=bar_k.shape[2], window=W, offset=Mp, segment=self.segment_size,
+            rank=self.dp_rank, real_from=layout.real_from, real_to=Mp + layout.x.shape[1])
+        out = causal_flex_attention(q, keys, values, seg_scores, key_bias, win_scores, geo)
+        return out.transpose(1, 2)
 
     def _layout(self, x: torch.Tensor, cache: Optional[torch.Tensor],
                 cache_valid_len: Optional[int]) -> '_CausalLayout':
@@ -494,7 +543,7 @@ class CausalLongShortAttention(nn.Module):
         valid = torch.zeros(Mp + Lp, dtype=torch.bool, device=x.device)
         valid[Mp - valid_cache:Mp + L] = True
         x_cur = x if Lp == L else torch.cat([x, x.new_zeros(B, Lp - L, C)], dim=1)  # (B, Lp, C)
-        return _CausalLayout(x, pre, x_cur, valid, Mp, Lp, chunk)
+        return _CausalLayout(x, pre, x_cur, valid, Mp, Lp, chunk, Mp - valid_cache)
 
     def _segment_keys_values(self, x: torch.Tensor, layout: '_CausalLayout'
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -161,7 +161,7 @@ def _visible_counts(geo: FlexSpanGeometry, block_q: int, block_kv: int, device: 
     return counts + per_q.sum(1, keepdim=True) * shared[None]
 
 
-def _ordered(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def ordered_blocks(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(1, 1, rows, cols) bool -> the number of True blocks per row and their column indices first (BlockMask's)."""
     dense = blocks.to(torch.int32)
     return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
@@ -173,8 +173,8 @@ def _build_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device
     counts = _visible_counts(geo, block_q, block_kv, device)[None, None]
     full = counts == block_q * block_kv  # tail blocks (past the sequence) are never full
     partial = (counts > 0) & ~full
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
+    kv_num, kv_idx = ordered_blocks(partial)
+    full_num, full_idx = ordered_blocks(full)
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv),
                                     mask_mod=span_flex_mask_mod(geo), seq_lengths=(geo.num_queries, geo.num_keys))
 
