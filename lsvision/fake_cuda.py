@@ -16,6 +16,7 @@ numerics: a real GPU does (tests/test_cuda.py, `make gpu-check`).
 Used by the tests (tests/test_cuda_fake.py) and by the CUDA cost counter (`lsvision.measure_cuda`).
 """
 import contextlib
+import warnings
 from collections import Counter
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
@@ -216,7 +217,9 @@ class _EfficientSdpa(TorchFunctionMode):
 @contextlib.contextmanager
 def fake_flex_backward() -> Iterator[None]:
     """On the fake device, the layers' FlexAttention calls (`span_flex._run_flex`) get a backward where they need one
-    (`flex_attention_backward`: FlexAttention's own traces its joint graph, which needs a device)."""
+    (`flex_attention_backward`: FlexAttention's own traces its joint graph, which needs a device). They run eagerly
+    (torch.compile does not run on fake tensors), as the fused kernel's meta: eager's warning about materialized
+    scores is not said."""
     from lsvision.layers import span_flex
     run = span_flex._run_flex
 
@@ -227,7 +230,9 @@ def fake_flex_backward() -> Iterator[None]:
 
     span_flex._run_flex = run_flex
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings('ignore', 'flex_attention called without torch.compile')
+            yield
     finally:
         span_flex._run_flex = run
 

@@ -40,12 +40,6 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _closure(fn: Any) -> tuple:
-    """The cells a function (or a functools.partial of one) closes over: a score_mod's captured tensors."""
-    fn = getattr(fn, 'func', fn)
-    return getattr(fn, '__closure__', None) or ()
-
-
 class CudaCost:
     """Kernels, bytes and FLOPs of one step, by (phase, module, operator); phases forward, backward, optimizer."""
 
@@ -91,7 +85,7 @@ class _Counting(TorchDispatchMode):
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         if hop:  # FlexAttention's forward: reads q, k, v and the score_mod's tensors; writes the output and its lse
             if func.__name__.startswith('flex_attention'):
-                read = _nbytes(args[:3]) + _nbytes(_tensors([c.cell_contents for c in _closure(args[3])]))
+                read = _nbytes(args[:3]) + _nbytes(_tensors([c.cell_contents for c in args[3].__closure__ or ()]))
                 self.cost.add(*self.where(), func.__name__, 1, read + _nbytes(outputs), 0)
             return out
         name = func.__name__.split('.')[0]
@@ -103,12 +97,10 @@ class _Counting(TorchDispatchMode):
                    if s.alias_info is not None and s.alias_info.is_write and isinstance(a, torch.Tensor)]
         if name in _OVERWRITE or func._overloadname.startswith('out'):
             inputs = [t for t in inputs if not any(t is w for w in written)]
-        read = _nbytes(inputs)
-        if name in _GATHER:
-            read = _nbytes(outputs) + _nbytes([t for t in inputs if not t.is_floating_point()])
-        flops = 0
-        if func._overloadpacket in flop_registry:
-            flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+        read = (_nbytes(outputs) + _nbytes([t for t in inputs if not t.is_floating_point()]) if name in _GATHER
+                else _nbytes(inputs))
+        packet = func._overloadpacket
+        flops = int(flop_registry[packet](*args, **kwargs, out_val=out)) if packet in flop_registry else 0
         self.cost.add(*self.where(), func.__name__, _KERNELS.get(name, 1), read + _nbytes(outputs or written), flops)
         return out
 
