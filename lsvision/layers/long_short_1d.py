@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .autocast import autocast_dtype, autocast_off, cast_stacked
 from .causal_flex import CausalFlexGeometry, causal_flex_attention
 from .local_norm import local_norm_tokens, recompute_local_norm
 from .long_short import _HAS_TRITON, local_norm_projection, project_keys_values, projection_weights
@@ -493,26 +494,33 @@ class CausalLongShortAttention(nn.Module):
     def _attend_flex(self, layout: '_CausalLayout', bar_k: torch.Tensor, bar_v: torch.Tensor,
                      win_pos: torch.Tensor, seg_pos: torch.Tensor) -> torch.Tensor:
         """All queries in one FlexAttention call (`causal_flex`): keys [segment vectors | the W tokens before x, x],
-        the position terms one matmul each. Returns (B, Lp, h, d), as `_attend_chunks`."""
-        h, d, W = self.num_heads, self.head_dim, self.window_size
+        the position terms one matmul each, all in one dtype (autocast's: FlexAttention has no autocast rule; LN_L on
+        that dtype accumulates in fp32). Returns (B, Lp, h, d), as `_attend_chunks`."""
+        h, d, W, C = self.num_heads, self.head_dim, self.window_size, self.dim
         if self.training and self.attn_drop > 0:
             raise ValueError("attn_kernel='flex' has no attention dropout: call model.eval(), or use 'chunks'")
         x_cur, Mp = layout.x_cur, layout.Mp
-        q = self._heads(F.linear(x_cur, self.q.weight * d ** -0.5))  # (B, h, Lp, d), scaled
-        tokens = torch.cat([layout.pre[:, Mp - W:], x_cur], dim=1)  # window keys: positions Mp - W .. Mp + Lp - 1
-        kv = F.linear(tokens, torch.cat([self.k.weight, self.v.weight])).unflatten(-1, (2, self.dim))
-        kv = F.layer_norm(kv, (self.dim,), self.norm_local.weight, self.norm_local.bias, self.norm_local.eps)
-        kv = kv.to(q.dtype).unflatten(-1, (h, d)).permute(2, 0, 3, 1, 4)  # LN_L: (2, B, h, W + Lp, d)
-        keys = torch.cat([bar_k.to(q.dtype), kv[0]], dim=2)
-        values = torch.cat([bar_v.to(q.dtype), kv[1]], dim=2)
-        u, v = self.content_bias.to(q.dtype), self.pos_bias.to(q.dtype)
-        seg_scores = q @ seg_pos.transpose(-1, -2)  # (B, h, Lp, vectors)
-        win_scores = (q + v[:, None]) @ win_pos.transpose(-1, -2)  # (B, h, Lp, W)
-        key_bias = (kv[0] @ u[:, :, None]).squeeze(-1)  # (B, h, W + Lp)
-        geo = CausalFlexGeometry(
-            num_queries=layout.Lp, num_vectors=bar_k.shape[2], window=W, offset=Mp, segment=self.segment_size,
-            rank=self.dp_rank, real_from=layout.real_from, real_to=Mp + layout.x.shape[1])
-        out = causal_flex_attention(q, keys, values, seg_scores, key_bias, win_scores, geo)
+        dtype = autocast_dtype(x_cur)
+        norm = self.norm_local
+        with autocast_off(x_cur.device.type):
+            w_qkv, w_norm, biases = cast_stacked(
+                [[self.q.weight, self.k.weight, self.v.weight], [norm.weight, norm.bias],
+                 [self.content_bias, self.pos_bias]], dtype)
+            # q, k, v of the window tokens, positions Mp - W .. Mp + Lp - 1, in one product (q of the first W unused)
+            tokens = torch.cat([layout.pre[:, Mp - W:], x_cur], dim=1).to(dtype)
+            qkv = F.linear(tokens, w_qkv.flatten(0, 1)).unflatten(-1, (3, C))
+            q = self._heads(qkv[:, W:, 0] * d ** -0.5)  # (B, h, Lp, d), scaled
+            kv = F.layer_norm(qkv[:, :, 1:], (C,), w_norm[0], w_norm[1], norm.eps)  # LN_L
+            kv = kv.unflatten(-1, (h, d)).permute(2, 0, 3, 1, 4)  # (2, B, h, W + Lp, d)
+            keys = torch.cat([bar_k.to(dtype), kv[0]], dim=2)
+            values = torch.cat([bar_v.to(dtype), kv[1]], dim=2)
+            seg_scores = q @ seg_pos.to(dtype).transpose(-1, -2)  # (B, h, Lp, vectors)
+            win_scores = (q + biases[1][:, None]) @ win_pos.to(dtype).transpose(-1, -2)  # (B, h, Lp, W)
+            key_bias = (kv[0] @ biases[0][:, :, None]).squeeze(-1)  # u . k: (B, h, W + Lp)
+            geo = CausalFlexGeometry(
+                num_queries=layout.Lp, num_vectors=bar_k.shape[2], window=W, offset=Mp, segment=self.segment_size,
+                rank=self.dp_rank, real_from=layout.real_from, real_to=Mp + layout.x.shape[1])
+            out = causal_flex_attention(q, keys, values, seg_scores, key_bias, win_scores, geo)
         return out.transpose(1, 2)
 
     def _layout(self, x: torch.Tensor, cache: Optional[torch.Tensor],
