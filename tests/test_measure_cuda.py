@@ -228,3 +228,27 @@ def test_the_documented_before_and_after_ratios_are_the_committed_counts():
     text = (Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks' / 'cuda_counting.md').read_text()
     for line in _ratio_rows():
         assert line in text, line
+
+
+def test_the_documented_char_lm_counts_are_the_committed_counts():
+    """cuda_counting.md's char-LM table: the chunk path (cuda_counts_charlm_chunks.json), the default path now and
+    causal SDPA (cuda_counts_charlm.json), and the layer body's kernels per layer."""
+    bench = Path(__file__).resolve().parents[1] / 'docs' / 'benchmarks'
+    text = (bench / 'cuda_counting.md').read_text()
+    chunks, now = ({(r['model'], r['point']): r for r in json.loads((bench / f).read_text())['rows']}
+                   for f in ('cuda_counts_charlm_chunks.json', 'cuda_counts_charlm.json'))
+
+    def cell(row):
+        ratios = f" ({row['kernels_ratio']:.2f}x, {row['bytes_ratio']:.2f}x)" if 'kernels_ratio' in row else ''
+        return f"{row['kernels']:,} kernels, {row['bytes'] / 1e9:.1f} GB{ratios}"
+
+    for kind in ('inference', 'train'):
+        point = f'{kind} 16384 b1 bfloat16'
+        line = (f"| {kind} 16384 b1 | {cell(chunks[('ls_lm_enwik8_small', point)])} | "
+                f"{cell(now[('ls_lm_enwik8_small', point)])} | {cell(now[('full_lm_enwik8_small', point)])} |")
+        assert line in text, line
+    body = now[('ls_lm_enwik8_small', 'inference 16384 b1 bfloat16')]['by_module']['blocks.*.attn']['kernels']
+    assert f'own body is {body // 12} kernels' in ' '.join(text.split())
+    flex, loop = (rows[('ls_lm_enwik8_small', 'inference 16384 b1 bfloat16')]['kernels'] for rows in (now, chunks))
+    sequence_doc = ' '.join((bench.parent / 'sequence.md').read_text().split())
+    assert f"{flex:,} kernels against the chunk path's {loop:,} for `ls_lm_enwik8_small` at 16k" in sequence_doc
