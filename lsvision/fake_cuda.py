@@ -164,29 +164,36 @@ def _walk_backward(root: Any, loss_grad: torch.Tensor, around_node: Optional[Cal
 
 @torch.library.custom_op('lsvision_fake::flex_attention_backward', mutates_args=())
 def flex_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                            grad_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            grad_out: torch.Tensor, buffers: List[torch.Tensor], buffer_grads: List[torch.Tensor]
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
     """FlexAttention's backward as one operator of the fake device (reads q, k, v, the output and its gradient; writes
-    the gradients of q, k, v): the real one traces its joint graph through the autograd engine, which needs a device."""
+    the gradients of q, k, v): the real one traces its joint graph through the autograd engine, which needs a device.
+    The tensors its `score_mod` reads that take a gradient (learnable biases) are read too, and their gradients, which
+    Inductor accumulates with atomic adds into zeroed buffers (`buffer_grads`), read and written."""
     raise RuntimeError('lsvision_fake::flex_attention_backward runs on the fake CUDA device only')
 
 
 @flex_attention_backward.register_fake
-def _(q, k, v, out, grad_out):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(q, k, v, out, grad_out, buffers, buffer_grads):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), [torch.empty_like(g) for g in buffer_grads]
 
 
 class _FlexOnFakeCuda(torch.autograd.Function):
-    """FlexAttention forward as it is; its backward the fake device's `flex_attention_backward`."""
+    """FlexAttention forward as it is; its backward the fake device's `flex_attention_backward`, with the gradients
+    of the score_mod's tensors that need one (`buffers`: the same tensors the score_mod reads)."""
 
     @staticmethod
-    def forward(ctx, run, q, k, v, score_mod, block_mask, scale):
+    def forward(ctx, run, score_mod, block_mask, scale, q, k, v, *buffers):
         out = run(q, k, v, score_mod, block_mask, scale)
-        ctx.save_for_backward(q, k, v, out)
+        ctx.save_for_backward(q, k, v, out, *buffers)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        return (None, *flex_attention_backward(*ctx.saved_tensors, grad_out), None, None, None)
+        q, k, v, out, *buffers = ctx.saved_tensors
+        dq, dk, dv, dbuf = flex_attention_backward(q, k, v, out, grad_out, buffers,
+                                                   [torch.zeros_like(b) for b in buffers])
+        return (None, None, None, None, dq, dk, dv, *dbuf)
 
 
 class _EfficientSdpa(TorchFunctionMode):
@@ -224,8 +231,10 @@ def fake_flex_backward() -> Iterator[None]:
     run = span_flex._run_flex
 
     def run_flex(q, k, v, score_mod, block_mask, scale):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            return _FlexOnFakeCuda.apply(run, q, k, v, score_mod, block_mask, scale)
+        captured = [c.cell_contents for c in getattr(score_mod, '__closure__', None) or ()]
+        buffers = [t for t in captured if isinstance(t, torch.Tensor) and t.requires_grad]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *buffers)):
+            return _FlexOnFakeCuda.apply(run, score_mod, block_mask, scale, q, k, v, *buffers)
         return run(q, k, v, score_mod, block_mask, scale)
 
     span_flex._run_flex = run_flex

@@ -5,10 +5,11 @@ import copy
 
 import pytest
 import torch
-from fake_cuda import FAKE_CUDA, KernelCounter, cuda_autocast, fake_cuda
+from fake_cuda import FAKE_CUDA, KernelCounter, assert_grads_like_params, cuda_autocast, fake_cuda, run_backward
 from reference_attention import dense_causal_long_short_attention
 from torch.nn.attention.flex_attention import create_block_mask
 
+from lsvision.fake_cuda import gpu_attention_kernels
 from lsvision.layers import CausalLongShortAttention
 from lsvision.layers.causal_flex import CausalFlexGeometry, causal_flex_block_mask, causal_flex_mask_mod
 from lsvision.measure_cuda import count_step
@@ -104,12 +105,37 @@ def test_block_mask_equals_create_block_mask(geo, block):
     assert causal_flex_block_mask(geo, (block, block), torch.device('cpu')) is ours  # cached per layout
 
 
-def test_flex_is_for_inference_and_auto_keeps_the_chunks_elsewhere():
+@pytest.mark.parametrize('L,M,valid,W,ls,r,chunk,compress', [CASES[1], CASES[2]])
+def test_flex_path_trains_as_the_chunk_path(monkeypatch, L, M, valid, W, ls, r, chunk, compress):
+    """The flex path's gradients (input, cache and every parameter, through the position terms its score_mod reads)
+    are the chunk path's. FlexAttention has no CPU backward, so its call runs as its math on the whole grid."""
+    from test_span_flex import _dense_flex
+
+    from lsvision.layers import span_flex
+    monkeypatch.setattr(span_flex, '_run_flex', _dense_flex)
+    layer = _layer(W, ls, r, chunk, compress).train()
+    x = torch.randn(2, L, 32, dtype=torch.float64)
+    cache = torch.randn(2, M, 32, dtype=torch.float64)
+    weight = torch.randn(2, L, 32, dtype=torch.float64)
+    results = []
+    for kernel in ('chunks', 'flex'):
+        layer.attn_kernel = kernel
+        layer.zero_grad(set_to_none=True)
+        xg, cg = x.clone().requires_grad_(), cache.clone().requires_grad_()
+        out = layer(xg, cg, valid)
+        (out * weight).sum().backward()
+        results.append([out, xg.grad, cg.grad] + [p.grad for p in layer.parameters()])
+    names = ['output', 'x grad', 'cache grad'] + [n for n, _ in layer.named_parameters()]
+    for name, flex, chunks in zip(names, results[1], results[0]):
+        torch.testing.assert_close(flex, chunks, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_flex_trains_on_cuda_only_and_auto_keeps_the_chunks_on_the_cpu():
     layer = _layer(8, 4, 1, 8, True).train()
     x = torch.randn(2, 16, 32, dtype=torch.float64, requires_grad=True)
     layer(x).sum().backward()  # 'auto' on the CPU: the chunk path, which trains
     layer.attn_kernel = 'flex'
-    with pytest.raises(RuntimeError, match="for inference: run it under torch.no_grad.*attn_kernel='chunks'"):
+    with pytest.raises(RuntimeError, match="train on CUDA only.*attn_kernel='auto' for CausalLongShortAttention"):
         layer(x)
     with pytest.raises(ValueError, match="attn_kernel must be one of \\('auto', 'chunks', 'flex'\\), got 'fused'"):
         CausalLongShortAttention(32, 4, attn_kernel='fused')
@@ -141,3 +167,30 @@ def test_fake_cuda_inference_is_one_flex_call_and_launches_fewer_kernels():
     bf16 = 2
     read = B * h * d * (Lp + 2 * (vectors + W + Lp)) * bf16 + B * h * (Lp * (vectors + W) + W + Lp) * bf16
     assert flex['bytes'] == read + B * h * Lp * (d * bf16 + 2 * 4), flex
+
+
+def test_fake_cuda_training_is_one_flex_call_with_the_position_gradients():
+    """In training 'flex' runs one FlexAttention call and its backward (which gives the position terms' gradients:
+    every parameter gets one), a fraction of the chunk path's kernels; 'auto' trains on the chunk path."""
+    torch.manual_seed(0)
+    layer = CausalLongShortAttention(64, 4, window_size=64, segment_size=16, query_chunk_size=128, attn_kernel='flex')
+    fake = copy.deepcopy(layer)
+    with fake_cuda(), torch.compiler.set_stance('force_eager'), gpu_attention_kernels():
+        fake = fake.to(FAKE_CUDA).train()
+        with KernelCounter() as ops:
+            with cuda_autocast(torch.bfloat16):
+                out = fake(torch.randn(2, 1024, 64, device=FAKE_CUDA), torch.randn(2, 256, 64, device=FAKE_CUDA))
+            run_backward(out.float().square().mean())
+        assert_grads_like_params(fake)
+    assert ops.calls['flex_attention'] == 1 and ops.calls['flex_attention_backward.default'] == 1, ops.calls
+    assert ops.count('gather') == 0, ops.attention_ops()
+
+    def kernels(kernel: str) -> dict:
+        layer.attn_kernel = kernel
+        cost = count_step(layer, lambda: [torch.randn(2, 1024, 64), torch.randn(2, 256, 64)], train=True,
+                          optimizer=False)
+        return cost.by('op')
+
+    flex, chunks = kernels('flex'), kernels('chunks')
+    assert sum(v['kernels'] for v in flex.values()) * 5 < sum(v['kernels'] for v in chunks.values())
+    assert kernels('auto') == chunks

@@ -178,6 +178,29 @@ def test_causal_flex_inference_matches_the_chunk_path():
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.skipif(DEVICE.type != 'cuda', reason='FlexAttention has no backward on the CPU')
+def test_causal_flex_training_matches_the_chunk_path():
+    """The causal layer trained through one compiled FlexAttention call: its gradients (the position terms' through
+    the score_mod: Inductor's learnable-bias backward) are the chunk path's."""
+    torch.manual_seed(0)
+    attn = perturb(CausalLongShortAttention(64, 4, 64, 16, 2, query_chunk_size=128)).to(DEVICE).train()
+    x = torch.randn(2, 1000, 64, device=DEVICE)
+    cache = torch.randn(2, 256, 64, device=DEVICE)
+    weight = torch.randn_like(x)
+    results = []
+    for kernel in ('chunks', 'flex'):
+        attn.attn_kernel = kernel
+        attn.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        out = attn(xg, cache)
+        (out * weight).sum().backward()
+        results.append([out, xg.grad] + [p.grad for p in attn.parameters()])
+    names = ['output', 'x grad'] + [n for n, _ in attn.named_parameters()]
+    for name, flex, chunks in zip(names, results[1], results[0]):
+        scale = chunks.abs().max().item()
+        torch.testing.assert_close(flex, chunks, rtol=2e-3, atol=2e-3 * scale, msg=name)
+
+
 class _CountOps(TorchDispatchMode):
     """Counts the operators dispatched to ATen (what Python code calls, below autograd)."""
 

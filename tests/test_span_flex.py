@@ -135,7 +135,7 @@ def test_flex_layer_traces_whole_under_torch_compile():
 def test_flex_errors_say_what_to_do():
     attn = LongShortAttention2d(16, 2, 2, 2, span_kernel='flex').train()
     x = torch.randn(1, 16, 16)
-    with pytest.raises(RuntimeError, match="trains on CUDA only.*set_span_kernel\\(model, 'auto'\\)"):
+    with pytest.raises(RuntimeError, match="train on CUDA only.*set_span_kernel\\(model, 'auto'\\)"):
         attn(x, (4, 4))
     assert set_span_kernel(attn, 'auto') == 1  # following the hint, it trains
     attn(x, (4, 4)).sum().backward()

@@ -1,4 +1,4 @@
-"""Causal 1D long-short attention as one FlexAttention call: the CUDA inference path of `CausalLongShortAttention`.
+"""Causal 1D long-short attention as one FlexAttention call: the CUDA path of `CausalLongShortAttention`.
 
 The chunk path (`long_short_1d._causal_chunk`) walks the queries chunk by chunk, a dozen kernels or more a chunk. Here
 every query attends, in one `torch.nn.attention.flex_attention` call, to the keys ``[segment vectors | window tokens]``:
@@ -15,9 +15,12 @@ vectors, ``(q + v) R_w^T``: queries x W; ``u . k``: one per key); the visibility
 The `BlockMask` depends on the layout alone (lengths, window, segment, rank, which positions are real) and is cached
 per layout and device: it is built by evaluating the mask a few query blocks at a time, never on the whole grid.
 
-Inference only: a training step would need the gradients of the position tensors, which the fake CUDA device (where
-the counts and tests run) does not give; the layer keeps the chunk path when autograd records. On CUDA the call runs
-compiled (`span_flex._run_flex`); on the CPU it runs eagerly, to check it against the chunk path.
+In training (`attn_kernel='flex'`) the position tensors take gradients through the `score_mod` (FlexAttention's
+learnable biases: Inductor accumulates them with atomic adds) and are kept for the backward, queries x (vectors + W)
+values a layer; the layer's default ('auto') trains on the chunk path until a GPU has timed this one. On CUDA the
+call runs compiled (`span_flex._run_flex`); on the CPU it runs eagerly, forward only (FlexAttention has no CPU
+backward), to check it against the chunk path; its gradients are checked there with FlexAttention's math on the whole
+grid (tests/test_causal_flex.py) and on a GPU by tests/test_cuda.py.
 
 Written for lsvision, Apache-2.0.
 """
@@ -130,7 +133,7 @@ def causal_flex_block_mask(geo: CausalFlexGeometry, block_size: Tuple[int, int],
 def causal_flex_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seg_scores: torch.Tensor,
                           key_bias: torch.Tensor, win_scores: torch.Tensor, geo: CausalFlexGeometry,
                           block_size: int = 128) -> torch.Tensor:
-    """Causal long-short attention of all queries in one FlexAttention call (inference).
+    """Causal long-short attention of all queries in one FlexAttention call.
 
     Args:
         q: Queries (B, h, Lp, d), scaled.
@@ -143,9 +146,6 @@ def causal_flex_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     Returns:
         (B, h, Lp, d).
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values, seg_scores, key_bias, win_scores)):
-        raise RuntimeError('the causal FlexAttention path is for inference: run it under torch.no_grad() or '
-                           "torch.inference_mode(), or train with attn_kernel='chunks'")
     if keys.shape[2] != geo.num_keys or q.shape[2] != geo.num_queries:
         raise ValueError(f'{q.shape[2]} queries and {keys.shape[2]} keys for a layout of {geo.num_queries} and '
                          f'{geo.num_keys}')

@@ -401,7 +401,9 @@ class CausalLongShortAttention(nn.Module):
             attn_kernel: 'auto' (the default): one FlexAttention call for all queries (`causal_flex`) on CUDA at
                 inference (with Triton, without attention dropout), which launches a few kernels a layer where the
                 chunk path launches a dozen a chunk; else the chunk path. 'chunks': always the chunk path; 'flex':
-                always FlexAttention (inference only; on the CPU eager, for checks).
+                always FlexAttention, training included on CUDA (its position terms then take gradients through the
+                score_mod and are kept for the backward: batch x heads x queries x (vectors + W) values a layer); on
+                the CPU forward only, for checks.
             attn_drop: Dropout on the attention weights.
             proj_drop: Dropout after the output projection.
             pos_drop: Dropout on the window sinusoids (official: the model's embedding dropout).
@@ -485,11 +487,20 @@ class CausalLongShortAttention(nn.Module):
 
     def _uses_flex(self, x: torch.Tensor) -> bool:
         """Whether this call runs `_attend_flex`: 'flex', or 'auto' on CUDA with Triton at inference (no autograd
-        recording, no attention dropout)."""
+        recording, no attention dropout). 'auto' trains on the chunk path: FlexAttention's backward through the
+        position terms (learnable biases, atomic adds) has not been timed on a GPU (`make gpu-check`)."""
         if self.attn_kernel == 'auto':
             dropout = self.attn_drop > 0 and self.training
             return x.device.type == 'cuda' and _HAS_TRITON and not torch.is_grad_enabled() and not dropout
         return self.attn_kernel == 'flex'
+
+    def _checkpoints(self, batch: int, layout: '_CausalLayout', num_vectors: int) -> bool:
+        """Whether the chunk path recomputes its chunks in backward (`checkpoint_chunks`; None: by the size of the
+        scores of all chunks together)."""
+        if self.checkpoint_chunks is not None:
+            return self.checkpoint_chunks
+        scores = batch * self.num_heads * layout.Lp * (num_vectors + 2 * self.window_size)
+        return scores > CAUSAL_CHECKPOINT_MIN_SCORES
 
     def _attend_flex(self, layout: '_CausalLayout', bar_k: torch.Tensor, bar_v: torch.Tensor,
                      win_pos: torch.Tensor, seg_pos: torch.Tensor) -> torch.Tensor:
@@ -612,7 +623,7 @@ class CausalLongShortAttention(nn.Module):
         chunk scores its window and the segment vectors before its last segment. Returns (B, Lp, h, d)."""
         x = layout.x
         B = x.shape[0]
-        h, d, r, W, ls = self.num_heads, self.head_dim, self.dp_rank, self.window_size, self.segment_size
+        d, r, W, ls = self.head_dim, self.dp_rank, self.window_size, self.segment_size
         pre, valid, Mp, Lp, chunk = layout.pre, layout.valid, layout.Mp, layout.Lp, layout.chunk
         n_cv = bar_k.shape[2]
         # window index/mask of one block: query i sees keys j in [i + 1, i + W] (of 2W), delta = i + W - j
@@ -624,10 +635,7 @@ class CausalLongShortAttention(nn.Module):
         u = self.content_bias[:, None].to(x.dtype)
         v = self.pos_bias[:, None].to(x.dtype)
         dropout_p = self.attn_drop if self.training else 0.
-        ckpt = self.checkpoint_chunks
-        if ckpt is None:
-            ckpt = B * h * Lp * (n_cv + 2 * W) > CAUSAL_CHECKPOINT_MIN_SCORES
-        use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
+        use_ckpt = self._checkpoints(B, layout, n_cv) and torch.is_grad_enabled() and chunk < Lp
         # split (not slice) the input: one backward concatenation instead of a full-size zero gradient per chunk;
         # the W window tokens before a chunk come from the previous piece (or the cache)
         starts = list(range(0, Lp, chunk))

@@ -211,8 +211,10 @@ def _run_flex(q, k, v, score_mod, block_mask, scale: float) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
     if q.device.type == 'cpu' and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(
-            "span_kernel='flex' trains on CUDA only (FlexAttention has no backward on the CPU); on the CPU use "
-            "lsvision.layers.set_span_kernel(model, 'auto'), or run the flex path under torch.no_grad()")
+            "the FlexAttention paths (span_kernel='flex', attn_kernel='flex') train on CUDA only (FlexAttention has "
+            "no backward on the CPU); on the CPU use the default kernel, 'auto' (lsvision.layers.set_span_kernel("
+            "model, 'auto') for the 2D layers, attn_kernel='auto' for CausalLongShortAttention), or run the flex "
+            "path under torch.no_grad()")
     if torch.compiler.is_compiling() or q.device.type != 'cuda':
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
     try:
