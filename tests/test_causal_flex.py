@@ -65,7 +65,7 @@ def test_flex_path_equals_the_dense_reference():
 def test_a_wrong_window_is_caught():
     """The comparison can fail: a window one token shorter (the oldest key hidden) is off by far more than the
     tolerance."""
-    from lsvision.layers import causal_flex
+    from lsvision.layers import causal_flex, span_flex
     layer = _layer(16, 4, 1, 32, True)
     x = torch.randn(2, 64, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -75,11 +75,11 @@ def test_a_wrong_window_is_caught():
         mask_mod = causal_flex.causal_flex_mask_mod
         try:
             causal_flex.causal_flex_mask_mod = lambda geo: _narrower(mask_mod(geo), geo)
-            causal_flex._BLOCK_MASKS.clear()
+            span_flex._BLOCK_MASKS.clear()
             out = layer(x)
         finally:
             causal_flex.causal_flex_mask_mod = mask_mod
-            causal_flex._BLOCK_MASKS.clear()
+            span_flex._BLOCK_MASKS.clear()
     assert (out - ref).abs().max() > 1e-3
 
 

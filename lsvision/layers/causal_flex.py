@@ -24,7 +24,7 @@ grid (tests/test_causal_flex.py) and on a GPU by tests/test_cuda.py.
 
 Written for lsvision, Apache-2.0.
 """
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, NamedTuple, Tuple
 
 import torch
 
@@ -105,29 +105,14 @@ def _visible_counts(geo: CausalFlexGeometry, block_q: int, block_kv: int, device
     return torch.cat(rows)
 
 
-def _build_block_mask(geo: CausalFlexGeometry, block_size: Tuple[int, int], device: torch.device):
-    from torch.nn.attention.flex_attention import BlockMask
-    block_q, block_kv = block_size
-    counts = _visible_counts(geo, block_q, block_kv, device)[None, None]
-    full = counts == block_q * block_kv  # tail blocks (past the sequence) are never full
-    kv_num, kv_idx = span_flex.ordered_blocks((counts > 0) & ~full)
-    full_num, full_idx = span_flex.ordered_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv),
-                                    mask_mod=causal_flex_mask_mod(geo), seq_lengths=(geo.num_queries, geo.num_keys))
-
-
-_BLOCK_MASKS: Dict[Tuple, object] = {}
-
-
 def causal_flex_block_mask(geo: CausalFlexGeometry, block_size: Tuple[int, int], device: torch.device):
-    """The `BlockMask` of the layout, cached per layout, block size and device (built inside the graph where the caller
-    is being compiled)."""
-    if torch.compiler.is_compiling():
-        return _build_block_mask(geo, block_size, device)
-    key = (geo, block_size, device)
-    if key not in _BLOCK_MASKS:
-        _BLOCK_MASKS[key] = _build_block_mask(geo, block_size, device)
-    return _BLOCK_MASKS[key]
+    """The `BlockMask` of the layout, cached per layout, block size and device."""
+    def build():
+        counts = _visible_counts(geo, block_size[0], block_size[1], device)
+        return span_flex.block_mask_from_counts(counts, block_size, causal_flex_mask_mod(geo),
+                                                (geo.num_queries, geo.num_keys))
+
+    return span_flex.cached_block_mask(geo, block_size, device, build)
 
 
 def causal_flex_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seg_scores: torch.Tensor,

@@ -167,30 +167,41 @@ def ordered_blocks(blocks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return dense.sum(-1).to(torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
-def _build_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
+def block_mask_from_counts(counts: torch.Tensor, block_size: Tuple[int, int], mask_mod: Callable,
+                           seq_lengths: Tuple[int, int]):
+    """The `BlockMask` of (query blocks, key blocks) counts of visible pairs: full blocks where every pair is visible,
+    partial where some are (`BlockMask.from_kv_blocks`)."""
     from torch.nn.attention.flex_attention import BlockMask
-    block_q, block_kv = block_size
-    counts = _visible_counts(geo, block_q, block_kv, device)[None, None]
-    full = counts == block_q * block_kv  # tail blocks (past the sequence) are never full
-    partial = (counts > 0) & ~full
-    kv_num, kv_idx = ordered_blocks(partial)
+    counts = counts[None, None]
+    full = counts == block_size[0] * block_size[1]  # tail blocks (past the sequence) are never full
+    kv_num, kv_idx = ordered_blocks((counts > 0) & ~full)
     full_num, full_idx = ordered_blocks(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv),
-                                    mask_mod=span_flex_mask_mod(geo), seq_lengths=(geo.num_queries, geo.num_keys))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=mask_mod,
+                                    seq_lengths=seq_lengths)
 
 
 _BLOCK_MASKS: Dict[Tuple, object] = {}
 
 
-def span_flex_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
-    """The `BlockMask` of the geometry, cached per geometry, block size and device (built inside the graph where the
-    caller is being compiled)."""
+def cached_block_mask(geo: Tuple, block_size: Tuple[int, int], device: torch.device, build: Callable[[], object]):
+    """`build()`, cached per geometry (its type too: two layouts may hold the same numbers), block size and device;
+    built inside the graph where the caller is being compiled."""
     if torch.compiler.is_compiling():
-        return _build_block_mask(geo, block_size, device)
-    key = (geo, block_size, device)
+        return build()
+    key = (type(geo).__name__, geo, block_size, device)
     if key not in _BLOCK_MASKS:
-        _BLOCK_MASKS[key] = _build_block_mask(geo, block_size, device)
+        _BLOCK_MASKS[key] = build()
     return _BLOCK_MASKS[key]
+
+
+def _build_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
+    counts = _visible_counts(geo, block_size[0], block_size[1], device)
+    return block_mask_from_counts(counts, block_size, span_flex_mask_mod(geo), (geo.num_queries, geo.num_keys))
+
+
+def span_flex_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
+    """The `BlockMask` of the geometry, cached per geometry, block size and device."""
+    return cached_block_mask(geo, block_size, device, lambda: _build_block_mask(geo, block_size, device))
 
 
 _COMPILED_FLEX: Optional[Callable] = None
