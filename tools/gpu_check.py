@@ -11,7 +11,11 @@ and the report is rewritten after every point, so a cut run leaves what it measu
    were set against): training steps (AdamW) at 224 b256, 384 b64 and 1024 b8, inference (no grad) at 224 b32 (the
    paper's) and 1024 b8; issue 53's time targets are among them.
 3. torch.profiler of one step of each model, training at 384 b64 and inference at 224 b32: the CUDA kernels it
-   really launches, by name, beside the counts of `tools/benchmark.py cuda-count`.
+   really launches, by name, beside the counts of `tools/benchmark.py cuda-count`. Then the causal char-LM
+   (`ls_lm_enwik8_small` against `full_lm_enwik8_small`, causal SDPA): training at 4096 b4 on the chunk path (the
+   default) and on one FlexAttention call (`attn_kernel='flex'`: its position terms' gradients through Inductor's
+   learnable-bias backward, which decides whether 'auto' should train on it), inference at 16384 b1 on the flex path
+   (the default) and on the chunks.
 4. The other CUDA candidates at 384 b64 training and 224 b32 inference: cvt_ls_13's span path (`span_kernel='span'`;
    the default, 'auto', runs the FlexAttention path on CUDA, segment order, 128-blocks, which the kernel counts
    favour: docs/benchmarks/cuda_counting.md) and both models under torch.compile (default mode); the floors (both
@@ -61,6 +65,8 @@ CALIBRATION = [('train', 224, 256), ('train', 384, 64), ('train', 1024, 8), ('in
                ('inference', 1024, 8)]
 # the points profiled (torch.profiler: the CUDA kernels one step really launches), both models
 PROFILED = [('train', 384, 64), ('inference', 224, 32)]
+# the causal char-LM: long-short (its kernel: chunks or one FlexAttention call) and its causal-SDPA counterpart
+CHAR_LM = ('ls_lm_enwik8_small', 'full_lm_enwik8_small')
 # the models whose training and inference points both run in the dry run
 DRY_RUN_BOTH_KINDS = ('cvt_ls_13', 'cvt_13', 'cvt_ls_13@noattn', 'cvt_13@noattn')
 # tiny stand-ins of the dry run (lsvision's test configs)
@@ -71,6 +77,7 @@ TINY_KWARGS = {
     'vil_ls_medium': dict(embed_dims=(8, 16, 32, 64), num_heads=(1, 2, 4, 8), depths=(1, 1, 1, 1)),
     SWIN: dict(embed_dim=32, depths=(1, 1, 1, 1), num_heads=(2, 2, 4, 4)),
 }
+TINY_CHAR_LM = dict(dim=32, depth=1, num_heads=2, mlp_hidden=64, window_size=16, segment_size=4, mem_len=16)
 
 
 def build_model(spec: str, kernel: str = 'auto', order: str = 'segment', block: int = 128, tiny: bool = False,
@@ -88,6 +95,18 @@ def build_model(spec: str, kernel: str = 'auto', order: str = 'segment', block: 
     return model
 
 
+def build_char_lm(name: str, kernel: str = 'auto', tiny: bool = False, max_len: int = 2048) -> Any:
+    """A `lsvision.sequence` char-LM with its causal long-short layers' `attn_kernel` set."""
+    import lsvision  # noqa: F401
+    from lsvision import sequence
+    from lsvision.layers import CausalLongShortAttention
+    model = sequence.create_model(name, max_len=max_len, **(TINY_CHAR_LM if tiny else {}))
+    for module in model.modules():
+        if isinstance(module, CausalLongShortAttention):
+            module.attn_kernel = kernel
+    return model
+
+
 def _point(model: str, kind: str, size: int, batch: int, kernel: str = 'auto', order: str = 'segment',
            block: int = 128, compile: Optional[str] = None) -> Dict[str, Any]:
     return dict(model=model, kind=kind, size=size, batch=batch, kernel=kernel, order=order, block=block,
@@ -100,6 +119,10 @@ def plan() -> List[Dict[str, Any]]:
     points = [_point(m, *t) for t in CALIBRATION for m in pair]
     # the real kernels of a step, to set beside the fake-CUDA counts (tools/benchmark.py cuda-count)
     points += [dict(_point(m, *t), profile=True) for t in PROFILED for m in pair]
+    ls, full = CHAR_LM
+    points += [_point(m, k, s, b, kernel=kernel) for k, s, b, other in (('train', 4096, 4, 'flex'),
+                                                                        ('inference', 16384, 1, 'chunks'))
+               for m, kernel in ((ls, 'auto'), (ls, other), (full, 'auto'))]
     targets = [('train', 384, 64), ('train', 1024, 8), ('inference', 224, 32), ('inference', 1024, 8)]
     # the candidates at one training and one inference point each, then the floors
     points += [_point('cvt_ls_13', *t, kernel='span') for t in (targets[0], targets[2])]
@@ -119,7 +142,8 @@ def plan() -> List[Dict[str, Any]]:
 
 
 def label(p: Dict[str, Any]) -> str:
-    kernel = {'auto': '', 'span': ', span path'}.get(p['kernel'], f", flex {p['order']} {p['block']}")
+    flex = ', flex' if p['model'] in CHAR_LM else f", flex {p['order']} {p['block']}"
+    kernel = {'auto': '', 'span': ', span path', 'chunks': ', chunk path'}.get(p['kernel'], flex)
     compiled = f", compiled {p['compile']}" if p['compile'] else ''
     return f"{p['model']}{kernel}{compiled} {p['kind']} {p['size']} b{p['batch']}"
 
@@ -127,6 +151,11 @@ def label(p: Dict[str, Any]) -> str:
 def _job(p: Dict[str, Any], dry_run: bool, timeout_s: float) -> Job:
     tiny = dict(size=64, batch=2) if dry_run else {}
     size, batch = tiny.get('size', p['size']), tiny.get('batch', p['batch'])
+    if p['model'] in CHAR_LM:  # token ids below the vocabulary's 208 (as tools/benchmark.py cuda-count)
+        return Job(label=label(p), build=functools.partial(build_char_lm, p['model'], p['kernel'], dry_run, size),
+                   inputs=[((size,), 200)], batch_size=batch, kind=p['kind'], device='cpu' if dry_run else 'cuda',
+                   amp=None if dry_run else 'bfloat16', optimizer='adamw', warmup=1 if dry_run else 3,
+                   budget_s=0.05 if dry_run else 1.0, timeout_s=timeout_s, extra=dict(point=p))
     build = functools.partial(build_model, p['model'], p['kernel'], p['order'], 16 if dry_run else p['block'],
                               dry_run, size)
     return Job(label=label(p), build=build, img_size=size, batch_size=batch, kind=p['kind'],
@@ -188,7 +217,7 @@ def ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 
 # the other comparisons of the issue: (model, against), eager, at every point both have
-PAIRS = [('vil_ls_medium', 'vil_ls_medium@full'), ('cvt_ls_13', SWIN)]
+PAIRS = [('vil_ls_medium', 'vil_ls_medium@full'), ('cvt_ls_13', SWIN), CHAR_LM]
 
 
 def pair_ratios(rows: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -274,7 +303,7 @@ def run_points(points: List[Dict[str, Any]], args: argparse.Namespace, start: fl
     rows: List[Dict[str, Any]] = []
     profiles: List[Dict[str, Any]] = []
     for p in points:
-        slow = p['compile'] is not None or p['kernel'] == 'flex'
+        slow = p['compile'] is not None or p['kernel'] == 'flex' or p['model'] in CHAR_LM  # the flex compile
         timeout = args.compiled_timeout_s if slow else args.point_timeout_s
         left = deadline - time.monotonic()
         if args.dry_run and p['kernel'] == 'flex' and p['kind'] == 'train':
