@@ -74,7 +74,7 @@ def test_a_wrong_window_is_caught():
         layer.attn_kernel = 'flex'
         mask_mod = causal_flex.causal_flex_mask_mod
         try:
-            causal_flex.causal_flex_mask_mod = lambda geo: _narrower(mask_mod(geo), geo)
+            causal_flex.causal_flex_mask_mod = lambda geo, device=None: _narrower(mask_mod(geo, device), geo)
             span_flex._BLOCK_MASKS.clear()
             out = layer(x)
         finally:
@@ -128,6 +128,27 @@ def test_flex_path_trains_as_the_chunk_path(monkeypatch, L, M, valid, W, ls, r, 
     names = ['output', 'x grad', 'cache grad'] + [n for n, _ in layer.named_parameters()]
     for name, flex, chunks in zip(names, results[1], results[0]):
         torch.testing.assert_close(flex, chunks, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_a_filling_cache_changes_no_number_the_mask_closes_over(monkeypatch):
+    """Generation fills the cache token by token: the real positions move at every step. Compiled FlexAttention
+    guards on the numbers a mask_mod closes over, so they must not move (the positions are tensors); the BlockMasks
+    of the steps are kept up to `BLOCK_MASK_CACHE_SIZE`, the most recently used."""
+    from lsvision.layers import span_flex
+    geo = CausalFlexGeometry(64, 32, 16, 32, 4, 1, 16, 96)
+    steps = [geo._replace(real_from=geo.real_from - i) for i in range(5)]
+
+    def numbers(fn):
+        return [c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, (int, float))]
+
+    assert len({tuple(numbers(causal_flex_mask_mod(g))) for g in steps}) == 1
+    monkeypatch.setattr(span_flex, 'BLOCK_MASK_CACHE_SIZE', 3)
+    span_flex._BLOCK_MASKS.clear()
+    masks = [causal_flex_block_mask(g, (16, 16), torch.device('cpu')) for g in steps]
+    assert len(span_flex._BLOCK_MASKS) == 3
+    assert causal_flex_block_mask(steps[-1], (16, 16), torch.device('cpu')) is masks[-1]
+    assert causal_flex_block_mask(steps[0], (16, 16), torch.device('cpu')) is not masks[0]  # evicted, built again
+    span_flex._BLOCK_MASKS.clear()
 
 
 def test_flex_trains_on_cuda_only_and_auto_keeps_the_chunks_on_the_cpu():

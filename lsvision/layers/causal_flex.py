@@ -24,7 +24,7 @@ grid (tests/test_causal_flex.py) and on a GPU by tests/test_cuda.py.
 
 Written for lsvision, Apache-2.0.
 """
-from typing import Callable, NamedTuple, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -53,11 +53,13 @@ class CausalFlexGeometry(NamedTuple):
         return self.num_vectors + self.window + self.num_queries
 
 
-def causal_flex_mask_mod(geo: CausalFlexGeometry) -> Callable:
+def causal_flex_mask_mod(geo: CausalFlexGeometry, device: Optional[torch.device] = None) -> Callable:
     """The `mask_mod`: a vector iff of a segment before the query's that holds a real token; a window token iff one of
-    the W up to the query and real."""
+    the W up to the query and real. Which positions are real is read from two tensors (on `device`), not closed over
+    as numbers: compiled FlexAttention guards on the numbers a mask_mod closes over, and a cache that fills token by
+    token (generation) would recompile it at every step."""
     nv, W, off, ls, r = geo.num_vectors, geo.window, geo.offset, geo.segment, geo.rank
-    lo, hi = geo.real_from, geo.real_to
+    lo, hi = (torch.tensor(v, device=device) for v in (geo.real_from, geo.real_to))
 
     def mask_mod(b, h, q_idx, kv_idx):
         seg = kv_idx // r
@@ -94,7 +96,7 @@ def _visible_counts(geo: CausalFlexGeometry, block_q: int, block_kv: int, device
     """(query blocks, key blocks): the visible (query, key) pairs of every block pair, the mask evaluated a few query
     blocks at a time."""
     n_qb, n_kb = -(-geo.num_queries // block_q), -(-geo.num_keys // block_kv)
-    mask_mod = causal_flex_mask_mod(geo)
+    mask_mod = causal_flex_mask_mod(geo, device)
     keys = torch.arange(n_kb * block_kv, device=device)
     step = max(1, _MASK_CHUNK // (block_q * n_kb * block_kv))
     rows = []
@@ -109,7 +111,7 @@ def causal_flex_block_mask(geo: CausalFlexGeometry, block_size: Tuple[int, int],
     """The `BlockMask` of the layout, cached per layout, block size and device."""
     def build():
         counts = _visible_counts(geo, block_size[0], block_size[1], device)
-        return span_flex.block_mask_from_counts(counts, block_size, causal_flex_mask_mod(geo),
+        return span_flex.block_mask_from_counts(counts, block_size, causal_flex_mask_mod(geo, device),
                                                 (geo.num_queries, geo.num_keys))
 
     return span_flex.cached_block_mask(geo, block_size, device, build)

@@ -31,7 +31,8 @@ one runs there to check its masks against the dense reference (`span_attention_r
 
 Written for lsvision, Apache-2.0.
 """
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from collections import OrderedDict
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -180,17 +181,23 @@ def block_mask_from_counts(counts: torch.Tensor, block_size: Tuple[int, int], ma
                                     seq_lengths=seq_lengths)
 
 
-_BLOCK_MASKS: Dict[Tuple, object] = {}
+_BLOCK_MASKS: 'OrderedDict[Tuple, object]' = OrderedDict()
+# BlockMasks kept (the least recently used goes first): a cache that fills token by token makes one per step
+BLOCK_MASK_CACHE_SIZE = 256
 
 
 def cached_block_mask(geo: Tuple, block_size: Tuple[int, int], device: torch.device, build: Callable[[], object]):
-    """`build()`, cached per geometry (its type too: two layouts may hold the same numbers), block size and device;
-    built inside the graph where the caller is being compiled."""
+    """`build()`, cached per geometry (its type too: two layouts may hold the same numbers), block size and device,
+    the last `BLOCK_MASK_CACHE_SIZE` used; built inside the graph where the caller is being compiled."""
     if torch.compiler.is_compiling():
         return build()
     key = (type(geo).__name__, geo, block_size, device)
-    if key not in _BLOCK_MASKS:
+    if key in _BLOCK_MASKS:
+        _BLOCK_MASKS.move_to_end(key)
+    else:
         _BLOCK_MASKS[key] = build()
+        while len(_BLOCK_MASKS) > BLOCK_MASK_CACHE_SIZE:
+            _BLOCK_MASKS.popitem(last=False)
     return _BLOCK_MASKS[key]
 
 
