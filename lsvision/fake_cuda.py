@@ -231,8 +231,7 @@ def fake_flex_backward() -> Iterator[None]:
     run = span_flex._run_flex
 
     def run_flex(q, k, v, score_mod, block_mask, scale):
-        captured = [c.cell_contents for c in getattr(score_mod, '__closure__', None) or ()]
-        buffers = [t for t in captured if isinstance(t, torch.Tensor) and t.requires_grad]
+        buffers = [t for t in span_flex.score_mod_tensors(score_mod) if t.requires_grad]
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *buffers)):
             return _FlexOnFakeCuda.apply(run, score_mod, block_mask, scale, q, k, v, *buffers)
         return run(q, k, v, score_mod, block_mask, scale)

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from lsvision.fake_cuda import FAKE_CUDA, cuda_autocast, fake_cuda, gpu_attention_kernels, run_backward
+from lsvision.layers.span_flex import score_mod_tensors
 from lsvision.reports import markdown_table
 
 __all__ = ['CudaCost', 'add_count_ratios', 'cost_row', 'count_row', 'count_step', 'counts_markdown']
@@ -85,7 +86,7 @@ class _Counting(TorchDispatchMode):
         inputs, outputs = _tensors((args, kwargs)), _tensors(out)
         if hop:  # FlexAttention's forward: reads q, k, v and the score_mod's tensors; writes the output and its lse
             if func.__name__.startswith('flex_attention'):
-                read = _nbytes(args[:3]) + _nbytes(_tensors([c.cell_contents for c in args[3].__closure__ or ()]))
+                read = _nbytes(args[:3]) + _nbytes(score_mod_tensors(args[3]))
                 self.cost.add(*self.where(), func.__name__, 1, read + _nbytes(outputs), 0)
             return out
         name = func.__name__.split('.')[0]

@@ -32,7 +32,7 @@ one runs there to check its masks against the dense reference (`span_attention_r
 Written for lsvision, Apache-2.0.
 """
 from collections import OrderedDict
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +209,13 @@ def _build_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device
 def span_flex_block_mask(geo: FlexSpanGeometry, block_size: Tuple[int, int], device: torch.device):
     """The `BlockMask` of the geometry, cached per geometry, block size and device."""
     return cached_block_mask(geo, block_size, device, lambda: _build_block_mask(geo, block_size, device))
+
+
+def score_mod_tensors(score_mod: Optional[Callable]) -> List[torch.Tensor]:
+    """The tensors a `score_mod` closes over: what FlexAttention's kernels read beside q, k and v (and, where they take
+    a gradient, what its backward writes)."""
+    cells = getattr(score_mod, '__closure__', None) or ()
+    return [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.Tensor)]
 
 
 _COMPILED_FLEX: Optional[Callable] = None
