@@ -494,14 +494,6 @@ class CausalLongShortAttention(nn.Module):
             return x.device.type == 'cuda' and _HAS_TRITON and not torch.is_grad_enabled() and not dropout
         return self.attn_kernel == 'flex'
 
-    def _checkpoints(self, batch: int, layout: '_CausalLayout', num_vectors: int) -> bool:
-        """Whether the chunk path recomputes its chunks in backward (`checkpoint_chunks`; None: by the size of the
-        scores of all chunks together)."""
-        if self.checkpoint_chunks is not None:
-            return self.checkpoint_chunks
-        scores = batch * self.num_heads * layout.Lp * (num_vectors + 2 * self.window_size)
-        return scores > CAUSAL_CHECKPOINT_MIN_SCORES
-
     def _attend_flex(self, layout: '_CausalLayout', bar_k: torch.Tensor, bar_v: torch.Tensor,
                      win_pos: torch.Tensor, seg_pos: torch.Tensor) -> torch.Tensor:
         """All queries in one FlexAttention call (`causal_flex`): keys [segment vectors | the W tokens before x, x],
@@ -623,7 +615,7 @@ class CausalLongShortAttention(nn.Module):
         chunk scores its window and the segment vectors before its last segment. Returns (B, Lp, h, d)."""
         x = layout.x
         B = x.shape[0]
-        d, r, W, ls = self.head_dim, self.dp_rank, self.window_size, self.segment_size
+        h, d, r, W, ls = self.num_heads, self.head_dim, self.dp_rank, self.window_size, self.segment_size
         pre, valid, Mp, Lp, chunk = layout.pre, layout.valid, layout.Mp, layout.Lp, layout.chunk
         n_cv = bar_k.shape[2]
         # window index/mask of one block: query i sees keys j in [i + 1, i + W] (of 2W), delta = i + W - j
@@ -635,7 +627,10 @@ class CausalLongShortAttention(nn.Module):
         u = self.content_bias[:, None].to(x.dtype)
         v = self.pos_bias[:, None].to(x.dtype)
         dropout_p = self.attn_drop if self.training else 0.
-        use_ckpt = self._checkpoints(B, layout, n_cv) and torch.is_grad_enabled() and chunk < Lp
+        ckpt = self.checkpoint_chunks
+        if ckpt is None:
+            ckpt = B * h * Lp * (n_cv + 2 * W) > CAUSAL_CHECKPOINT_MIN_SCORES
+        use_ckpt = ckpt and torch.is_grad_enabled() and chunk < Lp
         # split (not slice) the input: one backward concatenation instead of a full-size zero gradient per chunk;
         # the W window tokens before a chunk come from the previous piece (or the cache)
         starts = list(range(0, Lp, chunk))
