@@ -152,16 +152,14 @@ def _job(p: Dict[str, Any], dry_run: bool, timeout_s: float) -> Job:
     tiny = dict(size=64, batch=2) if dry_run else {}
     size, batch = tiny.get('size', p['size']), tiny.get('batch', p['batch'])
     if p['model'] in CHAR_LM:  # token ids below the vocabulary's 208 (as tools/benchmark.py cuda-count)
-        return Job(label=label(p), build=functools.partial(build_char_lm, p['model'], p['kernel'], dry_run, size),
-                   inputs=[((size,), 200)], batch_size=batch, kind=p['kind'], device='cpu' if dry_run else 'cuda',
-                   amp=None if dry_run else 'bfloat16', optimizer='adamw', warmup=1 if dry_run else 3,
-                   budget_s=0.05 if dry_run else 1.0, timeout_s=timeout_s, extra=dict(point=p))
-    build = functools.partial(build_model, p['model'], p['kernel'], p['order'], 16 if dry_run else p['block'],
-                              dry_run, size)
-    return Job(label=label(p), build=build, img_size=size, batch_size=batch, kind=p['kind'],
-               device='cpu' if dry_run else 'cuda', amp=None if dry_run else 'bfloat16', compile=p['compile'],
-               optimizer='adamw', warmup=1 if dry_run else 3, budget_s=0.05 if dry_run else 1.0, timeout_s=timeout_s,
-               extra=dict(point=p))
+        model = dict(build=functools.partial(build_char_lm, p['model'], p['kernel'], dry_run, size),
+                     inputs=[((size,), 200)])
+    else:
+        model = dict(build=functools.partial(build_model, p['model'], p['kernel'], p['order'],
+                                             16 if dry_run else p['block'], dry_run, size), img_size=size)
+    return Job(label=label(p), **model, batch_size=batch, kind=p['kind'], device='cpu' if dry_run else 'cuda',
+               amp=None if dry_run else 'bfloat16', compile=p['compile'], optimizer='adamw',
+               warmup=1 if dry_run else 3, budget_s=0.05 if dry_run else 1.0, timeout_s=timeout_s, extra=dict(point=p))
 
 
 def profile_step(job: Job) -> Dict[str, Any]:
